@@ -1,0 +1,444 @@
+"""The native ternary format: the one definition of both packed layouts.
+
+docs/FORMAT.md describes the layouts in prose with worked examples; this module is
+their executable definition (numpy for readers/writers, MLX for the runtime).
+
+A ternary matrix W (out_features N, in_features K) is stored as W = s * t with
+t in {-1, 0, +1} and s a scale per tensor (scales shape (1, 1)), per output row
+((N, 1)) or per group of `group_size` input columns ((N, ceil(K / group_size))).
+
+compact (base-3): trits are cut into blocks along K (the whole row, or one scale
+    group); each block is packed 5 trits per byte, first trit most significant:
+    v = 81*d0 + 27*d1 + 9*d2 + 3*d3 + d4 with d = t + 1, stored as the 8-bit fixed
+    point fraction q = ceil(v * 256 / 243). Trit i is read back as
+    d_i = ((q * 3**i) mod 256) * 3 >> 8: multiplies/adds and a shift, or, with q in
+    the top byte of a 32-bit register, an add-with-shift and two compares. The byte
+    index for table lookups is v = (q * 243) >> 8. Blocks are padded with zero trits
+    to a multiple of 5; rows are padded to a multiple of 4 bytes.
+        packed: (N, row_bytes) uint8
+fast (2-bit): code q = t + 1 in 2 bits, 16 codes per uint32, lowest bits first,
+    K padded to a multiple of 32 with zero trits (code 1). This is bit-for-bit the
+    MLX 2-bit affine packing, so q * s - s reproduces W exactly.
+        packed: (N, Kp / 16) uint32, Kp = ceil(K / 32) * 32
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import FormatError
+
+FORMAT_NAME = "mlx-ternary"
+FORMAT_VERSION = 1
+KNOWN_VERSIONS = (1,)
+PACKINGS = ("compact", "fast")
+SCALE_KINDS = ("tensor", "row", "group")
+GROUP_SIZES = (64, 128, 256)
+
+TRITS_PER_BYTE = 5
+CODES_PER_WORD = 16
+FAST_K_ALIGN = 32
+ROW_ALIGN_BYTES = 4
+_POW3 = np.array([81, 27, 9, 3, 1], dtype=np.uint32)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+# --------------------------------------------------------------------------- #
+# Geometry
+# --------------------------------------------------------------------------- #
+
+
+def block_size(in_features: int, group_size: Optional[int]) -> int:
+    """Trits per compact block: one scale group, or the whole row."""
+    return group_size if group_size else in_features
+
+
+def compact_row_bytes(in_features: int, group_size: Optional[int] = None) -> int:
+    b = block_size(in_features, group_size)
+    n_blocks = _ceil_div(in_features, b)
+    return _round_up(n_blocks * _ceil_div(b, TRITS_PER_BYTE), ROW_ALIGN_BYTES)
+
+
+def fast_padded_k(in_features: int) -> int:
+    return _round_up(in_features, FAST_K_ALIGN)
+
+
+def packed_shape(packing: str, out_features: int, in_features: int,
+                 group_size: Optional[int] = None) -> tuple:
+    if packing == "compact":
+        return (out_features, compact_row_bytes(in_features, group_size))
+    if packing == "fast":
+        return (out_features, fast_padded_k(in_features) // CODES_PER_WORD)
+    raise FormatError(f"unknown packing {packing!r}; expected one of {PACKINGS}")
+
+
+def packed_dtype(packing: str):
+    return np.uint8 if packing == "compact" else np.uint32
+
+
+def scales_shape(scale: str, out_features: int, in_features: int,
+                 group_size: Optional[int] = None) -> tuple:
+    if scale == "tensor":
+        return (1, 1)
+    if scale == "row":
+        return (out_features, 1)
+    if scale == "group":
+        if group_size not in GROUP_SIZES:
+            raise FormatError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+        return (out_features, _ceil_div(in_features, group_size))
+    raise FormatError(f"unknown scale kind {scale!r}; expected one of {SCALE_KINDS}")
+
+
+def scale_kind(scales_shape_: tuple, out_features: int) -> str:
+    rows, cols = scales_shape_
+    if (rows, cols) == (1, 1) and out_features != 1:
+        return "tensor"
+    if cols == 1:
+        return "row"
+    return "group"
+
+
+# --------------------------------------------------------------------------- #
+# numpy pack / unpack
+# --------------------------------------------------------------------------- #
+
+
+def check_trits(t: np.ndarray, name: str = "tensor") -> np.ndarray:
+    t = np.asarray(t)
+    if t.ndim != 2:
+        raise FormatError(f"{name}: expected a 2-D weight, got shape {t.shape}")
+    bad = (t != -1) & (t != 0) & (t != 1)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise FormatError(
+            f"{name}: value {t[idx]} at {idx} is not a trit in {{-1, 0, +1}}"
+        )
+    return t.astype(np.int8)
+
+
+def _blocks(t: np.ndarray, group_size: Optional[int], pad_value: int) -> np.ndarray:
+    """(N, K) -> (N, n_blocks, block padded to a multiple of 5)."""
+    n, k = t.shape
+    b = block_size(k, group_size)
+    n_blocks = _ceil_div(k, b)
+    bp = _round_up(b, TRITS_PER_BYTE)
+    out = np.full((n, n_blocks, bp), pad_value, dtype=t.dtype)
+    full = np.full((n, n_blocks * b), pad_value, dtype=t.dtype)
+    full[:, :k] = t
+    out[:, :, :b] = full.reshape(n, n_blocks, b)
+    return out
+
+
+def pack_compact(t: np.ndarray, group_size: Optional[int] = None) -> np.ndarray:
+    """Trits (N, K) int8 -> (N, row_bytes) uint8, 5 trits per byte."""
+    t = np.asarray(t, dtype=np.int8)
+    n, k = t.shape
+    d = _blocks(t, group_size, 0).astype(np.uint32) + 1  # (N, nb, bp) digits 0..2
+    v = d.reshape(n, -1, TRITS_PER_BYTE) @ _POW3  # (N, nb * bp / 5) in 0..242
+    q = ((v * 256 + 242) // 243).astype(np.uint8)
+    out = np.zeros((n, compact_row_bytes(k, group_size)), dtype=np.uint8)
+    out[:, : q.shape[1]] = q
+    return out
+
+
+def decode_compact_bytes(q: np.ndarray) -> np.ndarray:
+    """Bytes (...,) uint8 -> digits (..., 5) in 0..2, first trit first."""
+    q = np.asarray(q, dtype=np.uint32)
+    return np.stack(
+        [(((q * 3**i) & 0xFF) * 3) >> 8 for i in range(TRITS_PER_BYTE)], axis=-1
+    ).astype(np.int8)
+
+
+def unpack_compact(packed: np.ndarray, in_features: int,
+                   group_size: Optional[int] = None) -> np.ndarray:
+    """(N, row_bytes) uint8 -> trits (N, K) int8."""
+    n = packed.shape[0]
+    b = block_size(in_features, group_size)
+    n_blocks = _ceil_div(in_features, b)
+    bpb = _ceil_div(b, TRITS_PER_BYTE)
+    d = decode_compact_bytes(packed[:, : n_blocks * bpb])  # (N, nb*bpb, 5)
+    t = d.reshape(n, n_blocks, bpb * TRITS_PER_BYTE)[:, :, :b] - 1
+    return t.reshape(n, n_blocks * b)[:, :in_features].astype(np.int8)
+
+
+def pack_fast(t: np.ndarray) -> np.ndarray:
+    """Trits (N, K) int8 -> (N, Kp/16) uint32 of 2-bit codes t + 1, LSB first."""
+    t = np.asarray(t, dtype=np.int8)
+    n, k = t.shape
+    codes = np.ones((n, fast_padded_k(k)), dtype=np.uint32)
+    codes[:, :k] = t.astype(np.int32) + 1
+    shifts = (2 * np.arange(CODES_PER_WORD, dtype=np.uint32))
+    words = codes.reshape(n, -1, CODES_PER_WORD) << shifts
+    return np.bitwise_or.reduce(words, axis=-1).astype(np.uint32)
+
+
+def unpack_fast(packed: np.ndarray, in_features: int) -> np.ndarray:
+    """(N, Kp/16) uint32 -> trits (N, K) int8."""
+    shifts = (2 * np.arange(CODES_PER_WORD, dtype=np.uint32))
+    codes = (np.asarray(packed, dtype=np.uint32)[..., None] >> shifts) & 3
+    n = packed.shape[0]
+    return (codes.reshape(n, -1)[:, :in_features].astype(np.int8) - 1)
+
+
+def pack(t: np.ndarray, packing: str, group_size: Optional[int] = None) -> np.ndarray:
+    if packing == "compact":
+        return pack_compact(t, group_size)
+    if packing == "fast":
+        return pack_fast(t)
+    raise FormatError(f"unknown packing {packing!r}; expected one of {PACKINGS}")
+
+
+def unpack(packed: np.ndarray, packing: str, in_features: int,
+           group_size: Optional[int] = None) -> np.ndarray:
+    if packing == "compact":
+        return unpack_compact(packed, in_features, group_size)
+    if packing == "fast":
+        return unpack_fast(packed, in_features)
+    raise FormatError(f"unknown packing {packing!r}; expected one of {PACKINGS}")
+
+
+# --------------------------------------------------------------------------- #
+# MLX pack / unpack (same layouts, usable on any backend)
+# --------------------------------------------------------------------------- #
+
+
+def unpack_compact_mx(packed: mx.array, in_features: int,
+                      group_size: Optional[int] = None) -> mx.array:
+    """(N, row_bytes) uint8 -> trits (N, K) int8, with MLX ops."""
+    n = packed.shape[0]
+    b = block_size(in_features, group_size)
+    n_blocks = _ceil_div(in_features, b)
+    bpb = _ceil_div(b, TRITS_PER_BYTE)
+    q = packed[:, : n_blocks * bpb].astype(mx.uint32)
+    digits = [(((q * 3**i) & 0xFF) * 3) >> 8 for i in range(TRITS_PER_BYTE)]
+    d = mx.stack(digits, axis=-1).reshape(n, n_blocks, bpb * TRITS_PER_BYTE)[:, :, :b]
+    t = d.reshape(n, n_blocks * b)[:, :in_features].astype(mx.int8) - 1
+    return t
+
+
+def pack_compact_mx(t: mx.array, group_size: Optional[int] = None) -> mx.array:
+    """Trits (N, K) -> (N, row_bytes) uint8, with MLX ops."""
+    n, k = t.shape
+    b = block_size(k, group_size)
+    n_blocks = _ceil_div(k, b)
+    bp = _round_up(b, TRITS_PER_BYTE)
+    d = mx.pad(t.astype(mx.uint32) + 1, [(0, 0), (0, n_blocks * b - k)], constant_values=1)
+    d = mx.pad(d.reshape(n, n_blocks, b), [(0, 0), (0, 0), (0, bp - b)], constant_values=1)
+    v = (d.reshape(n, -1, TRITS_PER_BYTE) * mx.array(_POW3)).sum(axis=-1)
+    q = ((v * 256 + 242) // 243).astype(mx.uint8)
+    row_bytes = compact_row_bytes(k, group_size)
+    return mx.pad(q, [(0, 0), (0, row_bytes - q.shape[1])])
+
+
+def pack_fast_mx(t: mx.array) -> mx.array:
+    """Trits (N, K) -> (N, Kp/16) uint32 2-bit codes, with MLX ops."""
+    n, k = t.shape
+    codes = mx.pad(t.astype(mx.uint32) + 1, [(0, 0), (0, fast_padded_k(k) - k)],
+                   constant_values=1)
+    shifts = 2 * mx.arange(CODES_PER_WORD, dtype=mx.uint32)
+    words = codes.reshape(n, -1, CODES_PER_WORD) << shifts
+    # Fields are disjoint, so a sum is an OR.
+    return words.sum(axis=-1).astype(mx.uint32)
+
+
+def unpack_fast_mx(packed: mx.array, in_features: int) -> mx.array:
+    shifts = 2 * mx.arange(CODES_PER_WORD, dtype=mx.uint32)
+    codes = (packed[..., None] >> shifts) & 3
+    return codes.reshape(packed.shape[0], -1)[:, :in_features].astype(mx.int8) - 1
+
+
+def unpack_mx(packed: mx.array, packing: str, in_features: int,
+              group_size: Optional[int] = None) -> mx.array:
+    if packing == "compact":
+        return unpack_compact_mx(packed, in_features, group_size)
+    return unpack_fast_mx(packed, in_features)
+
+
+def pack_mx(t: mx.array, packing: str, group_size: Optional[int] = None) -> mx.array:
+    if packing == "compact":
+        return pack_compact_mx(t, group_size)
+    return pack_fast_mx(t)
+
+
+def expand_scales(scales, in_features: int, group_size: Optional[int]):
+    """Scales of any granularity -> broadcastable against (N, K) (numpy or MLX)."""
+    rows, cols = scales.shape
+    if cols == 1:
+        return scales
+    lib = mx if isinstance(scales, mx.array) else np
+    return lib.repeat(scales, group_size, axis=1)[:, :in_features]
+
+
+# --------------------------------------------------------------------------- #
+# Ternarization and the packed tensor
+# --------------------------------------------------------------------------- #
+
+
+def ternarize_absmean(w: np.ndarray, eps: float = 1e-5):
+    """BitNet b1.58 absmean: s = mean|W| (per tensor), t = clamp(round(W / s), -1, 1).
+
+    Returns (t int8 (N, K), s float32 (1, 1)).
+    """
+    w = np.asarray(w, dtype=np.float32)
+    s = max(float(np.abs(w).mean()), eps)
+    t = np.clip(np.rint(w / s), -1, 1).astype(np.int8)
+    return t, np.array([[s]], dtype=np.float32)
+
+
+def ternarize(w: np.ndarray, scale: str = "tensor", group_size: Optional[int] = None,
+              eps: float = 1e-5):
+    """Absmean ternarization at any scale granularity.
+
+    Returns (t int8 (N, K), scales float32 of the granularity's shape).
+    """
+    if scale == "tensor":
+        return ternarize_absmean(w, eps)
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    if scale == "row":
+        s = np.maximum(np.abs(w).mean(axis=1, keepdims=True), eps)
+    else:
+        g = _ceil_div(k, group_size)
+        padded = np.zeros((n, g * group_size), np.float32)
+        padded[:, :k] = np.abs(w)
+        counts = np.minimum(group_size, k - group_size * np.arange(g))
+        s = np.maximum(padded.reshape(n, g, group_size).sum(-1) / counts, eps)
+    t = np.clip(np.rint(w / expand_scales(s, k, group_size)), -1, 1).astype(np.int8)
+    return t, s.astype(np.float32)
+
+
+@dataclass
+class PackedTernary:
+    """One ternary weight in the native layout (numpy arrays).
+
+    packed: (N, row_bytes) uint8 for compact, (N, Kp/16) uint32 for fast.
+    scales: (1, 1) | (N, 1) | (N, ceil(K / group_size)), float16/bfloat16-as-float32/float32.
+    """
+
+    packing: str
+    packed: np.ndarray
+    scales: np.ndarray
+    out_features: int
+    in_features: int
+    group_size: Optional[int] = None
+
+    @classmethod
+    def from_trits(cls, t: np.ndarray, scales: np.ndarray, packing: str = "compact",
+                   group_size: Optional[int] = None, name: str = "tensor") -> "PackedTernary":
+        t = check_trits(t, name)
+        n, k = t.shape
+        scales = np.asarray(scales)
+        if scales.ndim == 0:
+            scales = scales.reshape(1, 1)
+        elif scales.ndim == 1:
+            scales = scales.reshape(-1, 1)
+        kind = scale_kind(scales.shape, n)
+        gs = group_size if kind == "group" else None
+        want = scales_shape(kind, n, k, gs)
+        if scales.shape != want:
+            raise FormatError(
+                f"{name}: scales of shape {scales.shape} do not fit a ({n}, {k}) weight "
+                f"with {kind} scales (expected {want})"
+            )
+        return cls(packing, pack(t, packing, gs), scales, n, k, gs)
+
+    @property
+    def scale(self) -> str:
+        return scale_kind(self.scales.shape, self.out_features)
+
+    def trits(self) -> np.ndarray:
+        return unpack(self.packed, self.packing, self.in_features, self.group_size)
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        s = expand_scales(self.scales.astype(np.float32), self.in_features, self.group_size)
+        return (self.trits().astype(np.float32) * s).astype(dtype)
+
+    def repack(self, packing: str) -> "PackedTernary":
+        if packing == self.packing:
+            return self
+        return PackedTernary(packing, pack(self.trits(), packing, self.group_size),
+                             self.scales, self.out_features, self.in_features,
+                             self.group_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales.nbytes
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / (self.out_features * self.in_features)
+
+
+# --------------------------------------------------------------------------- #
+# config.json "quantization" section
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class QuantizationConfig:
+    """The `quantization` section of a native checkpoint's config.json."""
+
+    packing: str = "compact"
+    scale: str = "row"
+    group_size: Optional[int] = None
+    activation_bits: Optional[int] = None
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        if self.packing not in PACKINGS:
+            raise FormatError(f"quantization.packing is {self.packing!r}; expected one of {PACKINGS}")
+        if self.scale not in SCALE_KINDS:
+            raise FormatError(f"quantization.scale is {self.scale!r}; expected one of {SCALE_KINDS}")
+        if self.scale == "group" and self.group_size not in GROUP_SIZES:
+            raise FormatError(
+                f"quantization.group_size is {self.group_size!r}; group scales need one of {GROUP_SIZES}"
+            )
+        if self.activation_bits not in (None, 8):
+            raise FormatError(
+                f"quantization.activation_bits is {self.activation_bits!r}; supported: 8 or null"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict, source: Union[str, Path] = "config.json") -> "QuantizationConfig":
+        if d.get("format") != FORMAT_NAME:
+            raise FormatError(
+                f"{source}: quantization.format is {d.get('format')!r}, not {FORMAT_NAME!r}"
+            )
+        version = d.get("format_version")
+        if version not in KNOWN_VERSIONS:
+            raise FormatError(
+                f"{source}: mlx-ternary format_version {version!r} is not one this version of "
+                f"mlx-ternary reads (known: {', '.join(map(str, KNOWN_VERSIONS))}); "
+                "upgrade mlx-ternary or re-convert the model"
+            )
+        fields = ("packing", "scale", "group_size", "activation_bits")
+        try:
+            return cls(**{k: d[k] for k in fields if k in d}, format_version=version)
+        except FormatError as e:
+            raise FormatError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict:
+        return {
+            "format": self.format,
+            "format_version": self.format_version,
+            "packing": self.packing,
+            "scale": self.scale,
+            "group_size": self.group_size,
+            "activation_bits": self.activation_bits,
+        }
+
+
+def is_native_config(config: dict) -> bool:
+    q = config.get("quantization")
+    return isinstance(q, dict) and q.get("format") == FORMAT_NAME

@@ -1,0 +1,69 @@
+"""Dispatch for the ternary matmul: Metal kernel, emulated Metal kernel, or reference twin.
+
+Choice, first match wins: the `backend` keyword; MLX_TERNARY_EMULATE_METAL=1;
+MLX_TERNARY_BACKEND=metal|emulate|reference; Metal where `mx.metal.is_available()`;
+the reference twin elsewhere (CPU, CUDA).
+"""
+
+import os
+from typing import Optional
+
+import mlx.core as mx
+
+from . import reference
+from .errors import TernaryError
+
+BACKENDS = ("metal", "emulate", "reference")
+ENV_BACKEND = "MLX_TERNARY_BACKEND"
+ENV_EMULATE = "MLX_TERNARY_EMULATE_METAL"
+
+
+def resolve_backend(backend: Optional[str] = None) -> str:
+    """The backend a call will use, after keyword, environment and hardware."""
+    if backend is None:
+        if os.environ.get(ENV_EMULATE, "") not in ("", "0"):
+            backend = "emulate"
+        else:
+            backend = os.environ.get(ENV_BACKEND) or None
+    if backend is None:
+        return "metal" if mx.metal.is_available() else "reference"
+    if backend not in BACKENDS:
+        raise TernaryError(
+            f"unknown ternary backend {backend!r} (from the keyword or ${ENV_BACKEND}); "
+            f"expected one of {', '.join(BACKENDS)}"
+        )
+    if backend == "metal" and not mx.metal.is_available():
+        raise TernaryError(
+            "the Metal backend was requested but Metal is not available on this machine; "
+            f"unset ${ENV_BACKEND} or use backend='reference' (or 'emulate' to run the "
+            "Metal sources on the CPU)"
+        )
+    return backend
+
+
+def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
+                   bias: Optional[mx.array] = None, *, packing: str, in_features: int,
+                   group_size: Optional[int] = None, activation_bits: Optional[int] = None,
+                   backend: Optional[str] = None, affine=None) -> mx.array:
+    """y = act_quant(x) @ (s * t).T + bias for a packed ternary weight.
+
+    Args:
+        x: activations (..., in_features).
+        packed: the packed trits in `packing` (see format.py).
+        scales: (1, 1), (N, 1) or (N, ceil(K / group_size)).
+        bias: optional (N,).
+        packing: "compact" or "fast".
+        in_features: K.
+        group_size: the scale group along K, for group scales.
+        activation_bits: 8 for BitNet int8 per-token activations, else None.
+        backend: force "metal", "emulate" or "reference".
+        affine: precomputed MLX affine arrays for the reference fast path.
+
+    Returns:
+        (..., out_features) in x's dtype.
+    """
+    resolve_backend(backend)
+    return reference.ternary_matmul(
+        x, packed, scales, bias, packing=packing, in_features=in_features,
+        group_size=group_size, activation_bits=activation_bits, affine=affine,
+    )

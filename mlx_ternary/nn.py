@@ -1,0 +1,172 @@
+"""TernaryLinear, and swapping it into an mlx-lm model in place of Linear layers."""
+
+from typing import Callable, Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import format as fmt
+from . import kernels, reference
+
+
+class TernaryLinear(nn.Module):
+    """A linear layer whose weight is s * t, t in {-1, 0, +1}, kept packed.
+
+    Parameters (the names a native checkpoint stores):
+        packed: (N, row_bytes) uint8 (compact) or (N, Kp/16) uint32 (fast).
+        scales: (1, 1) | (N, 1) | (N, ceil(K / group_size)).
+        bias:   (N,), optional.
+
+    Args:
+        input_dims: K.
+        output_dims: N.
+        bias: whether the layer has a bias.
+        packing: "compact" (base-3, 1.6 bits) or "fast" (2-bit codes).
+        scale: "tensor", "row" or "group".
+        group_size: 64, 128 or 256 for group scales.
+        scale_dtype: dtype of `scales`.
+        activation_bits: 8 for BitNet int8 per-token activation quantization.
+        backend: force "metal", "emulate" or "reference" (default: automatic).
+    """
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool = False, *,
+                 packing: str = "compact", scale: str = "row",
+                 group_size: Optional[int] = None, scale_dtype=mx.float32,
+                 activation_bits: Optional[int] = None, backend: Optional[str] = None):
+        super().__init__()
+        self.in_features = input_dims
+        self.out_features = output_dims
+        self.packing = packing
+        self.group_size = group_size if scale == "group" else None
+        self.activation_bits = activation_bits
+        self.backend = backend
+        shape = fmt.packed_shape(packing, output_dims, input_dims, self.group_size)
+        self.packed = mx.zeros(shape, dtype=mx.array(fmt.packed_dtype(packing)(0)).dtype)
+        self.scales = mx.zeros(
+            fmt.scales_shape(scale, output_dims, input_dims, self.group_size), dtype=scale_dtype
+        )
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
+    @classmethod
+    def from_packed(cls, pt: fmt.PackedTernary, bias: Optional[mx.array] = None,
+                    activation_bits: Optional[int] = None,
+                    backend: Optional[str] = None) -> "TernaryLinear":
+        layer = cls(pt.in_features, pt.out_features, bias is not None, packing=pt.packing,
+                    scale=pt.scale, group_size=pt.group_size,
+                    activation_bits=activation_bits, backend=backend)
+        layer.packed = mx.array(pt.packed)
+        layer.scales = mx.array(pt.scales)
+        if bias is not None:
+            layer.bias = bias
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, packing: str = "compact", scale: str = "tensor",
+                    group_size: Optional[int] = None,
+                    activation_bits: Optional[int] = None) -> "TernaryLinear":
+        """Absmean-ternarize a float nn.Linear (BitNet b1.58 at `scale` granularity)."""
+        t, s = fmt.ternarize(np.array(linear.weight.astype(mx.float32)), scale, group_size)
+        pt = fmt.PackedTernary.from_trits(t, s, packing, group_size)
+        return cls.from_packed(pt, linear.get("bias"), activation_bits)
+
+    def to_packed(self) -> fmt.PackedTernary:
+        scales = self.scales
+        if scales.dtype == mx.bfloat16:
+            scales = scales.astype(mx.float32)
+        return fmt.PackedTernary(self.packing, np.array(self.packed), np.array(scales),
+                                 self.out_features, self.in_features, self.group_size)
+
+    @property
+    def scale(self) -> str:
+        return fmt.scale_kind(tuple(self.scales.shape), self.out_features)
+
+    def trits(self) -> mx.array:
+        return fmt.unpack_mx(self.packed, self.packing, self.in_features, self.group_size)
+
+    def dequantize(self, dtype=mx.float32) -> mx.array:
+        """The float weight (N, K) this layer represents."""
+        s = fmt.expand_scales(self.scales.astype(dtype), self.in_features, self.group_size)
+        return self.trits().astype(dtype) * s
+
+    def repack(self, packing: str) -> None:
+        """Switch the packed layout in place; lossless."""
+        if packing == self.packing:
+            return
+        self.packed = fmt.pack_mx(self.trits(), packing, self.group_size)
+        self.packing = packing
+        self.__dict__.pop("_affine", None)
+
+    def _fast_affine(self, dtype):
+        # Load-time work for the reference fast path, cached per scales array and dtype.
+        key = (id(self.scales), dtype)
+        cached = self.__dict__.get("_affine")
+        if cached is None or cached[0] != key:
+            kp = self.packed.shape[1] * fmt.CODES_PER_WORD
+            affine = reference.qmm_affine(self.scales, self.out_features, kp,
+                                          self.group_size, dtype)
+            self.__dict__["_affine"] = cached = (key, affine)
+        return cached[1]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        affine = self._fast_affine(x.dtype) if self.packing == "fast" else None
+        return kernels.ternary_matmul(
+            x, self.packed, self.scales, self.get("bias"), packing=self.packing,
+            in_features=self.in_features, group_size=self.group_size,
+            activation_bits=self.activation_bits, backend=self.backend, affine=affine,
+        )
+
+    def _extra_repr(self) -> str:
+        return (f"input_dims={self.in_features}, output_dims={self.out_features}, "
+                f"packing={self.packing}, scale={self.scale}, "
+                f"activation_bits={self.activation_bits}, bias={'bias' in self}")
+
+
+def linear_dims(module: nn.Module):
+    """(in, out, has_bias) of an nn.Linear or mlx-lm BitLinear, else None."""
+    if isinstance(module, nn.Linear):
+        out_f, in_f = module.weight.shape
+        return in_f, out_f, "bias" in module
+    if type(module).__name__ == "BitLinear" and hasattr(module, "in_features"):
+        return module.in_features, module.out_features, module.get("bias") is not None
+    return None
+
+
+def linear_paths(model: nn.Module) -> Dict[str, tuple]:
+    """{module path: (in, out, has_bias)} for every Linear-like leaf of `model`."""
+    out = {}
+    for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        dims = linear_dims(m)
+        if dims is not None:
+            out[path] = dims
+    return out
+
+
+def swap_modules(model: nn.Module, make: Callable[[str, nn.Module], Optional[nn.Module]]):
+    """Replace each leaf module for which `make(path, module)` returns a module."""
+    new = []
+    for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        repl = make(path, m)
+        if repl is not None:
+            new.append((path, repl))
+    if new:
+        model.update_modules(tree_unflatten(new))
+    return model
+
+
+def ternarize_model(model: nn.Module, packing: str = "compact", scale: str = "tensor",
+                    group_size: Optional[int] = None, activation_bits: Optional[int] = None,
+                    skip=("lm_head",)) -> nn.Module:
+    """Swap every float nn.Linear (except `skip`) for an absmean-ternarized TernaryLinear."""
+    def make(path, m):
+        if isinstance(m, nn.Linear) and not any(path.split(".")[-1] == s for s in skip):
+            return TernaryLinear.from_linear(m, packing, scale, group_size, activation_bits)
+        return None
+
+    return swap_modules(model, make)
+
+
+def ternary_layers(model: nn.Module):
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, TernaryLinear)]

@@ -1,0 +1,1 @@
+"""Readers translate foreign checkpoint layouts into the native format's terms."""

@@ -1,0 +1,110 @@
+"""Pure-MLX twins of the ternary kernels: exact on every backend (CPU, CUDA, Metal).
+
+They define what every Metal kernel must compute. `matmul_fast` is also the
+production path off Metal: the fast packing is bit-for-bit MLX's 2-bit affine
+layout, so `mx.quantized_matmul` consumes it in place with scale 1, bias -1
+(both exact in any float dtype) and the real scale applied to the output.
+"""
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from .format import CODES_PER_WORD, expand_scales, unpack_mx
+
+ACT_QMAX = 127
+ACT_QMIN = -128
+ACT_EPS = 1e-5
+_QMM_GROUPS = (128, 64, 32)
+# Unit scale/bias arrays shared by every layer of one shape: 1 and -1 are exact in
+# any dtype, and sharing keeps their memory out of the per-weight budget.
+_UNIT_AFFINE = {}
+
+
+def quantize_activations(x: mx.array) -> Tuple[mx.array, mx.array]:
+    """BitNet per-token absmax int8: returns (integer-valued xq, 1 / scale).
+
+    scale = 127 / max(|x|, 1e-5) per token; xq = clamp(round(x * scale), -128, 127).
+    The matmul of xq is exact in float32 (|sum| <= 128 K < 2**24 for K < 131072).
+    """
+    amax = mx.maximum(mx.abs(x).max(axis=-1, keepdims=True), ACT_EPS)
+    scale = ACT_QMAX / amax
+    xq = mx.clip(mx.round(x * scale), ACT_QMIN, ACT_QMAX)
+    return xq, 1.0 / scale
+
+
+def qmm_group(padded_k: int, group_size: Optional[int]) -> int:
+    """The MLX quantized-matmul group size used to run a fast-packed weight."""
+    for g in _QMM_GROUPS:
+        if padded_k % g == 0 and (group_size is None or group_size % g == 0):
+            return g
+    raise AssertionError("padded K is always a multiple of 32")
+
+
+def qmm_affine(scales: mx.array, out_features: int, padded_k: int,
+               group_size: Optional[int], dtype) -> Tuple[mx.array, mx.array, int]:
+    """Per-group (scales, biases, g) that make MLX's 2-bit affine decode trits.
+
+    Tensor/row scales become unit groups (scale 1, bias -1) and are applied to the
+    output; group scales are expanded to the qmm group with bias = -scale.
+    """
+    g = qmm_group(padded_k, group_size)
+    if scales.shape[1] == 1:
+        key = (out_features, padded_k // g, dtype)
+        if key not in _UNIT_AFFINE:
+            ones = mx.ones(key[:2], dtype=dtype)
+            _UNIT_AFFINE[key] = (ones, -ones)
+        return (*_UNIT_AFFINE[key], g)
+    s = scales.astype(dtype)
+    if g != group_size:
+        s = mx.repeat(s, group_size // g, axis=1)
+    s = s[:, : padded_k // g]
+    return s, -s, g
+
+
+def matmul_fast(x: mx.array, packed: mx.array, scales: mx.array, in_features: int,
+                group_size: Optional[int] = None,
+                affine: Optional[Tuple[mx.array, mx.array, int]] = None) -> mx.array:
+    """x (..., K) @ W.T for a fast-packed W: (N, Kp/16) uint32, scales as in format.py.
+
+    `affine` is `qmm_affine(...)` precomputed at load; built here when absent.
+    """
+    n = packed.shape[0]
+    kp = packed.shape[1] * CODES_PER_WORD
+    if affine is None:
+        affine = qmm_affine(scales, n, kp, group_size, x.dtype)
+    qs, qb, g = affine
+    if kp != in_features:
+        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kp - in_features)])
+    y = mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g, bits=2)
+    if scales.shape[1] == 1:
+        y = y * scales.reshape(-1).astype(y.dtype)
+    return y
+
+
+def matmul_compact(x: mx.array, packed: mx.array, scales: mx.array, in_features: int,
+                   group_size: Optional[int] = None) -> mx.array:
+    """x (..., K) @ W.T for a compact-packed W: (N, row_bytes) uint8 base-3."""
+    t = unpack_mx(packed, "compact", in_features, group_size).astype(x.dtype)
+    if scales.shape[1] == 1:
+        return (x @ t.T) * scales.reshape(-1).astype(x.dtype)
+    w = t * expand_scales(scales.astype(x.dtype), in_features, group_size)
+    return x @ w.T
+
+
+def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
+                   bias: Optional[mx.array] = None, *, packing: str, in_features: int,
+                   group_size: Optional[int] = None, activation_bits: Optional[int] = None,
+                   affine=None) -> mx.array:
+    """The reference ternary linear layer: y = act_quant(x) @ (s * t).T + bias."""
+    if activation_bits:
+        x, x_scale = quantize_activations(x)
+    if packing == "fast":
+        y = matmul_fast(x, packed, scales, in_features, group_size, affine)
+    else:
+        y = matmul_compact(x, packed, scales, in_features, group_size)
+    if activation_bits:
+        y = y * x_scale
+    if bias is not None:
+        y = y + bias
+    return y

@@ -1,0 +1,1 @@
+"""Writers stream tensors into a checkpoint directory; they never see readers."""
