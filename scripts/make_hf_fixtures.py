@@ -113,8 +113,8 @@ FIXTURES = {
             "linear_class": "autobitlinear",
             "quantization_mode": "online",
         },
-        "about": "LlamaForCausalLM with bfloat16 latent weights; transformers ternarizes at "
-        "load (absmean per tensor) and quantizes activations per token.",
+        "about": "LlamaForCausalLM with bfloat16 latent weights; transformers ternarizes them in "
+        "every forward (absmean per tensor) and quantizes activations per token.",
     },
 }
 

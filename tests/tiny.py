@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_ternary.nn import ternarize_model
 from mlx_ternary.writers.native import save_model
 
-VOCAB = 96
+VOCAB = 128
 
 CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=2,
@@ -33,7 +33,9 @@ def write_tokenizer(out_dir: Path) -> None:
     """A deterministic byte-level tokenizer with VOCAB entries, saved in Hugging Face form."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())[: VOCAB - 2]
+    ascii_ = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]  # + space, newline
+    rest = sorted(set(pre_tokenizers.ByteLevel.alphabet()) - set(ascii_))
+    alphabet = (ascii_ + rest)[: VOCAB - 2]
     vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
