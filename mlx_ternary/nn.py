@@ -101,14 +101,13 @@ class TernaryLinear(nn.Module):
 
     def _fast_affine(self, dtype):
         # Load-time work for the reference fast path, cached per scales array and dtype.
-        key = (id(self.scales), dtype)
         cached = self.__dict__.get("_affine")
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0] is not self.scales or cached[1] != str(dtype):
             kp = self.packed.shape[1] * fmt.CODES_PER_WORD
             affine = reference.qmm_affine(self.scales, self.out_features, kp,
                                           self.group_size, dtype)
-            self.__dict__["_affine"] = cached = (key, affine)
-        return cached[1]
+            self.__dict__["_affine"] = cached = (self.scales, str(dtype), affine)
+        return cached[2]
 
     def __call__(self, x: mx.array) -> mx.array:
         affine = self._fast_affine(x.dtype) if self.packing == "fast" else None
