@@ -1,0 +1,53 @@
+"""The Metal sources ship inside the wheel and are found from a wheel and from a checkout."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from mlx_ternary.metal_sources import metal_dir, read_source
+
+ROOT = Path(__file__).resolve().parent.parent
+METAL_FILES = sorted(p.name for p in (ROOT / "metal").iterdir() if p.is_file())
+
+
+def test_metal_sources_found_from_the_checkout():
+    assert any(name.endswith(".metal") for name in METAL_FILES)
+    assert metal_dir().resolve() == (ROOT / "metal").resolve()
+    assert read_source(METAL_FILES[0]) == (ROOT / "metal" / METAL_FILES[0]).read_text()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                          str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    (whl,) = out.glob("mlx_ternary-*.whl")
+    return whl
+
+
+def test_wheel_contains_metal_sources_and_assets(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for f in METAL_FILES:
+        assert f"mlx_ternary/metal/{f}" in names
+    assert any(n.startswith("mlx_ternary/") and n.endswith(".py") for n in names)
+    assert not any(n.startswith(("tests/", "metal/")) for n in names)
+
+
+def test_installed_wheel_finds_its_metal_sources(wheel, tmp_path):
+    target = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(target)  # what a --no-deps install lays down
+    code = ("import json, mlx_ternary.metal_sources as m; d = m.metal_dir(); "
+            "print(d); print(json.dumps(sorted(p.name for p in d.iterdir())))")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    found_dir, listing = res.stdout.splitlines()
+    assert Path(found_dir).resolve() == (target / "mlx_ternary" / "metal").resolve()
+    assert json.loads(listing) == METAL_FILES
