@@ -12,7 +12,7 @@ from . import kernels
 from .errors import FormatError, TernaryError
 from .format import PACKINGS, scale_kind
 from .nn import TernaryLinear, linear_paths, swap_modules, ternary_layers
-from .readers import hf_bitnet, native
+from .readers import hf_bitnet, mlx_affine, native
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -68,6 +68,16 @@ def read_config(model_path: Path) -> Dict[str, Any]:
     return config
 
 
+def normalize_config(config: dict) -> dict:
+    """Config spellings of newer transformers that mlx-lm's ModelArgs do not read."""
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" not in config:
+        config = {**config, "rope_theta": rope.get("rope_theta", 10000.0)}
+        if rope.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
+            config["rope_scaling"] = rope
+    return config
+
+
 def get_classes(config: dict, model_path: Path):
     from mlx_lm.utils import _get_classes
 
@@ -113,9 +123,16 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
         backend: force "metal", "emulate" or "reference" for every ternary layer.
         lazy: leave parameters unevaluated.
     """
-    config = read_config(model_path)
+    config = normalize_config(read_config(model_path))
+    hadamard = mlx_affine.is_hadamard(config)  # prism_hadamard_qwen35: keep the rotation
+    is_bitnet = not native.detect(config) and hf_bitnet.detect(config)
+    if is_bitnet:
+        config = hf_bitnet.model_config(config)
     model_class, args_class = get_classes(config, model_path)
-    model = model_class(args_class.from_dict(config))
+    model = model_class(args_class.from_dict(
+        mlx_affine.hadamard_model_config(config) if hadamard else config))
+    if is_bitnet:
+        hf_bitnet.adapt_model(model, config)
     linears = linear_paths(model)
     runs_reference = kernels.resolve_backend(backend) == "reference"
     if packing is not None and packing not in PACKINGS:
@@ -123,10 +140,19 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
 
     if native.detect(config):
         weights, quant = native.read(model_path, config)
-    elif hf_bitnet.detect(config):
+    elif is_bitnet:
         hf_packing = packing or ("fast" if runs_reference else "compact")
         weights, quant = hf_bitnet.read(model_path, config, linears, hf_packing,
                                         sanitize=getattr(model, "sanitize", None))
+    elif mlx_affine.detect(config):
+        affine_packing = packing or ("fast" if runs_reference else "compact")
+        if hadamard:
+            weights, quant = mlx_affine.read(
+                model_path, config, mlx_affine.hadamard_linears(model, config), affine_packing,
+                mlx_affine.hadamard_sanitize(model), mlx_affine.hadamard_paths(config)[1])
+        else:
+            weights, quant = mlx_affine.read(model_path, config, linears, affine_packing,
+                                             getattr(model, "sanitize", None))
     else:
         raise TernaryError(
             f"{model_path / 'config.json'}: no ternary weights recognised (no mlx-ternary "
@@ -144,11 +170,15 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
                              group_size=quant.group_size, scale_dtype=scales.dtype,
                              activation_bits=quant.activation_bits, backend=backend)
 
-    swap_modules(model, make)
+    if hadamard:
+        mlx_affine.swap_hadamard(model, weights, config, quant, backend)
+    else:
+        swap_modules(model, make)
     dtype = dtype or default_dtype()
     if dtype is not None:
         weights = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                       and not k.endswith(".scales") else v) for k, v in weights.items()}
+                       and not k.endswith((".scales", ".biases")) else v)
+                   for k, v in weights.items()}
     _check_shapes(model, weights, model_path)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()

@@ -11,11 +11,62 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ..errors import FormatError
 from ..format import PackedTernary, QuantizationConfig, ternarize_absmean
 from .common import load_tensors, shard_files
+
+
+# 1bitLLM/bitnet_b1_58-* checkpoints: model_type "llama", architecture BitnetForCausalLM,
+# with the BitNet sub-norms under their own names and a configurable activation.
+ONEBIT_ARCH = "BitnetForCausalLM"
+ONEBIT_RENAMES = {".self_attn.inner_attn_ln.": ".self_attn.attn_sub_norm.",
+                  ".mlp.ffn_layernorm.": ".mlp.ffn_sub_norm."}
+ACTIVATIONS = {"relu2": nn.relu2, "silu": nn.silu, "gelu": nn.gelu, "relu": nn.relu}
+
+
+def model_config(config: dict) -> dict:
+    """The config mlx-lm's classes need for a BitNet checkpoint."""
+    if ONEBIT_ARCH in (config.get("architectures") or []):
+        config = {**config, "model_type": "bitnet", "tie_word_embeddings":
+                  config.get("tie_word_embeddings", False)}
+    return config
+
+
+class GatedMLP(nn.Module):
+    """mlx-lm bitnet's MLP with the activation the checkpoint names (its class fixes relu2)."""
+
+    def __init__(self, mlp: nn.Module, act):
+        super().__init__()
+        self.gate_proj, self.up_proj = mlp.gate_proj, mlp.up_proj
+        self.down_proj, self.ffn_sub_norm = mlp.down_proj, mlp.ffn_sub_norm
+        self._act = act
+
+    def __call__(self, x):
+        return self.down_proj(self.ffn_sub_norm(self._act(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def adapt_model(model: nn.Module, config: dict) -> None:
+    """Give a bitnet-class model the checkpoint's MLP activation when it is not relu2."""
+    act = config.get("hidden_act", "relu2")
+    if config.get("model_type") != "bitnet" or act == "relu2":
+        return
+    if act not in ACTIVATIONS:
+        raise FormatError(f"config.json: hidden_act {act!r} is not supported for BitNet models "
+                          f"(supported: {', '.join(ACTIVATIONS)})")
+    for layer in model.layers:
+        layer.mlp = GatedMLP(layer.mlp, ACTIVATIONS[act])
+
+
+def _rename(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    out = {}
+    for k, v in weights.items():
+        for old, new in ONEBIT_RENAMES.items():
+            k = k.replace(old, new)
+        out[k] = v
+    return out
 
 
 def _quant_config(config: dict) -> dict:
@@ -47,7 +98,7 @@ def read(model_path: Path, config: dict, linears: Dict[str, tuple], packing: str
         sanitize: the model class's `sanitize`, applied to the raw tensors first.
     """
     qc = _quant_config(config)
-    weights = load_tensors(shard_files(model_path))
+    weights = _rename(load_tensors(shard_files(model_path)))
     if sanitize is not None:
         weights = sanitize(weights)
     invert = qc.get("linear_class", "bitlinear") != "autobitlinear"
