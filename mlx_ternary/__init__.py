@@ -2,6 +2,7 @@
 
 from .errors import FormatError, TernaryError
 from .load import load
+from .convert import convert
 from .nn import TernaryLinear
 
 __version__ = "0.1.0"

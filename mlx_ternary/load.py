@@ -131,8 +131,7 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
     model_class, args_class = get_classes(config, model_path)
     model = model_class(args_class.from_dict(
         mlx_affine.hadamard_model_config(config) if hadamard else config))
-    if is_bitnet:
-        hf_bitnet.adapt_model(model, config)
+    hf_bitnet.adapt_model(model, config)  # bitnet class, non-relu2 MLP (native or HF)
     linears = linear_paths(model)
     runs_reference = kernels.resolve_backend(backend) == "reference"
     if packing is not None and packing not in PACKINGS:

@@ -2,10 +2,12 @@
 
 import json
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import FormatError
 
@@ -82,3 +84,119 @@ def load_tensors(files: List[Path]) -> Dict[str, mx.array]:
         except (RuntimeError, ValueError) as e:
             raise FormatError(f"{f}: cannot be read as safetensors ({e}); re-download or re-convert it") from None
     return weights
+
+
+# --------------------------------------------------------------------------- #
+# Streaming: one tensor at a time (convert keeps peak memory near the largest tensor)
+# --------------------------------------------------------------------------- #
+
+# safetensors dtype name -> (numpy dtype of the raw bytes, MLX dtype it becomes)
+SAFETENSORS_DTYPES = {
+    "F32": (np.float32, mx.float32), "F16": (np.float16, mx.float16),
+    "BF16": (np.uint16, mx.bfloat16), "U8": (np.uint8, mx.uint8), "I8": (np.int8, mx.int8),
+    "U16": (np.uint16, mx.uint16), "I16": (np.int16, mx.int16),
+    "U32": (np.uint32, mx.uint32), "I32": (np.int32, mx.int32),
+    "U64": (np.uint64, mx.uint64), "I64": (np.int64, mx.int64), "BOOL": (np.bool_, mx.bool_),
+}
+
+
+def tensor_index(files: List[Path]) -> Dict[str, Tuple[Path, dict, int]]:
+    """{tensor name: (file, header entry, data start)} from the headers alone."""
+    out = {}
+    for f in files:
+        header = safetensors_header(f)
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                out[name] = (f, meta, 8 + n)
+    return out
+
+
+def read_tensor(name: str, entry: Tuple[Path, dict, int]) -> mx.array:
+    """Read one tensor from its file without touching the others."""
+    path, meta, start = entry
+    if meta["dtype"] not in SAFETENSORS_DTYPES:
+        raise FormatError(f"{path}: tensor {name} has dtype {meta['dtype']}, which "
+                          "mlx-ternary does not read")
+    np_dtype, mx_dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+    begin, end = meta["data_offsets"]
+    shape = tuple(meta["shape"])
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if (end - begin) != count * np.dtype(np_dtype).itemsize:
+        raise FormatError(f"{path}: tensor {name} has {end - begin} bytes for shape {shape} "
+                          f"{meta['dtype']}; the file is corrupt: re-download or re-convert it")
+    raw = np.fromfile(path, dtype=np_dtype, count=count, offset=start + begin).reshape(shape)
+    arr = mx.array(raw)
+    return arr.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else arr
+
+
+def iter_tensors(files: List[Path]) -> Iterator[Tuple[str, mx.array]]:
+    """Yield (name, tensor) one at a time, in file order."""
+    for name, entry in tensor_index(files).items():
+        yield name, read_tensor(name, entry)
+
+
+@dataclass
+class Source:
+    """A checkpoint being converted: its config and its tensors, streamed one at a time.
+
+    `items()` yields (module path, PackedTernary) for ternary layers and
+    (parameter name, mx.array) for everything else, named as the mlx-lm model's
+    parameters. `count` is how many items it yields (for progress).
+    """
+
+    path: Path
+    kind: str
+    config: dict
+    count: int
+    items: Callable[[], Iterator[Tuple[str, Any]]]
+    activation_bits: Optional[int] = None
+    group_size: Optional[int] = None
+    tokenizer_dir: Optional[Path] = None
+    tokenizer_files: Dict[str, str] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+def iter_sanitized(files: List[Path], sanitize=None) -> Iterator[Tuple[str, mx.array]]:
+    """iter_tensors with the model class's `sanitize` applied to each tensor alone.
+
+    Fits architectures whose sanitize renames, drops or reshapes single tensors (llama,
+    qwen, bitnet); ones that merge tensors (MoE expert stacking) are not streamed.
+    """
+    for name, arr in iter_tensors(files):
+        yield from (sanitize({name: arr}) if sanitize else {name: arr}).items()
+
+
+def count_sanitized(files: List[Path], sanitize=None) -> int:
+    """How many tensors iter_sanitized yields, from the headers alone."""
+    n = 0
+    for name, (_, meta, _) in tensor_index(files).items():
+        n += len(sanitize({name: mx.zeros(tuple(meta["shape"]))})) if sanitize else 1
+    return n
+
+
+def sanitized_index(files: List[Path], sanitize=None):
+    """(index, {sanitized name: raw name}) from the headers alone.
+
+    `sanitize` sees lazy placeholders of the right shapes: nothing is read or computed.
+    """
+    index = tensor_index(files)
+    renamed = {}
+    for raw, (_, meta, _) in index.items():
+        names = sanitize({raw: mx.zeros(tuple(meta["shape"]))}) if sanitize else {raw: None}
+        for new in names:
+            renamed[new] = raw
+    return index, renamed
+
+
+def read_sanitized(name: str, index: dict, renamed: Dict[str, str], sanitize=None) -> mx.array:
+    """Read the tensor that sanitizes to `name`."""
+    raw = renamed[name]
+    arr = read_tensor(raw, index[raw])
+    return sanitize({raw: arr})[name] if sanitize else arr
