@@ -3,6 +3,10 @@
 Choice, first match wins: the `backend` keyword; MLX_TERNARY_EMULATE_METAL=1;
 MLX_TERNARY_BACKEND=metal|emulate|reference; Metal where `mx.metal.is_available()`;
 the reference twin elsewhere (CPU, CUDA).
+
+"metal" launches the project's kernels (metal/*.metal) through mx.fast.metal_kernel,
+"emulate" launches the same sources through the CPU emulator (mlx_ternary.emulator), and
+"reference" runs the pure-MLX twins (reference.py). Importing this module never needs Metal.
 """
 
 import os
@@ -10,12 +14,17 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import reference
+from . import metal_ops, reference
 from .errors import TernaryError
 
 BACKENDS = ("metal", "emulate", "reference")
 ENV_BACKEND = "MLX_TERNARY_BACKEND"
 ENV_EMULATE = "MLX_TERNARY_EMULATE_METAL"
+# The packing `convert` writes by default. The cost model in docs/KERNELS.md predicts the
+# 2-bit layout's exponent-OR decode (~3 ALU slots per weight) at ~90 % of bandwidth on every
+# Apple GPU, while base-3 is ALU-bound and wins only where ALU is plentiful per byte (M1, M2);
+# on M1 Pro/Max/Ultra and M4 Pro/Max fast is faster. scripts/bench_kernels.py settles it.
+DEFAULT_PACKING = "fast"
 
 
 def resolve_backend(backend: Optional[str] = None) -> str:
@@ -57,12 +66,24 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
         group_size: the scale group along K, for group scales.
         activation_bits: 8 for BitNet int8 per-token activations, else None.
         backend: force "metal", "emulate" or "reference".
-        affine: precomputed MLX affine arrays for the reference fast path.
+        affine: the MLX affine arrays for the reference fast path, or a callable
+            `affine(dtype)` that returns them (only called on that path).
 
     Returns:
         (..., out_features) in x's dtype.
+
+    Raises:
+        TernaryError: an unknown or unavailable backend.
+        ValueError: (Metal kernels) shapes or dtypes that break a kernel's rule.
     """
-    resolve_backend(backend)
+    backend = resolve_backend(backend)
+    if backend != "reference":
+        return metal_ops.ternary_matmul(
+            x, packed, scales, bias, packing=packing, in_features=in_features,
+            group_size=group_size, activation_bits=activation_bits, backend=backend,
+        )
+    if callable(affine):
+        affine = affine(x.dtype) if packing == "fast" else None
     return reference.ternary_matmul(
         x, packed, scales, bias, packing=packing, in_features=in_features,
         group_size=group_size, activation_bits=activation_bits, affine=affine,

@@ -110,11 +110,11 @@ class TernaryLinear(nn.Module):
         return cached[2]
 
     def __call__(self, x: mx.array) -> mx.array:
-        affine = self._fast_affine(x.dtype) if self.packing == "fast" else None
         return kernels.ternary_matmul(
             x, self.packed, self.scales, self.get("bias"), packing=self.packing,
             in_features=self.in_features, group_size=self.group_size,
-            activation_bits=self.activation_bits, backend=self.backend, affine=affine,
+            activation_bits=self.activation_bits, backend=self.backend,
+            affine=self._fast_affine,
         )
 
     def _extra_repr(self) -> str:

@@ -1,0 +1,1 @@
+// Empty: the emulator puts its own version of MLX's utilities before every kernel.

@@ -1,0 +1,257 @@
+"""The project's Metal kernels, run through the CPU emulator, against float64 numpy and the
+reference twins; dispatch; the packed-weight read ratios; a tiny model's greedy tokens."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_ternary import format as fmt
+from mlx_ternary import kernels, metal_ops, reference
+from mlx_ternary.metal_sources import metal_dir, read_source
+
+emulator = pytest.importorskip("mlx_ternary.emulator")
+
+# Max |kernel - float64 reference| / max |reference|, per activation dtype: the output's own
+# rounding plus float32 accumulation (the "offset" fast decode adds ~1e-4).
+TOL = {mx.float32: 2e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+
+
+def make_case(m, n, k, packing, scale, group_size, dtype, act, bias, seed=0):
+    """Random trits, scales, x (and bias) plus the float64 answer computed in numpy."""
+    rng = np.random.default_rng(seed)
+    t = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
+    gs = group_size if scale == "group" else None
+    s = rng.uniform(0.5, 1.5, size=fmt.scales_shape(scale, n, k, gs)).astype(np.float32)
+    pt = fmt.PackedTernary.from_trits(t, s, packing, gs)
+    x = mx.array(rng.normal(size=(m, k)).astype(np.float32)).astype(dtype)
+    b = mx.array(rng.normal(size=(n,)).astype(np.float32)) if bias else None
+    x64 = np.array(x.astype(mx.float32)).astype(np.float64)
+    if act:
+        # float32 arithmetic, as the kernels do it: 127 / absmax, round half to even.
+        x32 = x64.astype(np.float32)
+        sc = np.float32(127) / np.maximum(np.abs(x32).max(-1, keepdims=True), np.float32(1e-5))
+        xq = np.clip(np.rint(x32 * sc), -128, 127).astype(np.float64)
+        want = (xq @ pt.dequantize(np.float64).T) / sc.astype(np.float64)
+    else:
+        want = x64 @ pt.dequantize(np.float64).T
+    if bias:
+        want = want + np.array(b).astype(np.float64)
+    return dict(x=x, packed=mx.array(pt.packed), scales=mx.array(s), bias=b, packing=packing,
+                in_features=k, group_size=gs, activation_bits=8 if act else None), want
+
+
+def rel_err(y, want):
+    got = np.array(y.astype(mx.float32)).astype(np.float64)
+    assert got.shape == want.shape
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+
+
+# (M, N, K, scale, group, dtype, act, bias): K not a multiple of 32, 5 or the group, N not a
+# multiple of the row tiles; every M of the decode range and the scale granularities.
+GEMV_CASES = [
+    (1, 13, 77, "tensor", None, "f32", False, False),
+    (2, 9, 130, "row", None, "f16", False, True),
+    (3, 17, 200, "group", 64, "bf16", False, False),
+    (7, 11, 333, "group", 128, "f32", True, True),
+    (8, 20, 270, "group", 256, "f16", True, False),
+    (1, 40, 601, "row", None, "bf16", True, False),
+    (4, 5, 1030, "group", 64, "f32", False, True),
+]
+
+
+@pytest.mark.parametrize("decode", metal_ops.FAST_DECODES)
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gemv_fast(case, decode):
+    m, n, k, scale, g, dt, act, bias = case
+    kw, want = make_case(m, n, k, "fast", scale, g, DTYPES[dt], act, bias)
+    y = metal_ops.ternary_matmul(**kw, backend="emulate", decode=decode)
+    tol = TOL[DTYPES[dt]] * (5 if decode == "offset" and dt == "f32" else 1)
+    assert rel_err(y, want) < tol
+    assert y.dtype == DTYPES[dt] and y.shape == (m, n)
+
+
+@pytest.mark.parametrize("decode", metal_ops.COMPACT_DECODES)
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gemv_compact(case, decode):
+    m, n, k, scale, g, dt, act, bias = case
+    kw, want = make_case(m, n, k, "compact", scale, g, DTYPES[dt], act, bias, seed=1)
+    y = metal_ops.ternary_matmul(**kw, backend="emulate", decode=decode)
+    assert rel_err(y, want) < TOL[DTYPES[dt]]
+
+
+GEMM_CASES = [
+    (9, 33, 77, "tensor", None, "f32", False, True),
+    (16, 31, 130, "group", 64, "f16", True, False),
+    (33, 20, 150, "row", None, "bf16", False, False),
+    (64, 45, 260, "group", 256, "f32", True, True),
+    (70, 12, 200, "group", 128, "f16", False, False),
+]
+
+
+@pytest.mark.parametrize("kernel", ["gemm", "gemm_fma"])
+@pytest.mark.parametrize("packing", fmt.PACKINGS)
+@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gemm(case, packing, kernel):
+    m, n, k, scale, g, dt, act, bias = case
+    kw, want = make_case(m, n, k, packing, scale, g, DTYPES[dt], act, bias, seed=2)
+    y = metal_ops.ternary_matmul(**kw, backend="emulate", kernel=kernel)
+    assert rel_err(y, want) < TOL[DTYPES[dt]]
+
+
+@pytest.mark.parametrize("packing", fmt.PACKINGS)
+def test_gemm_small_m_matches_gemv(packing):
+    kw, want = make_case(3, 19, 150, packing, "group", 64, mx.float32, False, True, seed=3)
+    a = metal_ops.ternary_matmul(**kw, backend="emulate", kernel="gemm")
+    b = metal_ops.ternary_matmul(**kw, backend="emulate", kernel="gemv")
+    assert rel_err(a, want) < 2e-4 and rel_err(b, want) < 2e-4
+
+
+@pytest.mark.parametrize("packing", fmt.PACKINGS)
+def test_kernel_matches_reference_twin(packing):
+    kw, want = make_case(2, 24, 190, packing, "group", 128, mx.float32, True, True, seed=4)
+    y = kernels.ternary_matmul(**kw, backend="emulate")
+    twin = kernels.ternary_matmul(**kw, backend="reference")
+    assert rel_err(twin, want) < 2e-4
+    assert rel_err(y, np.array(twin).astype(np.float64)) < 2e-4
+
+
+def test_negative_control_detects_a_wrong_weight():
+    kw, want = make_case(1, 16, 100, "fast", "row", None, mx.float32, False, False, seed=5)
+    t = fmt.unpack_fast(np.array(kw["packed"]), 100)
+    t[3, 7] = -1 if t[3, 7] != -1 else 1
+    kw["packed"] = mx.array(fmt.pack_fast(t))
+    y = metal_ops.ternary_matmul(**kw, backend="emulate")
+    assert rel_err(y, want) > 1e-2
+
+
+def test_int8_activations_are_exact_with_exact_decode():
+    # Integer activations and unit scales: every product and sum is an integer in float32.
+    kw, want = make_case(2, 8, 96, "fast", "tensor", None, mx.float32, True, False, seed=6)
+    kw["scales"] = mx.ones((1, 1))
+    x32 = np.array(kw["x"])
+    sc = np.float32(127) / np.abs(x32).max(-1, keepdims=True)
+    xq = np.clip(np.rint(x32 * sc), -128, 127)
+    t = fmt.unpack_fast(np.array(kw["packed"]), 96).astype(np.float64)
+    exact = (xq @ t.T) / sc
+    y = np.array(metal_ops.ternary_matmul(**kw, backend="emulate", decode="exact"))
+    np.testing.assert_allclose(y, exact, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# Validation and dispatch (no emulator launches)
+# --------------------------------------------------------------------------- #
+
+
+def test_validation_names_the_rule():
+    kw, _ = make_case(1, 8, 64, "fast", "row", None, mx.float32, False, False)
+    with pytest.raises(ValueError, match="in_features"):
+        metal_ops.ternary_matmul(**{**kw, "x": mx.zeros((1, 63))}, backend="emulate")
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        metal_ops.ternary_matmul(**{**kw, "x": mx.zeros((1, 64), mx.int32)}, backend="emulate")
+    with pytest.raises(ValueError, match="uint32 of shape"):
+        metal_ops.ternary_matmul(**{**kw, "packed": kw["packed"].astype(mx.uint8)},
+                                 backend="emulate")
+    with pytest.raises(ValueError, match="scales must be"):
+        metal_ops.ternary_matmul(**{**kw, "scales": mx.ones((8, 3))}, backend="emulate")
+    with pytest.raises(ValueError, match="bias must be"):
+        metal_ops.ternary_matmul(**{**kw, "bias": mx.ones((7,))}, backend="emulate")
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        metal_ops.ternary_matmul(**{**kw, "x": mx.zeros((9, 64))}, backend="emulate",
+                                 kernel="gemv")
+    with pytest.raises(ValueError, match="decode must be one of"):
+        metal_ops.ternary_matmul(**kw, backend="emulate", decode="table")
+
+
+def test_dispatch(monkeypatch):
+    monkeypatch.delenv(kernels.ENV_BACKEND, raising=False)
+    monkeypatch.delenv(kernels.ENV_EMULATE, raising=False)
+    assert kernels.resolve_backend("emulate") == "emulate"
+    monkeypatch.setenv(kernels.ENV_BACKEND, "emulate")
+    assert kernels.resolve_backend() == "emulate"
+    assert kernels.resolve_backend("reference") == "reference"
+    monkeypatch.setenv(kernels.ENV_BACKEND, "reference")
+    monkeypatch.setenv(kernels.ENV_EMULATE, "1")
+    assert kernels.resolve_backend() == "emulate"
+    assert kernels.DEFAULT_PACKING in fmt.PACKINGS
+
+
+def test_every_source_states_its_mapping_and_splits():
+    names = sorted(p.name for p in metal_dir().glob("*.metal"))
+    assert names == ["gemm.metal", "gemv_compact.metal", "gemv_fast.metal"]
+    for name in names:
+        text = read_source(name)
+        header, body = metal_ops.split_source(text)
+        assert header.startswith("//") and "Thread mapping" in header
+        assert "[[kernel]]" not in body and body.strip()
+
+
+# --------------------------------------------------------------------------- #
+# Packed-weight bytes read per token, from the emulator's counters
+# --------------------------------------------------------------------------- #
+
+
+def weight_read_ratio(packing, m, decode=None, kernel=None, n=64, k=640):
+    """Packed-weight bytes the kernel read / (tokens * packed bytes)."""
+    kw, want = make_case(m, n, k, packing, "row", None, mx.float32, False, False, seed=7)
+    kernel = kernel or ("gemv" if m <= metal_ops.MAX_GEMV_TOKENS else "gemm")
+    kernel_obj = metal_ops.get_kernel("gemm" if kernel.startswith("gemm") else f"gemv_{packing}",
+                                      "emulate")
+    y = metal_ops.ternary_matmul(**kw, backend="emulate", decode=decode, kernel=kernel)
+    assert rel_err(y, want) < 2e-4
+    read = emulator_bytes_read(kernel_obj, "wq")
+    return read / (m * kw["packed"].nbytes)
+
+
+def emulator_bytes_read(kernel_obj, buffer):
+    stats = kernel_obj.last_stats
+    return stats[buffer]["read"]
+
+
+@pytest.mark.parametrize("packing,decode", [("fast", "offset"), ("fast", "exact"),
+                                            ("compact", "select"), ("compact", "table")])
+def test_decode_reads_weights_once(packing, decode):
+    for m in (1, 4):
+        r = weight_read_ratio(packing, m, decode) * m
+        assert math.isclose(r, 1.0, rel_tol=1e-6), (packing, decode, m, r)
+
+
+@pytest.mark.parametrize("kernel", ["gemm", "gemm_fma"])
+@pytest.mark.parametrize("packing", fmt.PACKINGS)
+def test_prefill_reads_weights_once_per_64_tokens(packing, kernel):
+    r = weight_read_ratio(packing, 64, kernel=kernel)
+    assert r <= 1 / 32
+    assert math.isclose(r, 1 / 64, rel_tol=1e-6), r
+    assert math.isclose(weight_read_ratio(packing, 33, kernel=kernel), 1 / 33, rel_tol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# A tiny model through the emulated kernels
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("arch,packing,scale,group,act", [
+    ("llama", "compact", "group", 64, None),
+    ("bitnet", "fast", "row", None, 8),
+])
+def test_tiny_model_greedy_tokens_match_reference(tmp_path, arch, packing, scale, group, act):
+    from mlx_lm.generate import generate_step
+
+    from mlx_ternary.load import load_model
+    from tests.tiny import ternary_checkpoint
+
+    path, _ = ternary_checkpoint(tmp_path, arch, packing, scale, group, act)
+    prompt = mx.array([5, 17, 40, 3, 99, 12, 7, 64, 21, 33, 2, 8])
+
+    def greedy(backend):
+        model, config = load_model(path, backend=backend)
+        assert config["quantization"]["packing"] == (packing if backend == "emulate" else "fast")
+        toks = []
+        for tok, _ in generate_step(prompt, model, max_tokens=6,
+                                    sampler=lambda lp: mx.argmax(lp, axis=-1)):
+            toks.append(int(tok))
+        return toks
+
+    assert greedy("emulate") == greedy("reference")
