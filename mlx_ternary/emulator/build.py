@@ -82,6 +82,7 @@ def _digest(*parts) -> str:
     return h.hexdigest()[:32]
 
 
+@lru_cache(maxsize=1)
 def _header_bytes() -> bytes:
     return b"".join(
         (CSRC / name).read_bytes() for name in ("metal_compat.h", "emu_abi.h")
@@ -115,11 +116,14 @@ def runtime() -> ctypes.CDLL:
     with _lock:
         if _runtime is not None:
             return _runtime
+        flags = list(_RUNTIME_FLAGS)
+        if os.environ.get("MLX_TERNARY_EMULATOR_UCONTEXT") == "1":
+            flags.append("-DEMU_USE_UCONTEXT")  # the portable fiber switch, for testing it on x86-64
         src = (CSRC / "runtime.cpp").read_bytes()
-        key = _digest(src, _header_bytes(), _RUNTIME_FLAGS, _compiler_id(compiler()))
+        key = _digest(src, _header_bytes(), flags, _compiler_id(compiler()))
         path = cache_dir() / f"libmtlemu_rt-{key}.so"
         if not path.exists():
-            _compile(CSRC / "runtime.cpp", path, _RUNTIME_FLAGS, "the emulator runtime")
+            _compile(CSRC / "runtime.cpp", path, flags, "the emulator runtime")
         lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_GLOBAL)
         lib.emu_launch.restype = ctypes.c_int
         lib.emu_launch.argtypes = [

@@ -196,6 +196,7 @@ class MetalKernel:
         self.strict_simd = os.environ.get("MLX_TERNARY_EMULATOR_STRICT_SIMD", "0") == "1"
         self.last_stats: dict[str, dict[str, int]] = {}
         self.last_launch: LaunchInfo | None = None
+        self._built: dict[str, tuple] = {}  # kernel name -> (library, C++ path)
 
     def _signature(self, kernel_name, inputs, output_dtypes, template) -> str:
         return signature.write_signature(
@@ -346,9 +347,12 @@ class MetalKernel:
         binding = _Binding()
         self._bind_inputs(binding, inputs)
         out_views = self._bind_outputs(binding, output_shapes, output_dtypes, init_value)
-        lib, cpp_path = build.load_kernel(
-            self._cpp(kernel_name, inputs, output_dtypes, template, binding), self.name
-        )
+        # The name encodes everything the C++ depends on: template arguments,
+        # dtypes, and how each input is passed.
+        if kernel_name not in self._built:
+            cpp = self._cpp(kernel_name, inputs, output_dtypes, template, binding)
+            self._built[kernel_name] = build.load_kernel(cpp, self.name)
+        lib, cpp_path = self._built[kernel_name]
         self._launch(lib, binding, kernel_name, grid, threadgroup, cpp_path)
 
         outputs = []

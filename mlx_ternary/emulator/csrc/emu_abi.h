@@ -91,10 +91,14 @@ enum {
   EMU_CNT_N
 };
 
+// Runs a dispatch of grid threads in groups of threadgroup threads. mode:
+// bit 0 runs the threads of a group last to first between barriers, bit 1
+// fails on divergent SIMD-group operations. Returns EMU_OK or an EMU_ERR_*
+// with a message in `error`; read_out/written_out get per-buffer byte counts.
 int emu_launch(emu_entry_fn entry, const char* kernel_name,
                const uint32_t* grid, const uint32_t* threadgroup,
                int32_t n_bufs, const emu_buf* bufs, const void* const* scalars,
-               int32_t n_workers, int32_t schedule, uint64_t stack_size,
+               int32_t n_workers, int32_t mode, uint64_t stack_size,
                uint64_t* read_out, uint64_t* written_out, uint64_t* counters,
                char* error, uint64_t error_len);
 

@@ -63,7 +63,7 @@ struct Launch {
   int32_t n_bufs;
   const emu_buf* bufs;
   const void* const* scalars;
-  int32_t schedule;
+  int32_t schedule;  // emu_launch's mode bits
   uint64_t stack_size;
   std::atomic<uint64_t> next_group{0};
   std::atomic<int> failed{0};
@@ -611,7 +611,7 @@ extern "C" int emu_launch(emu_entry_fn entry, const char* kernel_name,
                           const uint32_t* grid, const uint32_t* threadgroup,
                           int32_t n_bufs, const emu_buf* bufs,
                           const void* const* scalars, int32_t n_workers,
-                          int32_t schedule, uint64_t stack_size,
+                          int32_t mode, uint64_t stack_size,
                           uint64_t* read_out, uint64_t* written_out,
                           uint64_t* counters, char* error, uint64_t error_len) {
   g_page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -621,7 +621,7 @@ extern "C" int emu_launch(emu_entry_fn entry, const char* kernel_name,
   L.n_bufs = n_bufs;
   L.bufs = bufs;
   L.scalars = scalars;
-  L.schedule = schedule;
+  L.schedule = mode;
   L.stack_size = stack_size;
   L.total_groups = 1;
   for (int d = 0; d < 3; d++) {
@@ -644,8 +644,7 @@ extern "C" int emu_launch(emu_entry_fn entry, const char* kernel_name,
   }
   install_signals();
   if (nw == 1) {
-    std::thread t(worker_main, &L, &workers[0]);
-    t.join();
+    worker_main(&L, &workers[0]);  // on the calling thread: no thread start-up
   } else {
     std::vector<std::thread> threads;
     for (int i = 0; i < nw; i++) threads.emplace_back(worker_main, &L, &workers[i]);
