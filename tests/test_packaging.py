@@ -36,6 +36,12 @@ def test_wheel_contains_metal_sources_and_assets(wheel):
     for f in METAL_FILES:
         assert f"mlx_ternary/metal/{f}" in names
     assert any(n.startswith("mlx_ternary/") and n.endswith(".py") for n in names)
+    pkg = ROOT / "mlx_ternary"
+    for sub in ("emulator/csrc", "assets"):  # non-Python files the package needs at run time
+        files = [p for p in (pkg / sub).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        assert files
+        for f in files:
+            assert f"mlx_ternary/{f.relative_to(pkg).as_posix()}" in names
     assert not any(n.startswith(("tests/", "metal/")) for n in names)
 
 
