@@ -39,10 +39,11 @@ def _check_manifest(path: Path, report: VerifyReport) -> None:
         return
     try:
         manifest = json.loads(mf.read_text())
-        files = manifest["files"]
-        assert manifest.get("format") == MANIFEST_FORMAT
-    except (ValueError, KeyError, AssertionError):
-        report.problems.append(f"{mf}: not an mlx-ternary manifest")
+        files = manifest["files"] if manifest.get("format") == MANIFEST_FORMAT else None
+    except (ValueError, KeyError, AttributeError):
+        files = None
+    if not isinstance(files, dict):
+        report.problems.append(f"{mf}: not an mlx-ternary manifest; re-convert the model")
         return
     report.manifest = True
     for name, meta in files.items():
