@@ -67,7 +67,15 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
         prompt = sys.stdin.read()
     if max_tokens < 1:
         raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
-    lm, tokenizer = load(model)
+    lm, tokenizer = load(model, lazy=True)
+    from .plan import plan as memory_plan
+
+    n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
+    mem = memory_plan(lm, n_prompt + max_tokens, prefill_step_size=2048, kv_bits=kv_bits,
+                      max_kv_size=max_kv_size,
+                      flags={"context": "--max-tokens (or --max-kv-size)", "kv_bits": "--kv-bits"})
+    if not mem.fits:
+        raise TernaryError(mem.refusal())
     last = None
     for last in gen.stream(lm, tokenizer, prompt, max_tokens=max_tokens, temp=temp,
                            top_p=top_p, top_k=top_k, min_p=min_p,
@@ -85,6 +93,266 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
         click.echo(f"Generation: {last.generation_tokens} tokens, "
                    f"{last.generation_tps:.3f} tokens-per-sec")
         click.echo(f"Peak memory: {last.peak_memory:.3f} GB")
+
+
+@main.command(epilog="""\b
+Examples:
+  mlx-ternary perplexity --data heldout.txt             # the embedded model
+  mlx-ternary perplexity --model DIR --data FILE --context 512 --json
+""")
+@click.option("--model", default=None,
+              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+@click.option("--data", required=True, type=click.Path(dir_okay=False),
+              help="UTF-8 text file to evaluate on.")
+@click.option("--context", default=None, type=click.IntRange(min=1),
+              help="Tokens per window (default: the model's max_position_embeddings, "
+                   "at most 2048).")
+@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Windows per forward pass.")
+@click.option("--max-tokens", default=None, type=click.IntRange(min=1),
+              help="Evaluate only the first N tokens of the file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def perplexity(model, data, context, batch_size, max_tokens, as_json):
+    """Perplexity of a model on a text file, evaluated in consecutive windows."""
+    import json
+
+    from . import generate as gen
+    from . import perplexity as ppl
+    from .load import load
+
+    if model is None:
+        if not gen.EMBEDDED_MODEL.exists():
+            raise TernaryError(f"the embedded model is missing from this installation "
+                               f"({gen.EMBEDDED_MODEL}); reinstall mlx-ternary or pass --model")
+        model = str(gen.EMBEDDED_MODEL)
+    lm, tokenizer, config = load(model, return_config=True)
+    context = context or ppl.default_context(config)
+    result = ppl.file_perplexity(lm, tokenizer, data, context=context, batch_size=batch_size,
+                                 max_tokens=max_tokens)
+    if as_json:
+        click.echo(json.dumps({"model": model, "data": str(data), **result.to_dict()}))
+        return
+    click.echo(f"Perplexity: {result.perplexity:.4f} (NLL {result.nll:.4f} nats/token)")
+    click.echo(f"Tokens evaluated: {result.tokens} in {result.chunks} windows of "
+               f"{result.context}")
+    click.echo(f"Speed: {result.tokens_per_sec:.1f} tokens-per-sec ({result.seconds:.2f} s)")
+
+
+@main.command(epilog="""\b
+Examples:
+  mlx-ternary convert --hf-path microsoft/bitnet-b1.58-2B-4T --mlx-path bitnet-native
+  mlx-ternary convert --hf-path DIR --mlx-path out-4bit -q 4 --q-group-size 64
+  mlx-ternary convert --hf-path model.gguf --mlx-path out --packing fast
+  mlx-ternary convert --hf-path DIR --to-gguf model-tq2.gguf
+""")
+@click.option("--hf-path", required=True,
+              help="Source: a model directory, a Hugging Face repo id, or a .gguf file.")
+@click.option("--mlx-path", "--output-dir", "mlx_path", default=None,
+              help="Output directory (written beside, then renamed into place).")
+@click.option("--packing", type=click.Choice(["compact", "fast"]), default=None,
+              help="Native packing (default: the kernels' default).")
+@click.option("-q", "--q-bits", type=click.Choice(["2", "3", "4", "5", "6", "8"]), default=None,
+              help="Write a stock MLX affine checkpoint at this many bits (exact ternary).")
+@click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default="64",
+              show_default=True, help="Group size of the MLX affine checkpoint.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None,
+              help="dtype of float tensors (default: as stored).")
+@click.option("-d", "--dequantize", is_flag=True, help="Write a float checkpoint.")
+@click.option("--to-gguf", default=None, help="Write a llama.cpp GGUF file (TQ1_0/TQ2_0).")
+@click.option("--gguf-type", type=click.Choice(["TQ1_0", "TQ2_0"]), default="TQ2_0",
+              show_default=True, help="GGUF type of the ternary tensors.")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+def convert(hf_path, mlx_path, packing, q_bits, q_group_size, dtype, dequantize, to_gguf,
+            gguf_type, revision, force):
+    """Convert a ternary checkpoint to the native format, stock MLX or GGUF."""
+    from tqdm import tqdm
+
+    from .convert import convert as run_convert
+
+    if mlx_path is None and to_gguf is None:
+        raise click.UsageError("give --mlx-path DIR or --to-gguf FILE")
+    bar = None
+
+    def progress(name, done, total):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="tensor", desc="convert")
+        bar.set_postfix_str(name[-40:], refresh=False)
+        bar.update(1)
+
+    try:
+        report = run_convert(hf_path, mlx_path, int(q_bits) if q_bits else None,
+                             int(q_group_size), packing=packing, dtype=dtype,
+                             dequantize=dequantize, to_gguf=to_gguf, gguf_type=gguf_type,
+                             force=force, revision=revision, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    click.echo(f"Source: {report.source} ({report.source_kind})")
+    click.echo(f"Wrote {report.output}: {report.target}, {len(report.tensors)} tensors")
+    if report.bits_per_weight:
+        click.echo(f"Ternary weights: {report.ternary_weights:,}, "
+                   f"{report.bits_per_weight:.3f} bits per weight")
+    click.echo(f"Round trip verified per tensor: max error {report.max_error:.3g}")
+    for note in report.notes:
+        click.echo(f"Note: {note}")
+
+
+@main.command()
+@click.argument("path")
+def verify(path):
+    """Check a converted checkpoint: manifest hashes, shards, tensor shapes vs config."""
+    from .verify import verify as run_verify
+
+    report = run_verify(path)
+    for problem in report.problems:
+        click.echo(f"FAIL {problem}", err=True)
+    if not report.ok:
+        raise SystemExit(1)
+    manifest = f"{report.files} files match the manifest, " if report.manifest else \
+        "no manifest.json (not written by convert), "
+    click.echo(f"OK {report.path}: {manifest}{report.tensors} tensors match the config")
+
+@main.command(epilog="""\b
+Examples:
+  mlx-ternary serve --model DIR                     # http://127.0.0.1:8080/v1
+  mlx-ternary serve --model DIR --max-context 8192 --max-concurrency 4 --memory-limit 12
+""")
+@click.option("--model", default=None,
+              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (loopback by default; 0.0.0.0 exposes it).")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--max-context", default=4096, show_default=True, type=click.IntRange(min=2),
+              help="Prompt + generated tokens per request; longer prompts get HTTP 400.")
+@click.option("--memory-limit", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Memory limit in GiB for the plan (default: the memory available).")
+@click.option("--prefill-step-size", default=512, show_default=True,
+              type=click.IntRange(min=1), help="Prompt tokens per prefill chunk.")
+@click.option("--max-concurrency", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Requests decoded together in one batch; more wait in a queue.")
+def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_concurrency):
+    """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)."""
+    from . import generate as gen
+    from .load import load
+    from .plan import plan as memory_plan
+    from .serve import ServeConfig, Server
+
+    if model is None:
+        model = str(gen.EMBEDDED_MODEL)
+    lm, tokenizer = load(model, lazy=True)
+    mem = memory_plan(lm, max_context, batch=max_concurrency,
+                      prefill_step_size=prefill_step_size, memory_limit=memory_limit,
+                      flags={"context": "--max-context", "batch": "--max-concurrency",
+                             "prefill": "--prefill-step-size"})
+    if not mem.fits:
+        raise TernaryError(mem.refusal())
+    config = ServeConfig(model_name=model, max_context=max_context,
+                         prefill_step_size=prefill_step_size, max_concurrency=max_concurrency)
+    server = Server(lm, tokenizer, config, host, port)
+    click.echo(f"Serving {model} on http://{host}:{server.server_address[1]}/v1 "
+               f"(plan: {mem.total / 1024 ** 3:.2f} of {mem.limit / 1024 ** 3:.2f} GiB)",
+               err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+@main.command(epilog="""\b
+Examples:
+  mlx-ternary plan --model DIR --max-context 8192
+  mlx-ternary plan --model DIR --max-context 32768 --batch 4 --kv-bits 8 --json
+""")
+@click.option("--model", default=None,
+              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+@click.option("--max-context", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="Prompt + generated tokens per sequence.")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Sequences decoded together.")
+@click.option("--kv-bits", default=None, type=click.IntRange(2, 8),
+              help="Quantize the KV cache to this many bits.")
+@click.option("--prefill-step-size", default=512, show_default=True,
+              type=click.IntRange(min=1), help="Prompt tokens per prefill chunk.")
+@click.option("--memory-limit", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Memory limit in GiB (default: the memory available).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+def plan(model, max_context, batch, kv_bits, prefill_step_size, memory_limit, as_json):
+    """Memory plan: weights, KV cache, activations and overhead against the memory there is."""
+    import json
+
+    from . import generate as gen
+    from .load import load
+    from .plan import plan as memory_plan
+
+    lm, _ = load(model or str(gen.EMBEDDED_MODEL), lazy=True)
+    mem = memory_plan(lm, max_context, batch=batch, prefill_step_size=prefill_step_size,
+                      kv_bits=kv_bits, memory_limit=memory_limit)
+    if as_json:
+        click.echo(json.dumps(mem.to_dict()))
+        return
+    for line in mem.lines():
+        click.echo(line)
+    click.echo("fits" if mem.fits else f"does not fit; {'; '.join(mem.advice())}")
+
+
+@main.command(epilog="""\b
+Examples:
+  python scripts/make_synthetic_model.py --shape bitnet-2b --out /tmp/bitnet-2b
+  mlx-ternary bench --model /tmp/bitnet-2b --prompt-tokens 16 --gen-tokens 8 --repeats 2
+  mlx-ternary bench --model DIR --formats fast,q4 --json bench.json --plot bench.png
+""")
+@click.option("--model", required=True, help="Model directory or Hugging Face repo id.")
+@click.option("--formats", default="compact,fast,q2,q4,bf16", show_default=True,
+              help="Comma-separated: compact, fast, q2, q4, bf16, f32.")
+@click.option("--prompt-tokens", default=512, show_default=True, type=int,
+              help="Prompt length (seeded random token ids).")
+@click.option("--gen-tokens", default=128, show_default=True, type=int,
+              help="Tokens generated per run.")
+@click.option("--repeats", default=3, show_default=True, type=int,
+              help="Timed runs per format, interleaved across formats.")
+@click.option("--context", default=None, type=int,
+              help="Context for the Apple ceiling table (default: prompt + gen tokens).")
+@click.option("--bandwidth", default=None, type=float,
+              help="This device's memory bandwidth in GB/s, when it is not an Apple chip.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for the prompt.")
+@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False),
+              help="Write the full results as JSON to this file.")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
+              help="Write a PNG of tokens/s and memory per format (needs matplotlib).")
+@click.option("--markdown", is_flag=True, help="Print the tables as Markdown.")
+def bench(model, formats, prompt_tokens, gen_tokens, repeats, context, bandwidth, seed,
+          json_path, plot_path, markdown):
+    """Measure each representation of a model: bytes, peak memory, prefill and decode speed."""
+    import json as json_
+
+    from . import bench as bench_
+
+    names = [f.strip() for f in formats.split(",") if f.strip()]
+    result = bench_.run_bench(model, names, prompt_tokens, gen_tokens, repeats, context,
+                              bandwidth, seed, progress=lambda s: click.echo(s, err=True))
+    d = result.device
+    click.echo(f"{result.model} on {d['device']} ({d['mlx_device']}, ternary backend "
+               f"{d['ternary_backend']}, {d['cpu_count']} CPUs), MLX {d['mlx']}, "
+               f"mlx-lm {d['mlx_lm']}")
+    click.echo(f"prompt {prompt_tokens} tokens, {gen_tokens} generated, {repeats} interleaved "
+               "repeats; median (min-max)")
+    click.echo("measured:")
+    click.echo(bench_.render(bench_.table_rows(result), markdown))
+    bw = (f"{result.bandwidth_gbs:g} GB/s ({result.bandwidth_source})" if result.bandwidth_gbs
+          else result.bandwidth_source)
+    click.echo(f"bandwidth: {bw}")
+    click.echo(f"computed: decode ceiling tokens/s on Apple chips at "
+               f"{result.settings['ceiling_context']} tokens of context (16-bit floats and KV)")
+    click.echo(bench_.render(bench_.apple_rows(result), markdown))
+    if json_path:
+        with open(json_path, "w") as f:
+            json_.dump(result.to_dict(), f, indent=2)
+    if plot_path:
+        bench_.plot(result, plot_path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""The memory plan against hand-computed sizes and against MLX's peak-memory counter."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+import mlx_ternary
+from mlx_ternary import plan as P
+from mlx_ternary.cli import main
+from tiny import CONFIGS, ternary_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, _ = ternary_checkpoint(tmp_path_factory.mktemp("plan"), "llama")
+    model, _ = mlx_ternary.load(str(path))
+    return path, model
+
+
+def test_weights_by_kind_match_hand_count(tiny):
+    _, model = tiny
+    c = CONFIGS["llama"]
+    h, inter, v, layers = c["hidden_size"], c["intermediate_size"], c["vocab_size"], 2
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]  # (N, K)
+    packed = sum(n * k // 4 for n, k in shapes)  # 2 bits per weight in the fast packing
+    scales = 4 * len(shapes)                       # one float32 tensor scale per layer
+    # unit scale/bias tables (N, K/g) float32, shared by layers of one shape:
+    # g = 64 for K = 64, g = 32 for K = 96
+    tables = 2 * 4 * (h * 1 + kv * 1 + inter * 1 + h * 3)
+    w = P.weight_bytes(model)
+    assert w["ternary"] == layers * (packed + scales) + tables
+    assert w["embeddings"] == 2 * v * h * 4          # embed_tokens + untied lm_head
+    assert w["float"] == (2 * layers + 1) * h * 4     # RMSNorm weights
+
+
+def test_weights_equal_mlx_active_memory():
+    # Built in memory: arrays read from a checkpoint may be file-backed and uncounted.
+    import gc
+
+    from mlx_ternary.nn import ternarize_model, ternary_layers
+    from mlx_ternary.serve import materialize
+    from tiny import float_model
+
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    model, _ = float_model("qwen3")
+    ternarize_model(model, scale="group", group_size=64)
+    for _, layer in ternary_layers(model):
+        layer.repack("fast")
+    materialize(model)
+    gc.collect()
+    mx.clear_cache()
+    planned = sum(P.weight_bytes(model).values())
+    # within 5%: the sliced group-scale tables keep their unsliced buffers
+    assert abs(mx.get_active_memory() - before - planned) <= 0.05 * planned
+
+
+def test_kv_cache_hand_formula_and_kv_bits(tiny):
+    _, model = tiny
+    c = CONFIGS["llama"]
+    # layers x (keys, values) x kv heads x head dim elements per token
+    per_token = 2 * 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"])
+    assert P.kv_bytes(model, 512, batch=3) == 3 * per_token * 512 * 4  # float32
+    assert P.kv_bytes(model, 500, batch=1) == P.kv_bytes(model, 512)  # grows in 256 steps
+    assert P.kv_bytes(model, 512, kv_bits=8) == int(per_token * 512 * (1 + 2 * 4 / 64))
+
+
+@pytest.mark.parametrize("context,batch,step", [(512, 1, 512), (512, 2, 128), (1024, 4, 64)])
+def test_plan_bounds_measured_peak(tiny, context, batch, step):
+    _, model = tiny
+    plan = P.plan(model, context, batch=batch, prefill_step_size=step)
+    got = P.measure(model, context - 8, batch=batch, prefill_step_size=step, decode_tokens=8)
+    assert got["baseline"] >= plan.weights_total  # weights resident before the run
+    extra = got["peak"] - got["baseline"]
+    planned = plan.kv_cache + plan.activations
+    assert extra <= planned, (extra, planned)      # the plan is an upper bound
+    assert extra >= 0.4 * planned, (extra, planned)  # and not a wild one
+
+
+def test_fits_refusal_and_advice(tiny):
+    _, model = tiny
+    ok = P.plan(model, 256)
+    assert ok.fits and ok.total == (ok.weights_total + ok.kv_cache + ok.activations
+                                    + ok.overhead)
+    bad = P.plan(model, 1 << 20, batch=8, memory_limit=0.25)
+    assert not bad.fits and bad.limit == int(0.25 * P.GiB)
+    msg = bad.refusal()
+    for part in ("--max-context", "--kv-bits 8", "--batch", "--prefill-step-size",
+                 P.fmt_bytes(bad.total), P.fmt_bytes(bad.kv_cache)):
+        assert part in msg
+    json.dumps(bad.to_dict())
+    assert P.available_memory()[0] > 0
+
+
+def test_plan_command_text_and_json(tiny):
+    path, _ = tiny
+    runner = CliRunner()
+    r = runner.invoke(main, ["plan", "--model", str(path), "--max-context", "1024",
+                             "--batch", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["kv_cache"] == 2 * 2 * 2 * 2 * 16 * 1024 * 4 and d["fits"] is True
+    assert set(d["weights"]) == {"ternary", "float", "embeddings"}
+    r = runner.invoke(main, ["plan", "--model", str(path), "--kv-bits", "8"])
+    assert r.exit_code == 0 and "8-bit" in r.output and "memory limit" in r.output
