@@ -109,11 +109,19 @@ class TernaryLinear(nn.Module):
             self.__dict__["_affine"] = cached = (self.scales, str(dtype), affine)
         return cached[2]
 
+    def _backend(self) -> str:
+        # Resolved once per layer (keyword, environment, hardware): not on every token.
+        cached = self.__dict__.get("_resolved")
+        if cached is None or cached[0] != self.backend:
+            self.__dict__["_resolved"] = cached = (self.backend,
+                                                   kernels.resolve_backend(self.backend))
+        return cached[1]
+
     def __call__(self, x: mx.array) -> mx.array:
         return kernels.ternary_matmul(
             x, self.packed, self.scales, self.get("bias"), packing=self.packing,
             in_features=self.in_features, group_size=self.group_size,
-            activation_bits=self.activation_bits, backend=self.backend,
+            activation_bits=self.activation_bits, backend=self._backend(),
             affine=self._fast_affine,
         )
 

@@ -6,6 +6,7 @@ layout, so `mx.quantized_matmul` consumes it in place with scale 1, bias -1
 (both exact in any float dtype) and the real scale applied to the output.
 """
 
+from functools import partial
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ _QMM_GROUPS = (128, 64, 32)
 _UNIT_AFFINE = {}
 
 
+@partial(mx.compile, shapeless=True)  # one fused elementwise pass instead of eight launches
 def quantize_activations(x: mx.array) -> Tuple[mx.array, mx.array]:
     """BitNet per-token absmax int8: returns (integer-valued xq, 1 / scale).
 
@@ -62,6 +64,29 @@ def qmm_affine(scales: mx.array, out_features: int, padded_k: int,
     return s, -s, g
 
 
+def _trits_matmul_fast(x, packed, scales, in_features, group_size, affine):
+    """x @ W.T without tensor/row scales (group scales are inside the affine arrays)."""
+    n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
+    if affine is None:
+        affine = qmm_affine(scales, n, kp, group_size, x.dtype)
+    qs, qb, g = affine
+    if kp != in_features:
+        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kp - in_features)])
+    return mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g, bits=2)
+
+
+def _trits_matmul_compact(x, packed, scales, in_features, group_size):
+    """x @ W.T without tensor/row scales, unpacking the base-3 bytes."""
+    t = unpack_mx(packed, "compact", in_features, group_size).astype(x.dtype)
+    if scales.shape[1] != 1:
+        t = t * expand_scales(scales.astype(x.dtype), in_features, group_size)
+    return x @ t.T
+
+
+def _row_scale(scales: mx.array) -> Optional[mx.array]:
+    return scales.reshape(-1) if scales.shape[1] == 1 else None
+
+
 def matmul_fast(x: mx.array, packed: mx.array, scales: mx.array, in_features: int,
                 group_size: Optional[int] = None,
                 affine: Optional[Tuple[mx.array, mx.array, int]] = None) -> mx.array:
@@ -69,42 +94,45 @@ def matmul_fast(x: mx.array, packed: mx.array, scales: mx.array, in_features: in
 
     `affine` is `qmm_affine(...)` precomputed at load; built here when absent.
     """
-    n = packed.shape[0]
-    kp = packed.shape[1] * CODES_PER_WORD
-    if affine is None:
-        affine = qmm_affine(scales, n, kp, group_size, x.dtype)
-    qs, qb, g = affine
-    if kp != in_features:
-        x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, kp - in_features)])
-    y = mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g, bits=2)
-    if scales.shape[1] == 1:
-        y = y * scales.reshape(-1).astype(y.dtype)
-    return y
+    y = _trits_matmul_fast(x, packed, scales, in_features, group_size, affine)
+    s = _row_scale(scales)
+    return y if s is None else y * s.astype(y.dtype)
 
 
 def matmul_compact(x: mx.array, packed: mx.array, scales: mx.array, in_features: int,
                    group_size: Optional[int] = None) -> mx.array:
     """x (..., K) @ W.T for a compact-packed W: (N, row_bytes) uint8 base-3."""
-    t = unpack_mx(packed, "compact", in_features, group_size).astype(x.dtype)
-    if scales.shape[1] == 1:
-        return (x @ t.T) * scales.reshape(-1).astype(x.dtype)
-    w = t * expand_scales(scales.astype(x.dtype), in_features, group_size)
-    return x @ w.T
+    y = _trits_matmul_compact(x, packed, scales, in_features, group_size)
+    s = _row_scale(scales)
+    return y if s is None else y * s.astype(y.dtype)
+
+
+@partial(mx.compile, shapeless=True)  # one fused pass over the output
+def _epilogue(y: mx.array, row_scale: mx.array, x_scale: mx.array, bias: mx.array):
+    return (y * row_scale * x_scale + bias).astype(y.dtype)
+
+
+_ONE = mx.array([1.0])
+_ZERO = mx.array([0.0])
 
 
 def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
                    bias: Optional[mx.array] = None, *, packing: str, in_features: int,
                    group_size: Optional[int] = None, activation_bits: Optional[int] = None,
                    affine=None) -> mx.array:
-    """The reference ternary linear layer: y = act_quant(x) @ (s * t).T + bias."""
+    """The reference ternary linear layer: y = act_quant(x) @ (s * t).T + bias.
+
+    Row scale, activation scale and bias are applied in one fused epilogue.
+    """
+    x_scale = None
     if activation_bits:
         x, x_scale = quantize_activations(x)
     if packing == "fast":
-        y = matmul_fast(x, packed, scales, in_features, group_size, affine)
+        y = _trits_matmul_fast(x, packed, scales, in_features, group_size, affine)
     else:
-        y = matmul_compact(x, packed, scales, in_features, group_size)
-    if activation_bits:
-        y = y * x_scale
-    if bias is not None:
-        y = y + bias
-    return y
+        y = _trits_matmul_compact(x, packed, scales, in_features, group_size)
+    row_scale = _row_scale(scales)
+    if x_scale is None and row_scale is None and bias is None:
+        return y
+    return _epilogue(y, _ONE if row_scale is None else row_scale,
+                     _ONE if x_scale is None else x_scale, _ZERO if bias is None else bias)
