@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 from . import format as fmt
 
 # Apple silicon memory bandwidth (GB/s = 1e9 bytes/s) by chip and GPU core count, from
-# Apple's published specifications (see /work/shared/APPLE-GPU.md in the project notes).
+# Apple's published specifications (collected in the project notes on Apple GPUs).
 APPLE_CHIPS: List[Tuple[str, int, float]] = [
     ("M1", 8, 68), ("M1 Pro", 16, 200), ("M1 Max", 32, 400), ("M1 Ultra", 64, 800),
     ("M2", 10, 100), ("M2 Pro", 19, 200), ("M2 Max", 38, 400), ("M2 Ultra", 76, 800),

@@ -6,7 +6,7 @@ test that matches the logits matches transformers, activation quantization inclu
 
 Run (torch, transformers and accelerate are needed here, never by the tests):
 
-    . /work/venv/bin/activate
+    pip install -e ".[test]"                   # from the repository root
     pip install torch==2.13.0 accelerate      # transformers' bitnet quantizer needs accelerate
     python scripts/make_hf_fixtures.py         # (re)writes tests/fixtures/hf/<name>/
     python scripts/make_hf_fixtures.py --check # numpy only: re-derive every fixture's logits

@@ -1,6 +1,6 @@
 """Turn the trained tiny model (train_tiny.py's float latent checkpoint) into the embedded model.
 
-    python scripts/ship_tiny.py                      # ship /work/build/tiny/latent
+    python scripts/ship_tiny.py                      # ship build/tiny/latent
     python scripts/ship_tiny.py --expected-only      # only regenerate the tests' expected output
 
 It loads the latent checkpoint through `mlx_ternary.load` (absmean ternarization at load),
@@ -33,7 +33,7 @@ from mlx_ternary import perplexity as ppl  # noqa: E402
 from mlx_ternary.nn import ternary_layers  # noqa: E402
 from mlx_ternary.writers.native import save_model  # noqa: E402
 
-BUILD = Path("/work/build/tiny")
+BUILD = ROOT / "build" / "tiny"  # where scripts/train_tiny.py writes by default
 ASSET = gen.EMBEDDED_MODEL
 FIXTURES = ROOT / "tests" / "fixtures"
 SAMPLE_NAME = "heldout_sample.txt"
