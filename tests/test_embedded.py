@@ -32,8 +32,8 @@ EXPECTED = json.loads((FIXTURES / "embedded_expected.json").read_text(encoding="
 SAMPLE = FIXTURES / "heldout_sample.txt"
 # Held-out perplexity the embedded model must stay under on the first EXPECTED["sample_tokens"]
 # tokens of tests/fixtures/heldout_sample.txt (the opening of The Tempest, never trained on);
-# measured 102.77 when shipped (mlx-ternary perplexity; 103.83 on the whole held-out text).
-PERPLEXITY_BOUND = 110.0
+# measured 71.58 when shipped (mlx-ternary perplexity; 69.22 on the whole held-out text).
+PERPLEXITY_BOUND = 76.0
 SUBSET = 512  # tokens for the path comparisons: MLX on a small CPU is slow
 
 
@@ -60,10 +60,11 @@ class DenseReference(nn.Module):
         self.quantize = bool(activation_bits)
 
     def __call__(self, x):
-        if self.quantize:
+        if self.quantize:  # dequantized after the matmul, as transformers' BitLinear does
             s = 127.0 / mx.maximum(mx.abs(x).max(axis=-1, keepdims=True), 1e-5)
-            x = mx.clip(mx.round(x * s), -128, 127) / s
-        y = x @ self.weight.T
+            y = (mx.clip(mx.round(x * s), -128, 127) @ self.weight.T) / s
+        else:
+            y = x @ self.weight.T
         return y + self.bias if "bias" in self else y
 
 
@@ -105,8 +106,10 @@ def test_greedy_output_reads_as_a_play():
     # a speaker line, a stage direction or a scene heading, as in the corpus
     assert any(re.fullmatch(r"[A-Z][A-Za-z ]+:", l) or l.startswith(("Enter", "Exit", "SCENE"))
                for l in lines)
+    # English words: most of them occur in held-out Shakespeare the model never saw.
+    vocab = set(re.findall(r"[a-z']+", SAMPLE.read_text(encoding="utf-8").lower()))
     words = re.findall(r"[A-Za-z']+", text)
-    assert len(words) >= 15 and sum(w.islower() for w in words) > len(words) / 2
+    assert len(words) >= 15 and sum(w.lower() in vocab for w in words) >= 0.7 * len(words)
 
 
 def test_heldout_perplexity_is_under_the_bound(embedded):
@@ -157,8 +160,10 @@ def test_native_logits_match_the_dense_reference_and_need_activation_quantizatio
     ids = mx.array(sample_ids(tok, 256)[:256])[None]
     native = model(ids)
     with_act, without = dense_twin(8)(ids), dense_twin(None)(ids)
-    assert mx.abs(native - with_act).mean().item() < 2e-3
-    assert mx.abs(native - without).mean().item() > 5e-3  # negative control
+    d_with = mx.abs(native - with_act).mean().item()
+    d_without = mx.abs(native - without).mean().item()
+    assert d_with < 5e-3
+    assert d_without > 3 * d_with  # negative control: no activation quantization
     for _, layer in ternary_layers(model):
         layer.activation_bits = None
     try:
