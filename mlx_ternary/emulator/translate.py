@@ -91,20 +91,26 @@ class _Edit:
         return _text(self.toks)
 
 
+def _closing_bracket(e, j: int) -> int:
+    """Index of the ']' closing the '[' at token j, or len(e.sig) when it is unterminated."""
+    depth = 0
+    while j < len(e.sig):
+        if e.t(j) == "[":
+            depth += 1
+        elif e.t(j) == "]":
+            depth -= 1
+            if depth == 0:
+                return j
+        j += 1
+    return j
+
+
 def _strip_attributes(source: str) -> str:
     e = _Edit(source)
     k = 0
     while k < len(e.sig):
         if e.t(k) == "[" and e.t(k + 1) == "[" and e.kind(k + 2) == "ident":
-            depth, j = 0, k
-            while j < len(e.sig):
-                if e.t(j) == "[":
-                    depth += 1
-                elif e.t(j) == "]":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                j += 1
+            j = _closing_bracket(e, k)
             e.replace(k, j, " ")
             k = j + 1
         else:
@@ -258,17 +264,10 @@ def _threadgroup_declaration(e: _Edit, k: int, start: int, type_text: str, j: in
         j += 1
         dims = []
         while e.t(j) == "[":
-            depth, d0 = 0, j + 1
-            while True:
-                if e.t(j) == "[":
-                    depth += 1
-                elif e.t(j) == "]":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                j += 1
-                if j >= len(e.sig):
-                    raise TranslateError("unterminated array bound in a threadgroup declaration")
+            d0 = j + 1
+            j = _closing_bracket(e, j)
+            if j >= len(e.sig):
+                raise TranslateError("unterminated array bound in a threadgroup declaration")
             dims.append(" ".join(e.t(i) for i in range(d0, j)))
             j += 1
         args = ", ".join([type_text] + [f"({d})" for d in dims])
