@@ -133,24 +133,24 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
         mlx_affine.hadamard_model_config(config) if hadamard else config))
     hf_bitnet.adapt_model(model, config)  # bitnet class, non-relu2 MLP (native or HF)
     linears = linear_paths(model)
-    runs_reference = kernels.resolve_backend(backend) == "reference"
     if packing is not None and packing not in PACKINGS:
         raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    # The reference path reads the fast layout in place; Metal kernels run either packing.
+    runtime = packing or ("fast" if kernels.resolve_backend(backend) == "reference" else None)
+    foreign_packing = runtime or "compact"  # what foreign readers pack into
 
     if native.detect(config):
         weights, quant = native.read(model_path, config)
     elif is_bitnet:
-        hf_packing = packing or ("fast" if runs_reference else "compact")
-        weights, quant = hf_bitnet.read(model_path, config, linears, hf_packing,
+        weights, quant = hf_bitnet.read(model_path, config, linears, foreign_packing,
                                         sanitize=getattr(model, "sanitize", None))
     elif mlx_affine.detect(config):
-        affine_packing = packing or ("fast" if runs_reference else "compact")
         if hadamard:
             weights, quant = mlx_affine.read(
-                model_path, config, mlx_affine.hadamard_linears(model, config), affine_packing,
+                model_path, config, mlx_affine.hadamard_linears(model, config), foreign_packing,
                 mlx_affine.hadamard_sanitize(model), mlx_affine.hadamard_paths(config)[1])
         else:
-            weights, quant = mlx_affine.read(model_path, config, linears, affine_packing,
+            weights, quant = mlx_affine.read(model_path, config, linears, foreign_packing,
                                              getattr(model, "sanitize", None))
     else:
         raise TernaryError(
@@ -181,14 +181,14 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
     _check_shapes(model, weights, model_path)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
-    want = packing or ("fast" if runs_reference else None)
-    for _, layer in ternary_layers(model):
-        if want:
-            layer.repack(want)
-            mx.eval(layer.packed)
+    if runtime:
+        for _, layer in ternary_layers(model):
+            layer.repack(runtime)
+            if not lazy:  # one layer at a time keeps the unpacked trits' peak small
+                mx.eval(layer.packed)
     if not lazy:
         mx.eval(model.parameters())
-    config["quantization"] = {**quant.to_dict(), "packing": want or quant.packing}
+    config["quantization"] = {**quant.to_dict(), "packing": runtime or quant.packing}
     return model, config
 
 

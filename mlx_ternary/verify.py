@@ -91,8 +91,7 @@ def verify(path) -> VerifyReport:
         report.tensors = len(shapes)
         config = read_config(path)
         if is_native_config(config):
-            # lazy: nothing is read beyond headers; "emulate" skips the load-time repack
-            load_model(path, backend="emulate", lazy=True)
+            load_model(path, lazy=True)  # lazy: nothing is read beyond the headers
         else:
             model = _stock_model(path, config, shapes)
             if hasattr(model, "sanitize"):

@@ -101,25 +101,19 @@ def main():
         model.leaf_modules(), is_leaf=nn.Module.is_module) if isinstance(m, TernaryInt8Linear)]
     print(f"ternary: swapped {len(swapped)} linears ({swapped[0]} ... {swapped[-1]}); "
           f"levels {sorted(set(v for t in tern for v in t))}")
-    nll = slice_nll(model, windows)
-    ref = metrics["runs"]["ternary"][key]
-    text = generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens, verbose=False)
-    report["ternary"] = {"windows": n_slice, "mlx_nll": nll, "mlx_ppl": math.exp(nll),
-                         "trainer_nll": ref, "trainer_ppl": math.exp(ref),
-                         "rel_diff_ppl": math.exp(nll - ref) - 1, "sample": args.prompt + text}
-    print(f"ternary {label} ppl: MLX {math.exp(nll):.4f} vs trainer {math.exp(ref):.4f}")
-    print("ternary sample:\n" + args.prompt + text + "\n---")
+    def check(run, m, tok):
+        # MLX perplexity of one run against the trainer's own figure, plus a greedy sample.
+        nll, ref = slice_nll(m, windows), metrics["runs"][run][key]
+        text = generate(m, tok, args.prompt, max_tokens=args.max_tokens, verbose=False)
+        report[run] = {"windows": n_slice, "mlx_nll": nll, "mlx_ppl": math.exp(nll),
+                       "trainer_nll": ref, "trainer_ppl": math.exp(ref),
+                       "rel_diff_ppl": math.exp(nll - ref) - 1, "sample": args.prompt + text}
+        print(f"{run} {label} ppl: MLX {math.exp(nll):.4f} vs trainer {math.exp(ref):.4f}")
+        print(f"{run} sample:\n" + args.prompt + text + "\n---")
 
+    check("ternary", model, tokenizer)
     if "float" in metrics["runs"]:
-        fmodel, ftok = load(str(args.dir / "float"))  # stock mlx-lm loader
-        nll = slice_nll(fmodel, windows)
-        ref = metrics["runs"]["float"][key]
-        text = generate(fmodel, ftok, args.prompt, max_tokens=args.max_tokens, verbose=False)
-        report["float"] = {"windows": n_slice, "mlx_nll": nll, "mlx_ppl": math.exp(nll),
-                           "trainer_nll": ref, "trainer_ppl": math.exp(ref),
-                           "rel_diff_ppl": math.exp(nll - ref) - 1, "sample": args.prompt + text}
-        print(f"float {label} ppl: MLX {math.exp(nll):.4f} vs trainer {math.exp(ref):.4f}")
-        print("float sample:\n" + args.prompt + text + "\n---")
+        check("float", *load(str(args.dir / "float")))  # stock mlx-lm loader
     (args.dir / ("mlx_check_all.json" if args.all_windows else "mlx_check.json")).write_text(json.dumps(report, indent=2) + "\n")
 
 
