@@ -379,6 +379,41 @@ class PackedTernary:
         return 8 * self.nbytes / (self.out_features * self.in_features)
 
 
+@dataclass
+class AffineTensor:
+    """A non-ternary weight kept in MLX's affine quantized layout (mlx-lm's QuantizedLinear
+    and QuantizedEmbedding parameters): w = scales * q + biases per group of `group_size`
+    input columns, q packed `bits` wide into uint32 along K, lowest bits first.
+
+    Readers yield (module path, AffineTensor) for weights that stay quantized (an MLX
+    4-bit embedding, a GGUF Q4_0 / Q8_0 tensor mapped exactly); loaders build
+    nn.QuantizedLinear / nn.QuantizedEmbedding from it and writers store the three arrays
+    as `<path>.weight`, `<path>.scales`, `<path>.biases`, as mlx-lm does.
+
+    weight: (N, K * bits / 32) uint32.
+    scales, biases: (N, K / group_size), float16/bfloat16/float32.
+    """
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple:
+        """(N, K) of the float weight."""
+        return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+
+    def dequantize(self, dtype=mx.float32) -> mx.array:
+        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
+                             bits=self.bits).astype(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+
 # --------------------------------------------------------------------------- #
 # config.json "quantization" section
 # --------------------------------------------------------------------------- #

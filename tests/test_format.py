@@ -162,3 +162,15 @@ def test_repack_is_lossless():
     back = pt.repack("fast").repack("compact")
     np.testing.assert_array_equal(back.packed, pt.packed)
     np.testing.assert_array_equal(pt.repack("fast").dequantize(), t * s)
+
+
+def test_affine_tensor_matches_mlx_dequantize():
+    # An AffineTensor is mlx-lm's QuantizedLinear triple: its dequantize is mx.dequantize's.
+    w = mx.random.normal((8, 128), key=mx.random.key(3))
+    q, s, b = mx.quantize(w, group_size=64, bits=4)
+    at = F.AffineTensor(q, s, b, bits=4, group_size=64)
+    assert at.shape == (8, 128)
+    ref = np.array(mx.dequantize(q, s, b, group_size=64, bits=4))
+    np.testing.assert_array_equal(np.array(at.dequantize()), ref)
+    assert np.abs(ref - np.array(w)).max() < 0.5  # the quantized weight is near the float one
+    assert at.nbytes == q.nbytes + s.nbytes + b.nbytes
