@@ -169,7 +169,7 @@ def tool_markers(tokenizer) -> Optional[tuple]:
 def _tools(body, tokenizer, grammars):
     """(tools for the template, tools whose calls are parsed, markers, grammar or None)."""
     tools = field_(body, "tools", (list,))
-    choice = body.get("tool_choice", "auto" if tools else "none")
+    choice = body.get("tool_choice") or ("auto" if tools else "none")
     if not tools:
         if choice not in (None, "none"):
             raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")

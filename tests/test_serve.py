@@ -462,22 +462,21 @@ def test_anthropic_messages_text_system_stream_and_stop(srv):
                                       {"role": "user", "content": p}],
                                      add_generation_prompt=True)
     text, reason, n = greedy(srv["ref_model"], tok, prompt)
-    m = claude.messages.create(model="tiny", max_tokens=NEW, system=system,
-                               extra_body={"temperature": 0}, messages=[{"role": "user", "content": p}])
+    ask = dict(model="tiny", max_tokens=NEW, system=system, extra_body={"temperature": 0},
+               messages=[{"role": "user", "content": p}])
+    m = claude.messages.create(**ask)
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
     assert m.content[0].type == "text" and m.content[0].text == text
     assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[reason]
     assert m.usage.output_tokens == n
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(prompt)
-    with claude.messages.stream(model="tiny", max_tokens=NEW, system=system,
-                                extra_body={"temperature": 0}, messages=[{"role": "user", "content": p}]) as s:
+    with claude.messages.stream(**ask) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()
     assert streamed == text and final.content[0].text == text
     assert final.usage.output_tokens == n
     stop = text[4:6]
-    m = claude.messages.create(model="tiny", max_tokens=NEW, system=system,
-                               extra_body={"temperature": 0}, stop_sequences=[stop], messages=[{"role": "user", "content": p}])
+    m = claude.messages.create(**ask, stop_sequences=[stop])
     assert m.content[0].text == text[:text.find(stop)]
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
 
