@@ -496,3 +496,35 @@ def test_anthropic_errors_have_anthropics_shape(srv):
     assert status == 400 and body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error" and "max_tokens" in \
         body["error"]["message"]
+
+
+def test_sixteen_multi_turn_clients_get_their_answers_within_the_plan(srv):
+    from mlx_ternary.plan import plan
+
+    server, client, tok = srv["server"], srv["client"], srv["tokenizer"]
+    cfg = server.config
+    assert idle(server)
+    mx.clear_cache()
+    baseline = mx.get_active_memory()
+    mx.reset_peak_memory()
+
+    def conversation(p):
+        msgs = [{"role": "user", "content": p}]
+        r1 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
+                                            temperature=0)
+        msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+                 {"role": "user", "content": "and then?"}]
+        r2 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12,
+                                            temperature=0)
+        return msgs, r2.choices[0].message.content, r2.usage.prompt_tokens_details.cached_tokens
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(conversation, PROMPTS, timeout=300))
+    peak = mx.get_peak_memory() - baseline
+    for msgs, text, cached in results:
+        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True)
+        assert text == greedy(srv["ref_model"], tok, prompt, 12)[0]
+        assert cached > 0  # turn 2 reused turn 1
+    mem = plan(srv["ref_model"], cfg.max_context, batch=cfg.max_concurrency,
+               prefill_step_size=cfg.prefill_step_size, prompt_cache=cfg.prompt_cache_bytes)
+    assert peak <= mem.kv_cache + mem.prompt_cache + mem.activations
