@@ -282,11 +282,13 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
 
 
 def _check_kv_groups(model, kv_bits, group_size):
-    dims = {getattr(model.args, "head_dim", None)
-            or model.args.hidden_size // model.args.num_attention_heads}
-    if kv_bits and any(d % group_size for d in dims):
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    dim = getattr(args, "head_dim", None) or (
+        heads and getattr(args, "hidden_size", 0) // heads)
+    if kv_bits and dim and dim % group_size:
         raise TernaryError(f"--kv-group-size {group_size} does not divide this model's head "
-                           f"size {dims.pop()}; pick 32, 64 or 128 dividing it")
+                           f"size {dim}; pick 32, 64 or 128 dividing it")
 
 
 @main.command(epilog="""\b

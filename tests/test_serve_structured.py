@@ -201,6 +201,10 @@ def test_kv_bits_serve_batches_and_matches_mlx_lm_quantized_cache(srv):
             assert choice.logprobs.token_logprobs == pytest.approx(lps, abs=2e-3)
         entries = list(server.engine.prompt_cache._entries.values())
         assert entries and all(c.bits == 8 for c in entries[0][0])
+        again = client.completions.create(model="tiny", prompt=prompts[2], max_tokens=12,
+                                          temperature=0, logprobs=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == len(tok.encode(prompts[2])) - 1
+        assert again.choices[0].logprobs.tokens == got[2].logprobs.tokens  # from the 8-bit cache
         # negative control: the float cache's logprobs differ beyond that tolerance
         plain = srv["client"].completions.create(model="tiny", prompt=prompts[0],
                                                  max_tokens=12, temperature=0, logprobs=0)
