@@ -13,6 +13,10 @@ from typing import List, Optional
 from .serve_engine import Job
 
 MAX_TOP_LOGPROBS = 20
+# OpenAI parameters that would change the answer in ways this server does not do: refused,
+# never ignored.
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction",
+               "web_search_options")
 
 
 class APIError(Exception):
@@ -306,6 +310,13 @@ def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=Non
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_model(body, config)
+    for name in UNSUPPORTED + (("echo",) if chat else ()):
+        if body.get(name) is not None:
+            raise APIError(400, f"'{name}' is not supported by this server", name)
+    if field_(body, "best_of", (int,), 1) != 1:
+        raise APIError(400, "'best_of' must be 1 (this server returns one choice)", "best_of")
+    if body.get("modalities") not in (None, ["text"]):
+        raise APIError(400, "'modalities' must be ['text']", "modalities")
     n = field_(body, "n", (int,), 1)
     if n != 1:
         raise APIError(400, f"'n' must be 1 (this server returns one choice), got {n}", "n")
@@ -321,6 +332,11 @@ def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=Non
     tools = parsed = markers = None
     if chat:
         tools, parsed, markers, tool_grammar = _tools(body, tokenizer, grammars)
+        if field_(body, "parallel_tool_calls", (bool,), True) is False and \
+                parsed and tool_grammar is None:
+            raise APIError(400, "'parallel_tool_calls': false is kept only with tool_choice "
+                           "'required' or a named function (one call, by grammar)",
+                           "parallel_tool_calls")
         if tool_grammar is not None:
             if grammar is not None:
                 raise APIError(400, "'response_format' and a forced tool call cannot be "

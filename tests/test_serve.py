@@ -239,6 +239,12 @@ BAD = [
      {"messages": [{"role": "user", "content": "hi"}], "tools": [
          {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, None),
     ("two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, None),
+    ("suffix", "/v1/completions", {"prompt": "a", "suffix": "b"}, 400, None),
+    ("echo on chat", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, None),
+    ("legacy functions", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, 400,
+     None),
     ("unknown path", "/v1/embeddings", {"input": "hi"}, 404, None),
 ]
 

@@ -95,7 +95,7 @@ def test_json_schema_answers_always_match_the_schema(srv):
 
 def test_json_object_and_streamed_schema(srv):
     client = srv["client"]
-    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=200, seed=5,
+    r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=100, seed=5,
                                        temperature=1.0, response_format={"type": "json_object"})
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)

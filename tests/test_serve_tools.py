@@ -130,6 +130,14 @@ def test_tool_choice_errors(srv):
                                            "name": "f", "parameters": {
                                                "type": "object", "x-foo": 1}}}])
     assert "x-foo" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # auto cannot promise a single call
+        client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                       parallel_tool_calls=False, max_tokens=4)
+    assert "parallel_tool_calls" in e.value.message
+    one = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         max_tokens=160, temperature=0)
+    assert len(one.choices[0].message.tool_calls) == 1
 
 
 def test_splitter_reads_calls_split_anywhere():
