@@ -9,6 +9,7 @@ bounded schema always finishes; once it is complete only end-of-sequence is allo
 """
 
 import json
+import threading
 from typing import List, Optional
 
 import mlx.core as mx
@@ -65,17 +66,35 @@ def check_schema(schema, where: str = "schema"):
 
 
 class Grammars:
-    """llguidance's view of one tokenizer; compiles grammars and makes processors."""
+    """llguidance's view of one tokenizer; compiles grammars and makes processors.
+
+    The view is built on first use (seconds for a 150k vocabulary), so a server that never
+    gets a constrained request never pays for it.
+    """
 
     def __init__(self, tokenizer, vocab_size: int):
         import llguidance
-        from llguidance.hf import from_tokenizer
 
         self._llg = llguidance
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
-        eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-        self.vocab_size = vocab_size
-        self.tokenizer = from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        self._source, self.vocab_size = tokenizer, vocab_size
+        self._view, self._lock = None, threading.Lock()
+
+    @property
+    def tokenizer(self):
+        with self._lock:
+            if self._view is None:
+                from llguidance.hf import from_tokenizer
+
+                tok = self._source
+                eos = sorted(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
+                try:
+                    self._view = from_tokenizer(getattr(tok, "_tokenizer", tok),
+                                                n_vocab=self.vocab_size, eos_token=eos)
+                except (ValueError, TypeError, AttributeError) as e:
+                    raise GrammarError(f"constrained decoding is unavailable for this "
+                                       f"tokenizer ({e}); it needs a fast Hugging Face "
+                                       "tokenizer") from None
+            return self._view
 
     def _check(self, grammar: str) -> str:
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)

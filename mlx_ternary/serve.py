@@ -307,16 +307,11 @@ class Server(ThreadingHTTPServer):
 
 
 def _grammars(model, tokenizer):
-    """llguidance's view of the tokenizer, or None when it cannot have one (then a request
-    for structured output or a forced tool call is a 400 that says so)."""
+    """llguidance's view of the tokenizer (built on the first constrained request)."""
     from .constrain import Grammars
 
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-    try:
-        return Grammars(tokenizer, vocab or len(tokenizer.get_vocab()))
-    except (ValueError, TypeError, AttributeError) as e:
-        log.warning("constrained decoding is off: %s", e)
-        return None
+    return Grammars(tokenizer, vocab or len(tokenizer.get_vocab()))
 
 
 def load_model(path: str):

@@ -210,8 +210,7 @@ def constrained(grammars, param: str, build, markers=None) -> str:
     from .constrain import GrammarError
 
     if grammars is None:
-        raise APIError(400, "constrained decoding is unavailable for this tokenizer (it "
-                       "needs a fast Hugging Face tokenizer)", param)
+        raise APIError(400, "this server has no constrained decoding", param)
     if markers is not None and markers[2].__module__.split(".")[-1] != "json_tools":
         raise APIError(400, "tool_choice 'required' or a named function is enforced for "
                        "templates whose calls are JSON between markers; this one is not",
