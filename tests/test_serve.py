@@ -314,6 +314,16 @@ def test_serve_and_generate_refuse_when_the_plan_does_not_fit(srv):
                              "--max-tokens", str(10 ** 9)])
     assert r.exit_code == 1
     assert "does not fit" in r.output and "--kv-bits 8" in r.output
+    r = runner.invoke(main, ["serve", "--model", str(srv["path"]), "--port", "0",
+                             "--memory-limit", "8", "--prompt-cache-bytes", "30GB"])
+    assert r.exit_code == 1 and "prompt cache 30.00 GiB" in r.output
+    assert "--prompt-cache-bytes" in r.output  # the advice names the flag
+    r = runner.invoke(main, ["serve", "--model", str(srv["path"]), "--port", "0",
+                             "--kv-bits", "8", "--kv-group-size", "32"])
+    assert r.exit_code == 1 and "head size 16" in r.output  # 64 hidden / 4 heads
+    r = runner.invoke(main, ["serve", "--model", str(srv["path"]), "--prompt-cache-bytes",
+                             "lots"])
+    assert r.exit_code == 2 and "not a size" in r.output
 
 
 # ----------------------------------------------------------------------------- prompt cache
