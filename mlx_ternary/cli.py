@@ -269,7 +269,10 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
                          prefill_step_size=prefill_step_size, max_concurrency=max_concurrency,
                          kv_bits=kv_bits, kv_group_size=kv_group_size,
                          prompt_cache_bytes=cache_bytes)
-    server = Server(lm, tokenizer, config, host, port)
+    try:
+        server = Server(lm, tokenizer, config, host, port)
+    except ValueError as e:  # a model whose caches --kv-bits cannot quantize
+        raise TernaryError(str(e)) from None
     click.echo(f"Serving {model} on http://{host}:{server.server_address[1]}/v1 "
                f"(plan: {mem.total / 1024 ** 3:.2f} of {mem.limit / 1024 ** 3:.2f} GiB)",
                err=True)

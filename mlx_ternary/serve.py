@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import mlx.core as mx
 
 from . import serve_anthropic as anthropic
+from .kv_quant import make_cache
 from .nn import ternary_layers
 from .plan import activation_dtype, kv_bytes
 from .serve_engine import POLL_S, Engine, Job
@@ -288,6 +289,7 @@ class Server(ThreadingHTTPServer):
     def __init__(self, model, tokenizer, config: ServeConfig, host: str = "127.0.0.1",
                  port: int = 8080):
         materialize(model)
+        make_cache(model, config.kv_bits, config.kv_group_size)  # refuses what cannot be
         if config.prompt_cache_bytes is None:
             config.prompt_cache_bytes = kv_bytes(model, config.max_context,
                                                  config.max_concurrency, config.kv_bits,
