@@ -232,25 +232,47 @@ Examples:
               type=click.IntRange(min=1), help="Prompt tokens per prefill chunk.")
 @click.option("--max-concurrency", default=8, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together in one batch; more wait in a queue.")
-def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_concurrency):
-    """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)."""
+@click.option("--kv-bits", default=None, type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+              help="Quantize the KV cache (and the prompt cache) to this many bits.")
+@click.option("--kv-group-size", default=64, show_default=True,
+              type=click.Choice(["32", "64", "128"]), help="Group size of --kv-bits.")
+@click.option("--prompt-cache-bytes", default=None,
+              help="Bytes of KV kept across requests for prompt reuse, e.g. 512MB "
+                   "(default: as much as the live KV cache; 0 turns it off).")
+def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_concurrency,
+          kv_bits, kv_group_size, prompt_cache_bytes):
+    """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
+    /v1/completions, /v1/messages)."""
     from . import generate as gen
-    from .load import load
-    from .plan import plan as memory_plan
-    from .serve import ServeConfig, Server
+    from .plan import kv_bytes, parse_bytes, plan as memory_plan
+    from .serve import ServeConfig, Server, load_model
 
-    if model is None:
-        model = str(gen.EMBEDDED_MODEL)
-    lm, tokenizer = load(model, lazy=True)
+    model = model or str(gen.EMBEDDED_MODEL)
+    kv_bits = int(kv_bits) if kv_bits else None
+    kv_group_size = int(kv_group_size)
+    lm, tokenizer = load_model(model)
+    _check_kv_groups(lm, kv_bits, kv_group_size)
+    try:
+        cache_bytes = (kv_bytes(lm, max_context, max_concurrency, kv_bits, kv_group_size)
+                       if prompt_cache_bytes is None else parse_bytes(prompt_cache_bytes))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--prompt-cache-bytes") from None
     mem = memory_plan(lm, max_context, batch=max_concurrency,
                       prefill_step_size=prefill_step_size, memory_limit=memory_limit,
+                      kv_bits=kv_bits, prompt_cache=cache_bytes,
                       flags={"context": "--max-context", "batch": "--max-concurrency",
-                             "prefill": "--prefill-step-size"})
+                             "prefill": "--prefill-step-size", "kv_bits": "--kv-bits",
+                             "prompt_cache": "--prompt-cache-bytes"})
     if not mem.fits:
         raise TernaryError(mem.refusal())
     config = ServeConfig(model_name=model, max_context=max_context,
-                         prefill_step_size=prefill_step_size, max_concurrency=max_concurrency)
-    server = Server(lm, tokenizer, config, host, port)
+                         prefill_step_size=prefill_step_size, max_concurrency=max_concurrency,
+                         kv_bits=kv_bits, kv_group_size=kv_group_size,
+                         prompt_cache_bytes=cache_bytes)
+    try:
+        server = Server(lm, tokenizer, config, host, port)
+    except ValueError as e:  # a model whose caches --kv-bits cannot quantize
+        raise TernaryError(str(e)) from None
     click.echo(f"Serving {model} on http://{host}:{server.server_address[1]}/v1 "
                f"(plan: {mem.total / 1024 ** 3:.2f} of {mem.limit / 1024 ** 3:.2f} GiB)",
                err=True)
@@ -260,6 +282,16 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
         pass
     finally:
         server.server_close()
+
+
+def _check_kv_groups(model, kv_bits, group_size):
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    dim = getattr(args, "head_dim", None) or (
+        heads and getattr(args, "hidden_size", 0) // heads)
+    if kv_bits and dim and dim % group_size:
+        raise TernaryError(f"--kv-group-size {group_size} does not divide this model's head "
+                           f"size {dim}; pick 32, 64 or 128 dividing it")
 
 
 @main.command(epilog="""\b
@@ -279,18 +311,25 @@ Examples:
               type=click.IntRange(min=1), help="Prompt tokens per prefill chunk.")
 @click.option("--memory-limit", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Memory limit in GiB (default: the memory available).")
+@click.option("--prompt-cache-bytes", default="0", show_default=True,
+              help="Bytes of KV serve keeps across requests, e.g. 512MB.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
-def plan(model, max_context, batch, kv_bits, prefill_step_size, memory_limit, as_json):
+def plan(model, max_context, batch, kv_bits, prefill_step_size, memory_limit,
+         prompt_cache_bytes, as_json):
     """Memory plan: weights, KV cache, activations and overhead against the memory there is."""
     import json
 
     from . import generate as gen
     from .load import load
-    from .plan import plan as memory_plan
+    from .plan import parse_bytes, plan as memory_plan
 
+    try:
+        cache_bytes = parse_bytes(prompt_cache_bytes)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--prompt-cache-bytes") from None
     lm, _ = load(model or str(gen.EMBEDDED_MODEL), lazy=True)
     mem = memory_plan(lm, max_context, batch=batch, prefill_step_size=prefill_step_size,
-                      kv_bits=kv_bits, memory_limit=memory_limit)
+                      kv_bits=kv_bits, memory_limit=memory_limit, prompt_cache=cache_bytes)
     if as_json:
         click.echo(json.dumps(mem.to_dict()))
         return

@@ -28,7 +28,9 @@ KV_GROUP_SIZE = 64
 ACTIVATION_MARGIN = 1.1  # allocator rounding and small temporaries the count leaves out
 # The command-line options that change each part of the plan (named in the advice).
 PLAN_FLAGS = {"context": "--max-context", "kv_bits": "--kv-bits", "batch": "--batch",
-              "prefill": "--prefill-step-size"}
+              "prefill": "--prefill-step-size", "prompt_cache": "--prompt-cache-bytes"}
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024 ** 2, "mb": 1024 ** 2,
+          "mib": 1024 ** 2, "g": GiB, "gb": GiB, "gib": GiB}
 
 
 @dataclass
@@ -46,6 +48,7 @@ class MemoryPlan:
     batch: int
     prefill_step_size: int
     kv_bits: Optional[int] = None
+    prompt_cache: int = 0            # bytes of KV kept across requests (serve)
     notes: List[str] = field(default_factory=list)
     flags: Dict[str, str] = field(default_factory=lambda: dict(PLAN_FLAGS))
 
@@ -55,7 +58,8 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights_total + self.kv_cache + self.activations + self.overhead
+        return (self.weights_total + self.kv_cache + self.prompt_cache + self.activations
+                + self.overhead)
 
     @property
     def fits(self) -> bool:
@@ -75,6 +79,8 @@ class MemoryPlan:
             ("weights, float", self.weights["float"]),
             ("weights, embeddings", self.weights["embeddings"]),
             (kv, self.kv_cache),
+            *([("prompt cache (kept across requests)", self.prompt_cache)]
+              if self.prompt_cache else []),
             (f"activations (prefill chunk {self.prefill_step_size})", self.activations),
             ("framework overhead", self.overhead),
             ("total", self.total),
@@ -92,6 +98,9 @@ class MemoryPlan:
         if self.kv_cache > 0 and not self.kv_bits and flag("kv_bits"):
             out.append(f"quantize the KV cache with {flag('kv_bits')} 8 (about half the KV "
                        "memory)")
+        if self.prompt_cache > 0 and flag("prompt_cache"):
+            out.append(f"a smaller {flag('prompt_cache')} (now "
+                       f"{fmt_bytes(self.prompt_cache)}; 0 turns the prompt cache off)")
         if self.batch > 1 and flag("batch"):
             out.append(f"lower {flag('batch')} (now {self.batch}; each sequence holds "
                        f"{fmt_bytes(self.kv_cache // self.batch)} of KV cache)")
@@ -102,12 +111,25 @@ class MemoryPlan:
 
     def refusal(self) -> str:
         """One message with the numbers and the advice, for a plan that does not fit."""
-        parts = [f"weights {fmt_bytes(self.weights_total)}", f"KV cache {fmt_bytes(self.kv_cache)}",
-                 f"activations {fmt_bytes(self.activations)}",
+        parts = [f"weights {fmt_bytes(self.weights_total)}", f"KV cache {fmt_bytes(self.kv_cache)}"]
+        if self.prompt_cache:
+            parts.append(f"prompt cache {fmt_bytes(self.prompt_cache)}")
+        parts += [f"activations {fmt_bytes(self.activations)}",
                  f"overhead {fmt_bytes(self.overhead)}"]
         return (f"the memory plan does not fit: {' + '.join(parts)} = {fmt_bytes(self.total)}"
                 f", over the limit of {fmt_bytes(self.limit)} ({self.available_source}); "
                 f"try: {'; '.join(self.advice())}")
+
+
+def parse_bytes(text: str) -> int:
+    """'512MB', '2GiB', '0', '1048576' -> bytes (K/M/G are powers of 1024)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and _UNITS.get(m.group(2).lower())
+    if not unit:
+        raise ValueError(f"{text!r} is not a size: write bytes or a number with KB, MB or GB")
+    return int(float(m.group(1)) * unit)
 
 
 def fmt_bytes(n: int) -> str:
@@ -224,8 +246,8 @@ def activation_bytes(model: nn.Module, batch: int, prefill_step: int, max_contex
 
 def plan(model: nn.Module, max_context: int, batch: int = 1, prefill_step_size: int = 512,
          kv_bits: Optional[int] = None, memory_limit: Optional[float] = None,
-         max_kv_size: Optional[int] = None, flags: Optional[Dict[str, str]] = None
-         ) -> MemoryPlan:
+         max_kv_size: Optional[int] = None, flags: Optional[Dict[str, str]] = None,
+         prompt_cache: int = 0) -> MemoryPlan:
     """The memory plan for serving `batch` sequences of up to `max_context` tokens.
 
     Args:
@@ -237,6 +259,7 @@ def plan(model: nn.Module, max_context: int, batch: int = 1, prefill_step_size: 
         memory_limit: limit in GiB (default: the memory available).
         max_kv_size: a rotating KV cache of this many tokens.
         flags: the options that change each part, for the advice (default: `plan`'s).
+        prompt_cache: bytes of prompt KV caches kept across requests (serve's LRU bound).
 
     Returns:
         A MemoryPlan; `.fits` says whether it fits, `.refusal()` says what to change.
@@ -251,7 +274,7 @@ def plan(model: nn.Module, max_context: int, batch: int = 1, prefill_step_size: 
         activations=activation_bytes(model, batch, prefill_step_size, max_context),
         overhead=FRAMEWORK_OVERHEAD, available=available, available_source=source,
         limit=limit, max_context=max_context, batch=batch,
-        prefill_step_size=prefill_step_size, kv_bits=kv_bits,
+        prefill_step_size=prefill_step_size, kv_bits=kv_bits, prompt_cache=prompt_cache,
         flags=dict(PLAN_FLAGS if flags is None else flags),
     )
 
