@@ -369,3 +369,17 @@ def test_ternary_bonsai_stays_packed(tmp_path, tied):
     # float32 norms off the GPU double their bytes; the rest is at most the packed bytes
     assert resident <= 1.05 * packed and resident - norms / 2 <= packed, (resident, packed)
     assert generates(model, tok) == 3
+
+
+def test_ternary_bonsai_converts_with_its_embedding_packed(tmp_path):
+    src, _ = bonsai(tmp_path, tied=True)
+    report = mlx_ternary.convert(str(src), tmp_path / "native", packing="compact")
+    assert report.max_error == 0.0
+    kinds = {t.name: t.kind for t in report.tensors}
+    assert kinds["model.embed_tokens"] == "affine 2-bit g128 (kept)"
+    assert report.bits_per_weight <= 1.75
+    tokens = mx.array([[3, 17, 42, 5]])
+    want = np.array(mlx_ternary.load(str(src))[0](tokens))
+    model = mlx_ternary.load(str(tmp_path / "native"))[0]
+    assert model.model.embed_tokens.bits == 2
+    np.testing.assert_allclose(np.array(model(tokens)), want, rtol=1e-5, atol=1e-5)
