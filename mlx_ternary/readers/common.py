@@ -76,18 +76,8 @@ def tensor_shapes(files: List[Path]) -> Dict[str, tuple]:
     return out
 
 
-def load_tensors(files: List[Path]) -> Dict[str, mx.array]:
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except (RuntimeError, ValueError) as e:
-            raise FormatError(f"{f}: cannot be read as safetensors ({e}); re-download or re-convert it") from None
-    return weights
-
-
 # --------------------------------------------------------------------------- #
-# Streaming: one tensor at a time (convert keeps peak memory near the largest tensor)
+# Reading one tensor at a time (lazily: convert keeps peak memory near the largest tensor)
 # --------------------------------------------------------------------------- #
 
 # safetensors dtype name -> (numpy dtype of the raw bytes, MLX dtype it becomes)
@@ -133,12 +123,6 @@ def read_tensor(name: str, entry: Tuple[Path, dict, int]) -> mx.array:
                           "re-convert it") from None
 
 
-def iter_tensors(files: List[Path]) -> Iterator[Tuple[str, mx.array]]:
-    """Yield (name, tensor) one at a time, in file order."""
-    for name, entry in tensor_index(files).items():
-        yield name, read_tensor(name, entry)
-
-
 @dataclass
 class Source:
     """A checkpoint as a stream of tensors named as the mlx-lm model's parameters.
@@ -170,24 +154,6 @@ class Source:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
-
-
-def iter_sanitized(files: List[Path], sanitize=None) -> Iterator[Tuple[str, mx.array]]:
-    """iter_tensors with the model class's `sanitize` applied to each tensor alone.
-
-    Fits architectures whose sanitize renames, drops or reshapes single tensors (llama,
-    qwen, bitnet); ones that merge tensors (MoE expert stacking) are not streamed.
-    """
-    for name, arr in iter_tensors(files):
-        yield from (sanitize({name: arr}) if sanitize else {name: arr}).items()
-
-
-def count_sanitized(files: List[Path], sanitize=None) -> int:
-    """How many tensors iter_sanitized yields, from the headers alone."""
-    n = 0
-    for name, (_, meta, _) in tensor_index(files).items():
-        n += len(sanitize({name: mx.zeros(tuple(meta["shape"]))})) if sanitize else 1
-    return n
 
 
 def sanitized_index(files: List[Path], sanitize=None):
