@@ -111,33 +111,27 @@ def test_dequantize_asks_for_floats(quantized, tmp_path):
     assert type(model.model.embed_tokens) is nn.Embedding
 
 
-def _edit(path, fn):
-    cfg = json.loads((path / "config.json").read_text())
-    fn(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
+def _with_lm_head_entry(src, dst, entry):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization"]["lm_head"] = entry
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def test_unsupported_mode_is_one_clear_line(quantized, tmp_path):
-    import shutil
-
-    path, _ = quantized
-    dst = tmp_path / "m"
-    shutil.copytree(path, dst)
-    _edit(dst, lambda c: c["quantization"].update({"lm_head": {"group_size": 32, "bits": 4,
-                                                               "mode": "mxfp4"}}))
+    dst = _with_lm_head_entry(quantized[0], tmp_path / "m",
+                              {"group_size": 32, "bits": 4, "mode": "mxfp4"})
     with pytest.raises(FormatError, match=r"config\.json: quantization\.lm_head: quantization "
                                           "mode 'mxfp4' is not kept by mlx-ternary"):
         mlx_ternary.load(str(dst))
 
 
 def test_affine_shape_mismatch_names_file_and_tensor(quantized, tmp_path):
-    import shutil
-
-    path, _ = quantized
-    dst = tmp_path / "m"
-    shutil.copytree(path, dst)
-    _edit(dst, lambda c: c["quantization"].update({"lm_head": {"group_size": 64, "bits": 8,
-                                                               "mode": "affine"}}))
+    dst = _with_lm_head_entry(quantized[0], tmp_path / "m",
+                              {"group_size": 64, "bits": 8, "mode": "affine"})
     with pytest.raises(FormatError, match=r"m: lm_head\.weight: shape \(128, 8\) with scales "
                                           r"\(128, 1\) does not hold a \(128, 64\) weight at "
                                           "8 bits"):

@@ -169,6 +169,15 @@ def test_bitnet_2b4t_bf16_master_weights(tmp_path, qc):
     assert generates(model, tok) == 3
 
 
+def test_bitnet_dequantized_output_reads_back_exactly(tmp_path):
+    """`convert -d` of a bitnet-type model: floats t * s and no BitNet block. Read exactly,
+    not re-ternarized with absmean (which would give s * mean|t|)."""
+    src, enc = build(tmp_path, "2b4t", REV_CURRENT, "packed:mean", "bfloat16", sub_norms=True,
+                     seed=10)
+    mlx_ternary.convert(str(src), tmp_path / "d", dequantize=True)
+    check_layers(mlx_ternary.load(str(tmp_path / "d"))[0], enc)
+
+
 # --------------------------------------------------------------------------- #
 # mlx-community conversions of BitNet (mlx_lm.convert -q)
 # --------------------------------------------------------------------------- #

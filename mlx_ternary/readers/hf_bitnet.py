@@ -19,6 +19,7 @@ from ..errors import FormatError
 from ..format import PackedTernary, is_native_config, ternarize_absmean
 from . import arch
 from .common import Source, shard_files, tensor_index
+from .trilm import read_scales
 
 # 1bitLLM/bitnet_b1_58-* checkpoints: model_type "llama", architecture BitnetForCausalLM,
 # with the BitNet sub-norms under their own names and a configurable activation.
@@ -34,6 +35,7 @@ class Semantics:
     rule: str            # which config revision decided it (docs/FORMAT.md table)
     invert: bool         # weight_scale holds 1/s (output divided by it), else s
     activation_bits: Optional[int]
+    exact_floats: bool = False  # float weights that are t * s are read exactly (else absmean)
 
 
 def _bitnet_block(config: dict) -> dict:
@@ -70,8 +72,8 @@ def semantics(config: dict) -> Semantics:
         return Semantics("1bitLLM weight_bits: 1 (latent)", False, act)
     # mlx-lm's convert -q replaced quantization_config by its affine block; its bitnet
     # class (the only one such checkpoints load into) multiplies by weight_scale.
-    return Semantics("model_type bitnet, BitNet block dropped by mlx_lm.convert -q "
-                     "(mlx-lm BitLinear)", False, act)
+    return Semantics("model_type bitnet, no BitNet block (mlx-lm BitLinear)", False, act,
+                     exact_floats=True)
 
 
 def detect(path: Path) -> bool:
@@ -97,6 +99,15 @@ def unpack_hf(packed: np.ndarray, out_features: int) -> np.ndarray:
     """HF BitNet packed uint8 (ceil(N/4), K) -> trits (N, K) int8."""
     fields = [((packed >> (2 * i)) & 3) for i in range(4)]
     return (np.concatenate(fields, axis=0)[:out_features].astype(np.int8) - 1)
+
+
+def _exact(w: np.ndarray, label: str):
+    """(t, s, group size) of floats that already are t * s, else None (latent weights)."""
+    try:
+        t, s, gs, _ = read_scales(w, 128, label)
+    except FormatError:
+        return None
+    return t, s, gs
 
 
 def _excluded(path: str, skip) -> bool:
@@ -144,7 +155,10 @@ def source(path: Path, packing: str = "compact") -> Source:
             if tuple(w.shape) != (n, k):
                 raise FormatError(f"{label}: shape {tuple(w.shape)}, the config expects "
                                   f"({n}, {k})")
-            t, s = ternarize_absmean(np.array(w.astype(mx.float32)))
+            w32 = np.array(w.astype(mx.float32))
+            exact = _exact(w32, label) if sem.exact_floats else None
+            t, s, gs = exact if exact else (*ternarize_absmean(w32), None)
+            return PackedTernary.from_trits(t, s, packing, gs, name=label)
         else:
             raise FormatError(f"{label}: dtype {w.dtype}; a BitNet weight is packed uint8 or "
                               "float latent")
