@@ -178,6 +178,15 @@ def test_bitnet_dequantized_output_reads_back_exactly(tmp_path):
     check_layers(mlx_ternary.load(str(tmp_path / "d"))[0], enc)
 
 
+def test_unsupported_bitnet_variant_is_refused_by_name(tmp_path):
+    cfg = {**REV_CURRENT, "quantization_config": {**REV_CURRENT["quantization_config"],
+                                                  "use_rms_norm": True}}
+    src, _ = build(tmp_path, "rms", cfg, "packed:mean", "bfloat16", sub_norms=True, seed=11)
+    with pytest.raises(mlx_ternary.TernaryError, match=r"rms/config\.json: quantization_config"
+                                                       r"\.use_rms_norm is true"):
+        mlx_ternary.load(str(src))
+
+
 # --------------------------------------------------------------------------- #
 # mlx-community conversions of BitNet (mlx_lm.convert -q)
 # --------------------------------------------------------------------------- #

@@ -48,17 +48,17 @@ def _bitnet_block(config: dict) -> dict:
     return {}
 
 
-def semantics(config: dict) -> Semantics:
+def semantics(config: dict, where="config.json") -> Semantics:
     """Scale meaning and activation quantization of a BitNet config, as the transformers
     (or mlx-lm) code that read that config revision applied them."""
     q = _bitnet_block(config)
     act = 8 if config.get("input_bits", 8) else None
     if q.get("use_rms_norm"):
-        raise FormatError("config.json: quantization_config.use_rms_norm is true (an RMSNorm "
+        raise FormatError(f"{where}: quantization_config.use_rms_norm is true (an RMSNorm "
                           "inside every BitLinear); mlx-ternary does not run that variant")
     if "linear_class" in q:
         if q["linear_class"] not in ("bitlinear", "autobitlinear"):
-            raise FormatError(f"config.json: quantization_config.linear_class "
+            raise FormatError(f"{where}: quantization_config.linear_class "
                               f"{q['linear_class']!r}; expected bitlinear or autobitlinear")
         return Semantics(f"linear_class: {q['linear_class']}",
                          q["linear_class"] == "bitlinear", act)
@@ -117,7 +117,7 @@ def _excluded(path: str, skip) -> bool:
 def source(path: Path, packing: str = "compact") -> Source:
     """A Source for a BitNet checkpoint; ternary layers packed in `packing`."""
     raw = arch.read_config(path)
-    sem = semantics(raw)
+    sem = semantics(raw, path / "config.json")
     config = model_config(raw)
     model = arch.skeleton(config, path)
     skip = set(_bitnet_block(raw).get("modules_to_not_convert") or []) | {"lm_head"}
