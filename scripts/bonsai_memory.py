@@ -1,6 +1,8 @@
 """Resident bytes of a loaded Ternary-Bonsai-style pack against its file bytes.
 
     python scripts/bonsai_memory.py --shape 8b --layers 2 --out /tmp/bonsai-8b-2l
+    python scripts/bonsai_memory.py --shape 8b --layers 2 --out /tmp/bonsai-8b-2l  # again:
+        # the pack exists, so this run only loads and measures (peak RSS of the load alone)
 
 Writes an MLX 2-bit g128 pack laid out as prism-ml/Ternary-Bonsai-*-mlx-2bit ships
 (Qwen3; every linear, the embedding and the lm_head hold codes t + 1 with fp16 scales and
@@ -101,11 +103,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
-    ap.add_argument("--out", type=Path, required=True, help="directory to write (must not exist)")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="directory to write, or a pack this script wrote to measure again")
     args = ap.parse_args(argv)
     mx.random.seed(0)
     cfg = config(args.shape, args.layers)
-    write(args.out, cfg)
+    if (args.out / "config.json").is_file():  # measure an existing pack in a fresh process
+        cfg = json.loads((args.out / "config.json").read_text())
+    else:
+        write(args.out, cfg)
     print(json.dumps({"shape": args.shape, "layers": cfg["num_hidden_layers"],
                       **measure(args.out, cfg)}))
 

@@ -136,3 +136,25 @@ def test_affine_shape_mismatch_names_file_and_tensor(quantized, tmp_path):
                                           r"\(128, 1\) does not hold a \(128, 64\) weight at "
                                           "8 bits"):
         mlx_ternary.load(str(dst))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_stock_outputs_read_back_as_ternary_unless_a_code_is_not(tmp_path, bits):
+    src, _ = ternary_checkpoint(tmp_path, "llama", "compact", "row")
+    want = {p: np.array(m.dequantize()) for p, m in ternary_layers(mlx_ternary.load(str(src))[0])}
+    mlx_ternary.convert(str(src), tmp_path / "q", q_bits=bits, q_group_size=32)
+    got = dict(ternary_layers(mlx_ternary.load(str(tmp_path / "q"))[0]))
+    assert set(got) == set(want)
+    for p, w in want.items():
+        np.testing.assert_array_equal(np.array(got[p].dequantize()), w, err_msg=p)
+    # negative control: one code 3 (w = 2s) makes that layer an affine layer, kept as stored
+    f = tmp_path / "q" / "model.safetensors"
+    tensors = mx.load(str(f))
+    name = "model.layers.1.mlp.up_proj.weight"
+    w = np.array(tensors[name])
+    w[0, 0] |= np.uint32(3)  # the first code of row 0
+    tensors[name] = mx.array(w)
+    mx.save_safetensors(str(f), tensors)
+    model = mlx_ternary.load(str(tmp_path / "q"))[0]
+    assert type(model.model.layers[1].mlp.up_proj) is nn.QuantizedLinear
+    assert len(ternary_layers(model)) == len(want) - 1

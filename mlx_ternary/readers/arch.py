@@ -16,6 +16,7 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import FormatError, TernaryError
@@ -183,17 +184,36 @@ def affine_tensor(path: str, weight: mx.array, scales: mx.array, biases: Optiona
     return AffineTensor(weight, scales, biases, bits, g)
 
 
-def exact_ternary(at: AffineTensor) -> Optional[Tuple[mx.array, mx.array]]:
-    """(trits (N, K) int8, scales (N, K/g)) if every group holds codes t + 1 with
-    bias == -scale (w = scale * t exactly), else None."""
+_CHUNK = 1 << 24  # codes decoded per step: bounds the float scratch of the checks
+
+
+def _codes(at: AffineTensor, rows: slice) -> mx.array:
+    ones = mx.ones(at.scales[rows].shape, dtype=mx.float32)
+    return mx.dequantize(at.weight[rows], ones, mx.zeros_like(ones),
+                         group_size=at.group_size, bits=at.bits)
+
+
+def is_exact_ternary(at: AffineTensor) -> bool:
+    """Every group holds codes t + 1 (0, 1 or 2) with bias == -scale: w = scale * t."""
     if not mx.array_equal(at.biases, -at.scales).item():
-        return None
-    ones = mx.ones(at.scales.shape, dtype=mx.float32)
-    codes = mx.dequantize(at.weight, ones, mx.zeros_like(ones), group_size=at.group_size,
-                          bits=at.bits)
-    if mx.any(codes > 2).item():
-        return None
-    return codes.astype(mx.int8) - 1, at.scales
+        return False
+    if at.bits == 2:  # a code 3 has both bits of its field set
+        w = at.weight
+        return not mx.any((w & (w >> 1)) & 0x55555555).item()
+    n, k = at.shape
+    step = max(1, _CHUNK // k)
+    return not any(mx.any(_codes(at, slice(r, r + step)) > 2).item()
+                   for r in range(0, n, step))
+
+
+def affine_trits(at: AffineTensor) -> np.ndarray:
+    """Trits (N, K) int8 of an exactly ternary affine layer, decoded a block of rows at a time."""
+    n, k = at.shape
+    step = max(1, _CHUNK // k)
+    out = np.empty((n, k), np.int8)
+    for r in range(0, n, step):
+        out[r:r + step] = np.array(_codes(at, slice(r, r + step)).astype(mx.int8)) - 1
+    return out
 
 
 # --------------------------------------------------------------------------- #

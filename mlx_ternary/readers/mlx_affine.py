@@ -50,16 +50,14 @@ def _reduce_scales(s: np.ndarray, g: int, name: str) -> Tuple[np.ndarray, Option
 def ternary_layer(path: str, at: AffineTensor, packing: str, where: str,
                   ) -> Optional[PackedTernary]:
     """The PackedTernary an affine layer holds exactly, or None if it is not ternary."""
-    found = arch.exact_ternary(at)
-    if found is None:
+    if not arch.is_exact_ternary(at):
         return None
-    t, scales = found
     label = f"{where}: {path}"
-    s, gs = _reduce_scales(to_numpy(scales), at.group_size, label)
+    s, gs = _reduce_scales(to_numpy(at.scales), at.group_size, label)
     n, k = at.shape
     if packing == "fast" and at.bits == 2:  # the codes already are the fast layout
         return PackedTernary("fast", at.weight, s, n, k, gs)
-    return PackedTernary.from_trits(np.array(t), s, packing, gs, name=label)
+    return PackedTernary.from_trits(arch.affine_trits(at), s, packing, gs, name=label)
 
 
 def _hadamard_sanitize(model):
