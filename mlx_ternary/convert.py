@@ -15,7 +15,6 @@ from typing import Callable, List, Optional, Union
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from . import kernels
 from .errors import FormatError, TernaryError

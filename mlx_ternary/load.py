@@ -13,8 +13,8 @@ from .format import PACKINGS, AffineTensor, PackedTernary
 from .nn import (HadamardTernaryLinear, TernaryLinear, affine_layer, model_quantization,
                  ternary_layers)
 from .readers import open_source
-from .readers.arch import (Checker, get_classes, hadamard_paths, normalize_config,  # noqa: F401
-                           read_config)
+from .readers.arch import Checker, hadamard_paths
+from .readers.arch import get_classes, normalize_config, read_config  # noqa: F401 (re-exported)
 from .readers.common import Source
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -113,9 +113,7 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
     """
     runtime = runtime_packing(packing, backend)
     source = open_source(model_path, runtime or "compact")
-    model = source.model if source.model is not None else skeleton(source.config, model_path)
-    if source.targets is None:
-        source.targets = ternary_targets(model, source.config)
+    model = source.model  # the skeleton: its layers are replaced, its parameters loaded
     weights, layers = read_layers(source, model, backend=backend)
     model.update_modules(tree_unflatten(list(layers.items())))
     dtype = dtype or default_dtype()
