@@ -326,6 +326,7 @@ def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: 
             packing: Optional[str] = None, dtype: Optional[str] = None,
             dequantize: bool = False, to_gguf=None, gguf_type: str = "TQ2_0",
             force: bool = False, revision: Optional[str] = None, group_size: int = 128,
+            activation_bits: Optional[int] = None,
             max_shard_bytes: int = MAX_SHARD_BYTES,
             progress: Optional[Progress] = None) -> ConvertReport:
     """Convert a ternary checkpoint to the native format, stock MLX, or GGUF.
@@ -348,6 +349,9 @@ def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: 
         force: replace an existing destination.
         revision: hub revision when hf_path is a repo id.
         group_size: column group for TriLM-style weights whose scales vary along a row.
+        activation_bits: 8 or 0 to override the source's activation quantization (e.g. a
+            float checkpoint of a BitNet-trained model whose config does not say so);
+            None keeps what the source's config says.
         max_shard_bytes: largest safetensors shard (default 5 GB).
         progress: called as (tensor name, done, total) after each tensor.
 
@@ -365,8 +369,15 @@ def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: 
     dst = to_gguf if to_gguf is not None else mlx_path
     if dst is not None and Path(dst).expanduser().exists() and not force:
         raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
+    if activation_bits not in (None, 0, 8):
+        raise TernaryError(f"activation_bits must be 8, 0 (none) or None (as the source says), "
+                           f"got {activation_bits!r}")
     source = open_source(hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing,
                          revision, group_size)
+    if activation_bits is not None:
+        source.activation_bits = activation_bits or None
+        source.notes.append(f"activation quantization set by the caller: "
+                            f"{'int8' if activation_bits else 'none'}")
     return convert_source(source, mlx_path, q_bits=q_bits, q_group_size=q_group_size,
                           packing=packing, dtype=dtype, dequantize=dequantize,
                           to_gguf=to_gguf, gguf_type=gguf_type, force=force,

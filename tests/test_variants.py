@@ -287,6 +287,17 @@ def test_falcon_e_bfloat16_revision(tmp_path, marked):
     # int8 activations as trained when the config says BitNet; none can be inferred otherwise
     assert config["quantization"]["activation_bits"] == (8 if marked else None)
     assert generates(model, tok) == 3
+    if not marked:  # ... unless the caller says so
+        from click.testing import CliRunner
+
+        from mlx_ternary.cli import main
+
+        res = CliRunner().invoke(main, ["convert", "--hf-path", str(src), "--mlx-path",
+                                        str(tmp_path / "a8"), "--activation-bits", "8"])
+        assert res.exit_code == 0, res.output
+        assert "activation quantization set by the caller: int8" in res.output
+        model = mlx_ternary.load(str(tmp_path / "a8"))[0]
+        assert {m.activation_bits for _, m in ternary_layers(model)} == {8}
 
 
 # --------------------------------------------------------------------------- #
