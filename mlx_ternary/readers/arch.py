@@ -228,7 +228,7 @@ LinearRule = Callable[[str, mx.array, Callable[[str], mx.array]], Optional[Packe
 AffineRule = Callable[[str, AffineTensor], Optional[PackedTernary]]
 
 
-def _group(names) -> Tuple[Dict[str, str], set]:
+def affine_triples(names) -> Tuple[Dict[str, str], set]:
     """({weight name: module path} of affine triples, names read with their weight)."""
     triples, companions = {}, set()
     for name in names:
@@ -255,7 +255,7 @@ def stream(model_path: Path, model: nn.Module, targets: Dict[str, tuple], block:
     """
     index, renamed = sanitized_index(shard_files(model_path), sanitize)
     names = set(renamed)
-    triples, read_with = _group(names)
+    triples, read_with = affine_triples(names)
     triples = {n: p for n, p in triples.items() if p not in raw}
     read_with = {n for n in read_with if n.rpartition(".")[0] not in raw}
     read_with |= {n for n in names if n.rpartition(".")[2] in companions
