@@ -162,9 +162,12 @@ Examples:
 @click.option("--gguf-type", type=click.Choice(["TQ1_0", "TQ2_0"]), default="TQ2_0",
               show_default=True, help="GGUF type of the ternary tensors.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@click.option("--activation-bits", type=click.Choice(["8", "0"]), default=None,
+              help="Override the source's activation quantization: 8 (BitNet int8) or 0 "
+              "(none). Default: as the source's config says.")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 def convert(hf_path, mlx_path, packing, q_bits, q_group_size, dtype, dequantize, to_gguf,
-            gguf_type, revision, force):
+            gguf_type, revision, activation_bits, force):
     """Convert a ternary checkpoint to the native format, stock MLX or GGUF."""
     from tqdm import tqdm
 
@@ -185,7 +188,9 @@ def convert(hf_path, mlx_path, packing, q_bits, q_group_size, dtype, dequantize,
         report = run_convert(hf_path, mlx_path, int(q_bits) if q_bits else None,
                              int(q_group_size), packing=packing, dtype=dtype,
                              dequantize=dequantize, to_gguf=to_gguf, gguf_type=gguf_type,
-                             force=force, revision=revision, progress=progress)
+                             force=force, revision=revision, progress=progress,
+                             activation_bits=None if activation_bits is None
+                             else int(activation_bits))
     finally:
         if bar is not None:
             bar.close()

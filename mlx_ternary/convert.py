@@ -15,18 +15,15 @@ from typing import Callable, List, Optional, Union
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from . import kernels
 from .errors import FormatError, TernaryError
-from .format import (PACKINGS, PackedTernary, QuantizationConfig, packed_shape, scale_kind,
-                     ternarize_absmean)
-from .load import get_classes, normalize_config, read_config, resolve_model_path
-from .nn import linear_paths
-from .readers import gguf as gguf_reader
-from .readers import hf_bitnet, mlx_affine, native, trilm
-from .readers.common import (TOKENIZER_FILES, Source, count_sanitized, read_sanitized,
-                             read_tensor, sanitized_index, shard_files, tensor_index)
+from .format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig
+from .load import resolve_model_path
+from .readers import open_source as open_path
+from .readers import with_model
+from .readers.arch import Checker, is_hadamard
+from .readers.common import TOKENIZER_FILES, Source
 from .writers import gguf as gguf_writer
 from .writers import mlx_affine as affine_writer
 from .writers.native import MAX_SHARD_BYTES, ShardWriter, native_config, write_manifest
@@ -68,78 +65,9 @@ class ConvertReport:
         return 8 * self.ternary_bytes / self.ternary_weights if self.ternary_weights else None
 
 
-# --------------------------------------------------------------------------- #
-# Sources
-# --------------------------------------------------------------------------- #
-
-
-def _model(config: dict, model_path: Path):
-    """mlx-lm's class for the config; parameters stay lazy (nothing is allocated)."""
-    cfg = mlx_affine.hadamard_model_config(config) if mlx_affine.is_hadamard(config) else config
-    model_class, args_class = get_classes(cfg, model_path)
-    return model_class(args_class.from_dict(cfg))
-
-
-def _hf_bitnet_items(model_path: Path, config: dict, linears: dict, packing: str, sanitize):
-    qc = hf_bitnet._quant_config(config)
-    invert = qc.get("linear_class", "bitlinear") != "autobitlinear"
-    skip = set(qc.get("modules_to_not_convert") or []) | {"lm_head"}
-    index, renamed = sanitized_index(shard_files(model_path), sanitize)
-    for name in renamed:
-        path, _, leaf = name.rpartition(".")
-        if leaf == "weight_scale" and f"{path}.weight" in renamed:
-            continue  # read with its weight
-        arr = read_sanitized(name, index, renamed, sanitize)
-        if leaf != "weight" or path not in linears or hf_bitnet._excluded(path, skip):
-            yield name, arr
-            continue
-        k, n, _ = linears[path]
-        label = f"{model_path.name}: {name}"
-        if arr.dtype == mx.uint8:
-            if f"{path}.weight_scale" not in renamed:
-                raise FormatError(f"{label} is packed but {path}.weight_scale is missing")
-            ws = read_sanitized(f"{path}.weight_scale", index, renamed, sanitize)
-            ws = np.array(ws.astype(mx.float32)).reshape(-1)
-            if ws.size != 1:
-                raise FormatError(f"{path}.weight_scale: expected one value per tensor, "
-                                  f"got {ws.size}")
-            if tuple(arr.shape) != (-(-n // 4), k):
-                raise FormatError(f"{label}: packed shape {tuple(arr.shape)} does not match the "
-                                  f"config's ({n}, {k}) layer (expected ({-(-n // 4)}, {k}))")
-            t = hf_bitnet.unpack_hf(np.array(arr), n)
-            s = (np.float32(1.0) / ws[:1] if invert else ws[:1]).reshape(1, 1)
-        else:
-            if tuple(arr.shape) != (n, k):
-                raise FormatError(f"{label}: shape {tuple(arr.shape)}, the config expects "
-                                  f"({n}, {k})")
-            t, s = ternarize_absmean(np.array(arr.astype(mx.float32)))
-        yield path, PackedTernary.from_trits(t, s.astype(np.float32), packing, name=label)
-
-
-def _native_items(files, quant: QuantizationConfig, linears: dict):
-    index = tensor_index(files)
-    for name in index:
-        path, _, leaf = name.rpartition(".")
-        if leaf == "scales" and f"{path}.packed" in index:
-            continue  # read with its packed trits
-        arr = read_tensor(name, index[name])
-        if leaf != "packed" or path not in linears:
-            yield name, arr
-            continue
-        k, n, _ = linears[path]
-        scales = read_tensor(f"{path}.scales", index[f"{path}.scales"])
-        scales = np.array(scales.astype(mx.float32) if scales.dtype == mx.bfloat16 else scales)
-        gs = quant.group_size if scale_kind(scales.shape, n) == "group" else None
-        want = packed_shape(quant.packing, n, k, gs)
-        if tuple(arr.shape) != want:
-            raise FormatError(f"{files[0].parent.name}: {name} has shape {tuple(arr.shape)}, "
-                              f"the config implies {want}")
-        yield path, PackedTernary(quant.packing, np.array(arr), scales, n, k, gs)
-
-
 def open_source(hf_path: Union[str, Path], packing: str = DEFAULT_PACKING,
                 revision: Optional[str] = None, group_size: int = 128) -> Source:
-    """Detect the checkpoint format of a directory, hub repo id or .gguf file.
+    """The Source of a directory, hub repo id or .gguf file (readers.READERS decides).
 
     Args:
         group_size: the column group TriLM-style weights are read at when one scale
@@ -150,101 +78,13 @@ def open_source(hf_path: Union[str, Path], packing: str = DEFAULT_PACKING,
         if p.suffix != ".gguf":
             raise TernaryError(f"{p}: a single file must be a .gguf; otherwise pass the "
                                "model directory")
-        return gguf_reader.source(p, packing)
-    model_path = resolve_model_path(str(hf_path), revision)
-    config = normalize_config(read_config(model_path))
-    is_bitnet = not native.detect(config) and hf_bitnet.detect(config)
-    if is_bitnet:  # 1bitLLM's llama-typed BitNet configs become mlx-lm's bitnet class
-        config = hf_bitnet.model_config(config)
-    model = _model(config, model_path)
-    linears = linear_paths(model)
-    sanitize = getattr(model, "sanitize", None)
-    if is_bitnet:
-        model_sanitize = sanitize
-
-        def sanitize(weights):  # 1bitLLM sub-norm names, then the class's own rules
-            renamed = hf_bitnet._rename(weights)
-            return model_sanitize(renamed) if model_sanitize else renamed
-    files = shard_files(model_path)
-    arch = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    if native.detect(config):
-        quant = QuantizationConfig.from_dict(config["quantization"], model_path / "config.json")
-        if mlx_affine.is_hadamard(config):
-            linears = mlx_affine.hadamard_linears(model, config)
-        names = tensor_index(files)
-        n = len(names) - sum(1 for p in linears if f"{p}.packed" in names)
-        return Source(path=model_path, kind=f"mlx-ternary native ({quant.packing})",
-                      config=arch, count=n, items=lambda: _native_items(files, quant, linears),
-                      activation_bits=quant.activation_bits, group_size=quant.group_size,
-                      tokenizer_dir=model_path)
-    if mlx_affine.detect(config):
-        return mlx_affine.source(model_path, config, model, linears, packing, sanitize)
-    if hf_bitnet.detect(config):
-        qc = hf_bitnet._quant_config(config)
-        act = qc.get("activation_bits", config.get("input_bits", 8))
-        latent = qc.get("quantization_mode") == "online" or not qc
-        kind = ("Hugging Face BitNet float latent (absmean)" if latent else
-                f"Hugging Face BitNet packed ({qc.get('linear_class', 'bitlinear')})")
-        n = count_sanitized(files, sanitize)
-        n -= sum(1 for name in tensor_index(files) if name.endswith(".weight_scale"))
-        return Source(path=model_path, kind=kind, config=arch, count=n,
-                      items=lambda: _hf_bitnet_items(model_path, config, linears, packing,
-                                                     sanitize),
-                      activation_bits=8 if act else None, tokenizer_dir=model_path)
-    return trilm.source(model_path, arch, linears, packing, group_size, sanitize)
+        return open_path(p, packing)
+    return open_path(resolve_model_path(str(hf_path), revision), packing, group_size)
 
 
 # --------------------------------------------------------------------------- #
 # Writing
 # --------------------------------------------------------------------------- #
-
-
-def _expected(source: Source):
-    """(float parameter shapes, {ternary path: (in, out)}) of the model the config builds."""
-    model = _model(source.config, source.path)
-    linears = (mlx_affine.hadamard_linears(model, source.config)
-               if mlx_affine.is_hadamard(source.config) else linear_paths(model))
-    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    return shapes, linears
-
-
-class _Checker:
-    """Checks each tensor against the model its config builds; names the tensor at fault."""
-
-    def __init__(self, source: Source):
-        self.where = source.path
-        self.shapes, self.linears = _expected(source)
-        self.seen = set()
-
-    def ternary(self, path: str, pt: PackedTernary) -> None:
-        if path not in self.linears:
-            raise FormatError(f"{self.where}: ternary tensor {path} is not a linear layer of "
-                              "the model its config describes")
-        k, n, _ = self.linears[path]
-        if (pt.out_features, pt.in_features) != (n, k):
-            raise FormatError(f"{self.where}: {path} holds a ({pt.out_features}, "
-                              f"{pt.in_features}) weight but the config implies ({n}, {k}); "
-                              "the config and the weights do not belong together")
-        self.seen.update(k for k in self.shapes if k.startswith(path + ".")
-                         and k[len(path) + 1:] in ("weight", "packed", "scales",
-                                                   "weight_scale", "biases"))
-
-    def tensor(self, name: str, arr: mx.array) -> None:
-        if name not in self.shapes:
-            raise FormatError(f"{self.where}: tensor {name} is not a parameter of the "
-                              f"{self.shapes and 'model'} its config describes")
-        if tuple(arr.shape) != self.shapes[name]:
-            raise FormatError(f"{self.where}: tensor {name} has shape {tuple(arr.shape)} but "
-                              f"config.json implies {self.shapes[name]}; the config and the "
-                              "weights do not belong together")
-        self.seen.add(name)
-
-    def finish(self) -> None:
-        missing = sorted(set(self.shapes) - self.seen)
-        if missing:
-            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise FormatError(f"{self.where}: missing tensor(s) {', '.join(missing[:3])}{more}; "
-                              "is a shard missing or the checkpoint incomplete?")
 
 
 def _max_err(a, b) -> float:
@@ -259,37 +99,63 @@ def _float(arr: mx.array, dtype) -> mx.array:
     return arr
 
 
+def _ternary_tensors(name: str, item: PackedTernary, report: ConvertReport, written: dict,
+                     *, packing, q_bits, q_group_size, dequantize, dtype):
+    """The tensors one ternary layer becomes, with its round-trip error recorded."""
+    ref = item.dequantize(np.float32)
+    if q_bits or dequantize:
+        tensors = (affine_writer.affine_tensors(name, item, q_bits, q_group_size, dtype)
+                   if q_bits else affine_writer.dequantized(name, item, dtype))
+        back = (mx.dequantize(*(t for _, t in tensors), group_size=q_group_size,
+                              bits=q_bits) if q_bits else tensors[0][1])
+        back = np.array(back.astype(mx.float32))
+        kind = f"affine {q_bits}-bit g{q_group_size}" if q_bits else "float"
+    else:
+        pt = item.repack(packing)
+        tensors = [(f"{name}.packed", _mx(pt.packed)), (f"{name}.scales", _mx(pt.scales))]
+        back = pt.dequantize(np.float32)
+        kind = f"ternary {pt.packing} {pt.scale}"
+        written.setdefault("groups", set()).add(pt.group_size)
+        report.ternary_bytes += pt.nbytes
+    report.ternary_weights += item.out_features * item.in_features
+    report.tensors.append(TensorReport(name, kind, _max_err(back, ref),
+                                       getattr(item, "note", "")))
+    return tensors
+
+
+def _affine_tensors(name: str, at: AffineTensor, report: ConvertReport, written: dict,
+                    *, dequantize, dtype):
+    """An affine layer stays quantized (its three arrays as stored), or becomes floats
+    with -d; the layer is recorded for the quantization block."""
+    if dequantize:
+        report.tensors.append(TensorReport(name, "float (from affine)", 0.0))
+        return [(f"{name}.weight", at.dequantize(dtype or at.scales.dtype))]
+    written.setdefault("affine", {})[name] = at.entry
+    report.tensors.append(TensorReport(name, f"affine {at.bits}-bit g{at.group_size} (kept)"))
+    return [(f"{name}.weight", at.weight), (f"{name}.scales", at.scales),
+            (f"{name}.biases", at.biases)]
+
+
 def _write_tensors(source: Source, out: Path, report: ConvertReport, *, packing: str,
                    q_bits: Optional[int], q_group_size: int, dequantize: bool, dtype,
-                   max_shard_bytes: int, progress: Optional[Progress]) -> set:
-    """Stream every tensor of `source` into shards in `out`; returns the group sizes used."""
-    check = _Checker(source)
+                   max_shard_bytes: int, progress: Optional[Progress]) -> dict:
+    """Stream every item of `source` into shards in `out`.
+
+    Returns {"groups": ternary scale groups written, "affine": {path: entry} kept}.
+    """
+    check = Checker(source.model, source.targets, source.path)
     writer = ShardWriter(out, max_shard_bytes)
-    groups, done = set(), 0
+    written, done = {}, 0
     for name, item in source.items():
+        check.item(name, item)
         if isinstance(item, PackedTernary):
-            check.ternary(name, item)
-            ref = item.dequantize(np.float32)
-            if q_bits or dequantize:
-                tensors = (affine_writer.affine_tensors(name, item, q_bits, q_group_size, dtype)
-                           if q_bits else affine_writer.dequantized(name, item, dtype))
-                back = (mx.dequantize(*(t for _, t in tensors), group_size=q_group_size,
-                                      bits=q_bits) if q_bits else tensors[0][1])
-                kind = f"affine {q_bits}-bit g{q_group_size}" if q_bits else "float"
-            else:
-                pt = item.repack(packing)
-                tensors = [(f"{name}.packed", mx.array(pt.packed)),
-                           (f"{name}.scales", mx.array(pt.scales))]
-                back = pt.dequantize(np.float32)
-                kind = f"ternary {pt.packing} {pt.scale}"
-                groups.add(pt.group_size)
-                report.ternary_bytes += pt.nbytes
-            report.ternary_weights += item.out_features * item.in_features
-            err = _max_err(np.array(back.astype(mx.float32)) if isinstance(back, mx.array)
-                           else back, ref)
-            report.tensors.append(TensorReport(name, kind, err, getattr(item, "note", "")))
+            tensors = _ternary_tensors(name, item, report, written, packing=packing,
+                                       q_bits=q_bits, q_group_size=q_group_size,
+                                       dequantize=dequantize, dtype=dtype)
+        elif isinstance(item, AffineTensor):
+            tensors = _affine_tensors(name, item, report, written, dequantize=dequantize,
+                                      dtype=dtype)
         else:
-            check.tensor(name, item)
             arr = _float(item, dtype)
             err = _max_err(arr, item) if arr.dtype != item.dtype else 0.0
             tensors = [(name, arr)]
@@ -301,17 +167,22 @@ def _write_tensors(source: Source, out: Path, report: ConvertReport, *, packing:
             progress(name, done, source.count)
     check.finish()
     writer.close()
-    return groups
+    return written
 
 
-def _quantization(source: Source, packing: str, groups: set) -> QuantizationConfig:
-    groups = groups - {None}
+def _quantization(source: Source, packing: str, written: dict) -> QuantizationConfig:
+    groups = written.get("groups", set()) - {None}
     if len(groups) > 1:
         raise FormatError(f"{source.path}: layers use scale groups of {sorted(groups)} "
                           "columns; the native format holds one group size per model")
     g = groups.pop() if groups else None
     return QuantizationConfig(packing=packing, scale="group" if g else "row", group_size=g,
-                              activation_bits=source.activation_bits)
+                              activation_bits=source.activation_bits,
+                              layers=written.get("affine", {}))
+
+
+def _mx(a) -> mx.array:
+    return a if isinstance(a, mx.array) else mx.array(a)
 
 
 def _copy_tokenizer(source: Source, out: Path) -> None:
@@ -355,6 +226,7 @@ def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = Non
                    max_shard_bytes: int = MAX_SHARD_BYTES,
                    progress: Optional[Progress] = None) -> ConvertReport:
     """Write an opened Source (see `convert` for the arguments)."""
+    source = with_model(source)
     if packing not in PACKINGS:
         raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
     if dtype is not None and dtype not in DTYPES:
@@ -366,7 +238,7 @@ def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = Non
         raise TernaryError("-q/--q-bits and -d/--dequantize exclude each other")
     if q_bits:
         affine_writer.check_args(q_bits, q_group_size)
-        if source.config.get("model_type") == "bitnet" or mlx_affine.is_hadamard(source.config):
+        if source.config.get("model_type") == "bitnet" or is_hadamard(source.config):
             raise TernaryError(f"{source.path}: mlx-lm's {source.config['model_type']} class "
                                "has no stock quantized layers to load an affine checkpoint "
                                "into; convert to the native format instead")
@@ -389,12 +261,13 @@ def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = Non
             _write_gguf(source, tmp, gguf_type, mx_dtype, report, progress)
         else:
             tmp.mkdir()
-            groups = _write_tensors(source, tmp, report, packing=packing, q_bits=q_bits,
-                                    q_group_size=q_group_size, dequantize=dequantize,
-                                    dtype=mx_dtype, max_shard_bytes=max_shard_bytes,
-                                    progress=progress)
+            written = _write_tensors(source, tmp, report, packing=packing, q_bits=q_bits,
+                                     q_group_size=q_group_size, dequantize=dequantize,
+                                     dtype=mx_dtype, max_shard_bytes=max_shard_bytes,
+                                     progress=progress)
             if q_bits or dequantize:
-                config = (affine_writer.affine_config(source.config, q_bits, q_group_size)
+                config = (affine_writer.affine_config(source.config, q_bits, q_group_size,
+                                                      written.get("affine", {}))
                           if q_bits else dict(source.config))
                 (tmp / "README.md").write_text(affine_writer.model_card(
                     source.path.name, source.kind, q_bits, q_group_size,
@@ -405,7 +278,7 @@ def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = Non
                         "stock mlx-lm does not, so this checkpoint matches the ternary model "
                         "with activation quantization off (stated in its README.md)")
             else:
-                config = native_config(source.config, _quantization(source, packing, groups))
+                config = native_config(source.config, _quantization(source, packing, written))
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             _copy_tokenizer(source, tmp)
             write_manifest(tmp)
@@ -425,16 +298,17 @@ def _write_gguf(source: Source, tmp: Path, qtype: str, dtype, report: ConvertRep
             tok_json = (source.tokenizer_dir / "tokenizer.json").read_text()
         if (source.tokenizer_dir / "tokenizer_config.json").is_file():
             tok_cfg = json.loads((source.tokenizer_dir / "tokenizer_config.json").read_text())
-    check = _Checker(source)
+    check = Checker(source.model, source.targets, source.path)
     done = [0]
 
     def items():
         for name, item in source.items():
+            check.item(name, item)
             if isinstance(item, PackedTernary):
-                check.ternary(name, item)
                 report.ternary_weights += item.out_features * item.in_features
+            elif isinstance(item, AffineTensor):  # the GGUF writer takes floats
+                name, item = f"{name}.weight", _float(item.dequantize(), dtype)
             else:
-                check.tensor(name, item)
                 item = _float(item, dtype)
             yield name, item
 
@@ -452,6 +326,7 @@ def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: 
             packing: Optional[str] = None, dtype: Optional[str] = None,
             dequantize: bool = False, to_gguf=None, gguf_type: str = "TQ2_0",
             force: bool = False, revision: Optional[str] = None, group_size: int = 128,
+            activation_bits: Optional[int] = None,
             max_shard_bytes: int = MAX_SHARD_BYTES,
             progress: Optional[Progress] = None) -> ConvertReport:
     """Convert a ternary checkpoint to the native format, stock MLX, or GGUF.
@@ -474,6 +349,9 @@ def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: 
         force: replace an existing destination.
         revision: hub revision when hf_path is a repo id.
         group_size: column group for TriLM-style weights whose scales vary along a row.
+        activation_bits: 8 or 0 to override the source's activation quantization (e.g. a
+            float checkpoint of a BitNet-trained model whose config does not say so);
+            None keeps what the source's config says.
         max_shard_bytes: largest safetensors shard (default 5 GB).
         progress: called as (tensor name, done, total) after each tensor.
 
@@ -491,8 +369,15 @@ def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: 
     dst = to_gguf if to_gguf is not None else mlx_path
     if dst is not None and Path(dst).expanduser().exists() and not force:
         raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
+    if activation_bits not in (None, 0, 8):
+        raise TernaryError(f"activation_bits must be 8, 0 (none) or None (as the source says), "
+                           f"got {activation_bits!r}")
     source = open_source(hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing,
                          revision, group_size)
+    if activation_bits is not None:
+        source.activation_bits = activation_bits or None
+        source.notes.append(f"activation quantization set by the caller: "
+                            f"{'int8' if activation_bits else 'none'}")
     return convert_source(source, mlx_path, q_bits=q_bits, q_group_size=q_group_size,
                           packing=packing, dtype=dtype, dequantize=dequantize,
                           to_gguf=to_gguf, gguf_type=gguf_type, force=force,

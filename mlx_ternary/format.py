@@ -22,9 +22,9 @@ fast (2-bit): code q = t + 1 in 2 bits, 16 codes per uint32, lowest bits first,
         packed: (N, Kp / 16) uint32, Kp = ceil(K / 32) * 32
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -32,8 +32,11 @@ import numpy as np
 from .errors import FormatError
 
 FORMAT_NAME = "mlx-ternary"
-FORMAT_VERSION = 1
-KNOWN_VERSIONS = (1,)
+FORMAT_VERSION = 1  # written when every non-ternary weight is float
+AFFINE_FORMAT_VERSION = 2  # written when some weight stays MLX affine-quantized
+KNOWN_VERSIONS = (1, 2)
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_GROUP_SIZES = (32, 64, 128)
 PACKINGS = ("compact", "fast")
 SCALE_KINDS = ("tensor", "row", "group")
 GROUP_SIZES = (64, 128, 256)
@@ -51,6 +54,13 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _round_up(a: int, b: int) -> int:
     return _ceil_div(a, b) * b
+
+
+def to_numpy(a) -> np.ndarray:
+    """A numpy copy of an MLX or numpy array (bfloat16 widened to float32)."""
+    if isinstance(a, mx.array):
+        return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+    return np.asarray(a)
 
 
 # --------------------------------------------------------------------------- #
@@ -319,10 +329,12 @@ def ternarize(w: np.ndarray, scale: str = "tensor", group_size: Optional[int] = 
 
 @dataclass
 class PackedTernary:
-    """One ternary weight in the native layout (numpy arrays).
+    """One ternary weight in the native layout.
 
     packed: (N, row_bytes) uint8 for compact, (N, Kp/16) uint32 for fast.
-    scales: (1, 1) | (N, 1) | (N, ceil(K / group_size)), float16/bfloat16-as-float32/float32.
+    scales: (1, 1) | (N, 1) | (N, ceil(K / group_size)), float16/bfloat16/float32.
+    Both are numpy arrays, or MLX arrays when a reader hands stored tensors on lazily
+    (the native reader): nothing is read from disk until they are used.
     """
 
     packing: str
@@ -357,10 +369,11 @@ class PackedTernary:
         return scale_kind(self.scales.shape, self.out_features)
 
     def trits(self) -> np.ndarray:
-        return unpack(self.packed, self.packing, self.in_features, self.group_size)
+        return unpack(to_numpy(self.packed), self.packing, self.in_features, self.group_size)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
-        s = expand_scales(self.scales.astype(np.float32), self.in_features, self.group_size)
+        s = expand_scales(to_numpy(self.scales).astype(np.float32), self.in_features,
+                          self.group_size)
         return (self.trits().astype(np.float32) * s).astype(dtype)
 
     def repack(self, packing: str) -> "PackedTernary":
@@ -405,6 +418,11 @@ class AffineTensor:
         """(N, K) of the float weight."""
         return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
 
+    @property
+    def entry(self) -> dict:
+        """How mlx-lm's `quantization` block records this layer."""
+        return {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+
     def dequantize(self, dtype=mx.float32) -> mx.array:
         return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
                              bits=self.bits).astype(dtype)
@@ -419,9 +437,28 @@ class AffineTensor:
 # --------------------------------------------------------------------------- #
 
 
+def affine_entry(entry, where: str) -> dict:
+    """A checked mlx-lm per-layer quantization entry {group_size, bits, mode}."""
+    if not isinstance(entry, dict):
+        raise FormatError(f"{where}: expected {{\"group_size\": G, \"bits\": B}}, got {entry!r}")
+    mode = entry.get("mode", "affine")
+    if mode != "affine":
+        raise FormatError(f"{where}: quantization mode {mode!r} is not kept by mlx-ternary "
+                          "(it keeps MLX affine layers only); dequantize that layer first")
+    bits, gs = entry.get("bits"), entry.get("group_size")
+    if bits not in AFFINE_BITS or gs not in AFFINE_GROUP_SIZES:
+        raise FormatError(f"{where}: bits {bits!r} / group_size {gs!r}; MLX affine layers have "
+                          f"bits in {AFFINE_BITS} and group_size in {AFFINE_GROUP_SIZES}")
+    return {"group_size": gs, "bits": bits, "mode": "affine"}
+
+
 @dataclass
 class QuantizationConfig:
-    """The `quantization` section of a native checkpoint's config.json."""
+    """The `quantization` section of a native checkpoint's config.json.
+
+    `layers` holds the affine-quantized (non-ternary) layers by module path, recorded as
+    mlx-lm records per-layer quantization: {"group_size": G, "bits": B, "mode": "affine"}.
+    """
 
     packing: str = "compact"
     scale: str = "row"
@@ -429,6 +466,7 @@ class QuantizationConfig:
     activation_bits: Optional[int] = None
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    layers: Dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.packing not in PACKINGS:
@@ -458,19 +496,25 @@ class QuantizationConfig:
                 "upgrade mlx-ternary or re-convert the model"
             )
         fields = ("packing", "scale", "group_size", "activation_bits")
+        # Per-layer entries: written by convert (version 2) or added by mlx-lm's
+        # quantize_model to a loaded model's config (then saved under version 1).
+        layers = {k: affine_entry(v, f"{source}: quantization.{k}")
+                  for k, v in d.items() if isinstance(v, dict)}
         try:
-            return cls(**{k: d[k] for k in fields if k in d}, format_version=version)
+            return cls(**{k: d[k] for k in fields if k in d}, format_version=version,
+                       layers=layers)
         except FormatError as e:
             raise FormatError(f"{source}: {e}") from None
 
     def to_dict(self) -> dict:
         return {
             "format": self.format,
-            "format_version": self.format_version,
+            "format_version": AFFINE_FORMAT_VERSION if self.layers else FORMAT_VERSION,
             "packing": self.packing,
             "scale": self.scale,
             "group_size": self.group_size,
             "activation_bits": self.activation_bits,
+            **{path: dict(entry) for path, entry in sorted(self.layers.items())},
         }
 
 

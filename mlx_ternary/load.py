@@ -1,18 +1,21 @@
 """load(): a path or hub id -> (mlx-lm model with TernaryLinear layers, tokenizer)."""
 
-import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_unflatten
 
 from . import kernels
-from .errors import FormatError, TernaryError
-from .format import PACKINGS, scale_kind
-from .nn import TernaryLinear, linear_paths, swap_modules, ternary_layers
-from .readers import hf_bitnet, mlx_affine, native
+from .errors import TernaryError
+from .format import PACKINGS, AffineTensor, PackedTernary
+from .nn import (HadamardTernaryLinear, TernaryLinear, affine_layer, model_quantization,
+                 ternary_layers)
+from .readers import open_source
+from .readers.arch import Checker, hadamard_paths
+from .readers.arch import get_classes, normalize_config, read_config  # noqa: F401 (re-exported)
+from .readers.common import Source
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -54,61 +57,45 @@ def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> 
     return _download(repo, revision)
 
 
-def read_config(model_path: Path) -> Dict[str, Any]:
-    path = model_path / "config.json"
-    if not path.exists():
-        raise TernaryError(f"{model_path}: no config.json; a model directory needs config.json, "
-                           "its safetensors weights and tokenizer files")
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as e:
-        raise FormatError(f"{path}: not valid JSON ({e})") from None
-    if "model_type" not in config:
-        raise FormatError(f"{path}: no model_type field; cannot tell the architecture")
-    return config
-
-
-def normalize_config(config: dict) -> dict:
-    """Config spellings of newer transformers that mlx-lm's ModelArgs do not read."""
-    rope = config.get("rope_parameters")
-    if isinstance(rope, dict) and "rope_theta" not in config:
-        config = {**config, "rope_theta": rope.get("rope_theta", 10000.0)}
-        if rope.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
-            config["rope_scaling"] = rope
-    return config
-
-
-def get_classes(config: dict, model_path: Path):
-    from mlx_lm.utils import _get_classes
-
-    try:
-        return _get_classes(config)
-    except ValueError:
-        raise TernaryError(f"{model_path / 'config.json'}: model_type {config['model_type']!r} "
-                           "is not an architecture the installed mlx-lm knows; upgrade mlx-lm "
-                           "or check the model") from None
-
-
-def _check_shapes(model: nn.Module, weights: Dict[str, mx.array], model_path: Path):
-    expected = dict(tree_flatten(model.parameters()))
-    for name, arr in weights.items():
-        if name not in expected:
-            raise FormatError(f"{model_path}: tensor {name} is not a parameter of the "
-                              f"{type(model).__module__.split('.')[-1]} model its config describes")
-        if tuple(arr.shape) != tuple(expected[name].shape):
-            raise FormatError(f"{model_path}: tensor {name} has shape {tuple(arr.shape)} but "
-                              f"config.json implies {tuple(expected[name].shape)}; the config "
-                              "and the weights do not belong together")
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise FormatError(f"{model_path}: missing tensor(s) {', '.join(missing[:3])}{more}; "
-                          "is a shard missing or the checkpoint incomplete?")
-
-
 def default_dtype():
     # Off the GPU, MLX's float16 and bfloat16 matmuls are many times slower than float32.
     return None if mx.default_device() == mx.gpu else mx.float32
+
+
+def runtime_packing(packing: Optional[str], backend: Optional[str]) -> Optional[str]:
+    """The packing ternary layers run in: `packing`, else "fast" where the reference path
+    runs (it reads MLX's 2-bit layout in place), else None (keep what is stored)."""
+    if packing is not None and packing not in PACKINGS:
+        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    return packing or ("fast" if kernels.resolve_backend(backend) == "reference" else None)
+
+
+def read_layers(source: Source, model: nn.Module, *, backend: Optional[str] = None):
+    """Consume the source's stream: (float tensors {name: array}, layers {path: module}).
+
+    Ternary items become TernaryLinear (HadamardTernaryLinear where the config rotates),
+    affine items nn.QuantizedLinear / nn.QuantizedEmbedding; each item is checked
+    against the model its config describes as it arrives.
+    """
+    check = Checker(model, source.targets, source.path)
+    modules = dict(model.named_modules())
+    blocks, _ = hadamard_paths(source.config)
+    weights, layers = {}, {}
+    for name, item in source.items():
+        check.item(name, item)
+        if isinstance(item, PackedTernary):
+            kw = dict(block=blocks[name]) if name in blocks else {}
+            cls = HadamardTernaryLinear if name in blocks else TernaryLinear
+            layers[name] = cls.from_packed(item, activation_bits=source.activation_bits,
+                                           backend=backend, **kw)
+            if source.targets[name][2]:  # its bias arrives as its own tensor
+                layers[name].bias = mx.zeros((item.out_features,))
+        elif isinstance(item, AffineTensor):
+            layers[name] = affine_layer(modules[name], item, f"{source.path}: {name}")
+        else:
+            weights[name] = item
+    check.finish()
+    return weights, layers
 
 
 def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
@@ -118,68 +105,23 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
     Args:
         model_path: a local model directory.
         dtype: dtype of float parameters (default: float32 off the GPU, as stored on it).
+            Scales of ternary and affine layers keep their stored dtype.
         packing: runtime packing; default keeps the stored one where the Metal kernels
             run and uses "fast" (MLX's 2-bit layout, read in place) elsewhere.
         backend: force "metal", "emulate" or "reference" for every ternary layer.
         lazy: leave parameters unevaluated.
     """
-    config = normalize_config(read_config(model_path))
-    hadamard = mlx_affine.is_hadamard(config)  # prism_hadamard_qwen35: keep the rotation
-    is_bitnet = not native.detect(config) and hf_bitnet.detect(config)
-    if is_bitnet:
-        config = hf_bitnet.model_config(config)
-    model_class, args_class = get_classes(config, model_path)
-    model = model_class(args_class.from_dict(
-        mlx_affine.hadamard_model_config(config) if hadamard else config))
-    hf_bitnet.adapt_model(model, config)  # bitnet class, non-relu2 MLP (native or HF)
-    linears = linear_paths(model)
-    if packing is not None and packing not in PACKINGS:
-        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    # The reference path reads the fast layout in place; Metal kernels run either packing.
-    runtime = packing or ("fast" if kernels.resolve_backend(backend) == "reference" else None)
-    foreign_packing = runtime or "compact"  # what foreign readers pack into
-
-    if native.detect(config):
-        weights, quant = native.read(model_path, config)
-    elif is_bitnet:
-        weights, quant = hf_bitnet.read(model_path, config, linears, foreign_packing,
-                                        sanitize=getattr(model, "sanitize", None))
-    elif mlx_affine.detect(config):
-        if hadamard:
-            weights, quant = mlx_affine.read(
-                model_path, config, mlx_affine.hadamard_linears(model, config), foreign_packing,
-                mlx_affine.hadamard_sanitize(model), mlx_affine.hadamard_paths(config)[1])
-        else:
-            weights, quant = mlx_affine.read(model_path, config, linears, foreign_packing,
-                                             getattr(model, "sanitize", None))
-    else:
-        raise TernaryError(
-            f"{model_path / 'config.json'}: no ternary weights recognised (no mlx-ternary "
-            "`quantization` section, no BitNet `quantization_config`); convert the model with "
-            "`mlx-ternary convert`, or load float models with mlx_lm.load"
-        )
-
-    def make(path, module):
-        if f"{path}.packed" not in weights:
-            return None
-        k, n, has_bias = linears[path]
-        scales = weights[f"{path}.scales"]
-        kind = scale_kind(tuple(scales.shape), n)
-        return TernaryLinear(k, n, has_bias, packing=quant.packing, scale=kind,
-                             group_size=quant.group_size, scale_dtype=scales.dtype,
-                             activation_bits=quant.activation_bits, backend=backend)
-
-    if hadamard:
-        mlx_affine.swap_hadamard(model, weights, config, quant, backend)
-    else:
-        swap_modules(model, make)
+    runtime = runtime_packing(packing, backend)
+    source = open_source(model_path, runtime or "compact")
+    model = source.model  # the skeleton: its layers are replaced, its parameters loaded
+    weights, layers = read_layers(source, model, backend=backend)
+    model.update_modules(tree_unflatten(list(layers.items())))
     dtype = dtype or default_dtype()
     if dtype is not None:
-        weights = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                       and not k.endswith((".scales", ".biases")) else v)
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
+                   and not k.endswith((".scales", ".biases")) else v
                    for k, v in weights.items()}
-    _check_shapes(model, weights, model_path)
-    model.load_weights(list(weights.items()), strict=True)
+    model.load_weights(list(weights.items()), strict=False)
     model.eval()
     if runtime:
         for _, layer in ternary_layers(model):
@@ -188,7 +130,8 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
                 mx.eval(layer.packed)
     if not lazy:
         mx.eval(model.parameters())
-    config["quantization"] = {**quant.to_dict(), "packing": runtime or quant.packing}
+    config = dict(source.config)
+    config["quantization"] = model_quantization(model).to_dict()
     return model, config
 
 
@@ -197,9 +140,11 @@ def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
          lazy: bool = False, revision: Optional[str] = None, return_config: bool = False):
     """Load a ternary model as an mlx-lm model plus mlx-lm's TokenizerWrapper.
 
-    Reads the native format (both packings), Hugging Face BitNet packed checkpoints
-    (`bitlinear` and `autobitlinear` scales) and float latent BitNet checkpoints
-    (absmean-ternarized at load).
+    Reads every format `convert` reads (readers.READERS, in that order): the native
+    format, Hugging Face BitNet (packed or latent, every published config revision),
+    mlx-lm quantized BitNet conversions, MLX affine ternary packs (Ternary-Bonsai,
+    Bonsai-2) and TriLM-style float checkpoints. Layers stored MLX affine-quantized
+    (embeddings, lm_head) stay quantized.
 
     Args:
         path_or_hf_repo: a local directory or a Hugging Face repo id (downloaded).

@@ -53,12 +53,13 @@ class TernaryLinear(nn.Module):
     @classmethod
     def from_packed(cls, pt: fmt.PackedTernary, bias: Optional[mx.array] = None,
                     activation_bits: Optional[int] = None,
-                    backend: Optional[str] = None) -> "TernaryLinear":
+                    backend: Optional[str] = None, **kwargs) -> "TernaryLinear":
+        """A layer holding `pt` (its arrays are used as they are: lazy ones stay lazy)."""
         layer = cls(pt.in_features, pt.out_features, bias is not None, packing=pt.packing,
                     scale=pt.scale, group_size=pt.group_size,
-                    activation_bits=activation_bits, backend=backend)
-        layer.packed = mx.array(pt.packed)
-        layer.scales = mx.array(pt.scales)
+                    activation_bits=activation_bits, backend=backend, **kwargs)
+        layer.packed = _mx(pt.packed)
+        layer.scales = _mx(pt.scales)
         if bias is not None:
             layer.bias = bias
         return layer
@@ -131,6 +132,53 @@ class TernaryLinear(nn.Module):
                 f"activation_bits={self.activation_bits}, bias={'bias' in self}")
 
 
+class HadamardTernaryLinear(TernaryLinear):
+    """TernaryLinear whose input first gets a signed blockwise Walsh-Hadamard rotation
+    (mlx-lm's prism_hadamard_qwen35 packs fold the rotation into the weights).
+
+    Parameters: packed, scales (as TernaryLinear) and signs (K,) float32 of +-1.
+    """
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool = False, *,
+                 block: int = 0, **kwargs):
+        super().__init__(input_dims, output_dims, bias, **kwargs)
+        self.block = block
+        if block:
+            self.signs = mx.ones((input_dims,), dtype=mx.float32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.block:
+            from mlx_lm.models.prism_hadamard_qwen35 import hadamard_rotate
+
+            x = hadamard_rotate(x, self.block, self.signs)
+        return super().__call__(x)
+
+
+def _mx(a) -> mx.array:
+    return a if isinstance(a, mx.array) else mx.array(a)
+
+
+def affine_layer(module: nn.Module, at: fmt.AffineTensor, name: str = "layer") -> nn.Module:
+    """nn.QuantizedLinear / nn.QuantizedEmbedding holding `at` in place of `module`.
+
+    Raises:
+        ValueError: `module` is not a Linear or Embedding (nothing to quantize).
+    """
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise ValueError(f"{name}: a {type(module).__name__} cannot hold an affine-quantized "
+                         "weight (only Linear and Embedding layers can)")
+    n, k = at.shape
+    if isinstance(module, nn.Embedding):
+        layer = nn.QuantizedEmbedding(n, k, group_size=at.group_size, bits=at.bits)
+    else:
+        layer = nn.QuantizedLinear(k, n, "bias" in module, group_size=at.group_size,
+                                   bits=at.bits)
+        if "bias" in module:
+            layer.bias = module.bias
+    layer.weight, layer.scales, layer.biases = at.weight, at.scales, at.biases
+    return layer
+
+
 def linear_dims(module: nn.Module):
     """(in, out, has_bias) of an nn.Linear or mlx-lm BitLinear, else None."""
     if isinstance(module, nn.Linear):
@@ -177,3 +225,20 @@ def ternarize_model(model: nn.Module, packing: str = "compact", scale: str = "te
 
 def ternary_layers(model: nn.Module):
     return [(p, m) for p, m in model.named_modules() if isinstance(m, TernaryLinear)]
+
+
+def model_quantization(model: nn.Module) -> fmt.QuantizationConfig:
+    """The native `quantization` section describing a model's ternary and affine layers."""
+    layers = [m for _, m in ternary_layers(model)]
+    if not layers:
+        raise ValueError("the model has no TernaryLinear layers to save")
+    first = layers[0]
+    # A layer narrower than one group has row-shaped scales: take the group from any layer.
+    groups = {m.group_size for m in layers if m.group_size}
+    group = max(groups) if groups else None
+    affine = {p: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
+              for p, m in model.named_modules()
+              if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding)}  # not mlx-lm subclasses
+    return fmt.QuantizationConfig(packing=first.packing,
+                                  scale="group" if group else first.scale, group_size=group,
+                                  activation_bits=first.activation_bits, layers=affine)

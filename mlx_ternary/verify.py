@@ -9,7 +9,8 @@ import mlx.nn as nn
 
 from .errors import TernaryError
 from .format import is_native_config
-from .load import _check_shapes, get_classes, load_model, read_config
+from .load import get_classes, load_model, read_config
+from .readers.arch import Checker
 from .readers.common import shard_files, tensor_shapes
 from .writers.native import MANIFEST_FILE, MANIFEST_FORMAT, sha256_file
 
@@ -63,11 +64,11 @@ def _stock_model(path: Path, config: dict, names) -> nn.Module:
     model_class, args_class = get_classes(config, path)
     model = model_class(args_class.from_dict(config))
     q = config.get("quantization")
-    if q:
+    if q:  # as mlx-lm's load does: a layer's own entry wins over the global one
         nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
                     mode=q.get("mode", "affine"),
                     class_predicate=lambda p, m: hasattr(m, "to_quantized")
-                    and f"{p}.scales" in names)
+                    and f"{p}.scales" in names and q.get(p, True))
     return model
 
 
@@ -96,7 +97,10 @@ def verify(path) -> VerifyReport:
             model = _stock_model(path, config, shapes)
             if hasattr(model, "sanitize"):
                 shapes = model.sanitize(shapes)
-            _check_shapes(model, shapes, path)
+            check = Checker(model, {}, path)
+            for name, arr in shapes.items():
+                check.tensor(name, arr)
+            check.finish(require_ternary=False)
     except TernaryError as e:
         report.problems.append(str(e))
     return report

@@ -8,7 +8,7 @@ import pytest
 
 import mlx_ternary
 from mlx_ternary.convert import convert
-from mlx_ternary.readers.mlx_affine import HadamardTernaryLinear
+from mlx_ternary.nn import HadamardTernaryLinear
 from mlx_ternary.writers.mlx_affine import pack_codes
 
 from tiny import write_tokenizer

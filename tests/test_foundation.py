@@ -14,7 +14,9 @@ from mlx_ternary import format as F
 from mlx_ternary.errors import FormatError, TernaryError
 from mlx_ternary.nn import TernaryLinear, ternary_layers
 
-from tiny import ternary_checkpoint, quantize_act_np
+from mlx.utils import tree_flatten
+
+from tiny import float_model, ternary_checkpoint, quantize_act_np
 
 # Float32 throughout: a ternary layer and the float reference differ only in summation
 # order, so relative errors stay near 1e-6; the bound below leaves room for K up to ~300.
@@ -228,9 +230,19 @@ def test_missing_shard(tmp_path):
 
 def test_float_model_without_ternary_weights_is_refused(tmp_path):
     path = _checkpoint(tmp_path)
-    _edit_config(path, quantization=None)
-    with pytest.raises(TernaryError, match="no ternary weights recognised"):
+    _edit_config(path, quantization=None)  # packed tensors, but no native section
+    with pytest.raises(TernaryError, match=r"tensor model\.layers\.0\.\w+\.\w+_proj\.packed "
+                                           "is not a parameter of the model"):
         mlx_ternary.load(path)
+    float_dir = tmp_path / "float"  # a plain float model: its first linear weight is named
+    model, config = float_model("llama")
+    float_dir.mkdir()
+    mx.save_safetensors(str(float_dir / "model.safetensors"),
+                        dict(tree_flatten(model.parameters())))
+    (float_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TernaryError, match=r"model\.layers\.0\.\w+\.\w+_proj\.weight: not "
+                                           "ternary-valued.*never re-quantizes"):
+        mlx_ternary.load(float_dir)
 
 
 def test_file_instead_of_directory(tmp_path):

@@ -76,18 +76,8 @@ def tensor_shapes(files: List[Path]) -> Dict[str, tuple]:
     return out
 
 
-def load_tensors(files: List[Path]) -> Dict[str, mx.array]:
-    weights = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except (RuntimeError, ValueError) as e:
-            raise FormatError(f"{f}: cannot be read as safetensors ({e}); re-download or re-convert it") from None
-    return weights
-
-
 # --------------------------------------------------------------------------- #
-# Streaming: one tensor at a time (convert keeps peak memory near the largest tensor)
+# Reading one tensor at a time (lazily: convert keeps peak memory near the largest tensor)
 # --------------------------------------------------------------------------- #
 
 # safetensors dtype name -> (numpy dtype of the raw bytes, MLX dtype it becomes)
@@ -114,36 +104,37 @@ def tensor_index(files: List[Path]) -> Dict[str, Tuple[Path, dict, int]]:
 
 
 def read_tensor(name: str, entry: Tuple[Path, dict, int]) -> mx.array:
-    """Read one tensor from its file without touching the others."""
+    """One tensor of its file, lazily: nothing is read until it is evaluated."""
     path, meta, start = entry
     if meta["dtype"] not in SAFETENSORS_DTYPES:
         raise FormatError(f"{path}: tensor {name} has dtype {meta['dtype']}, which "
                           "mlx-ternary does not read")
-    np_dtype, mx_dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+    np_dtype, _ = SAFETENSORS_DTYPES[meta["dtype"]]
     begin, end = meta["data_offsets"]
     shape = tuple(meta["shape"])
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if (end - begin) != count * np.dtype(np_dtype).itemsize:
         raise FormatError(f"{path}: tensor {name} has {end - begin} bytes for shape {shape} "
                           f"{meta['dtype']}; the file is corrupt: re-download or re-convert it")
-    raw = np.fromfile(path, dtype=np_dtype, count=count, offset=start + begin).reshape(shape)
-    arr = mx.array(raw)
-    return arr.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else arr
-
-
-def iter_tensors(files: List[Path]) -> Iterator[Tuple[str, mx.array]]:
-    """Yield (name, tensor) one at a time, in file order."""
-    for name, entry in tensor_index(files).items():
-        yield name, read_tensor(name, entry)
+    try:  # mx.load maps the header only; each array reads its own bytes when evaluated
+        return mx.load(str(path))[name]
+    except (RuntimeError, ValueError) as e:
+        raise FormatError(f"{path}: cannot be read as safetensors ({e}); re-download or "
+                          "re-convert it") from None
 
 
 @dataclass
 class Source:
-    """A checkpoint being converted: its config and its tensors, streamed one at a time.
+    """A checkpoint as a stream of tensors named as the mlx-lm model's parameters.
 
-    `items()` yields (module path, PackedTernary) for ternary layers and
-    (parameter name, mx.array) for everything else, named as the mlx-lm model's
-    parameters. `count` is how many items it yields (for progress).
+    `items()` yields, one at a time:
+        (module path, PackedTernary)   a ternary layer;
+        (module path, AffineTensor)    a layer that stays MLX affine-quantized;
+        (parameter name, mx.array)     everything else, as stored.
+    `count` is how many items it yields (for progress). `config` is the architecture
+    config (no foreign quantization blocks). `model` is the skeleton (mlx-lm's class,
+    parameters lazy) and `targets` {path: (in, out, has_bias)} its layers that may be
+    ternary; readers that leave them None get them built from `config`.
     """
 
     path: Path
@@ -156,29 +147,13 @@ class Source:
     tokenizer_dir: Optional[Path] = None
     tokenizer_files: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    model: Any = None
+    targets: Optional[Dict[str, tuple]] = None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
-
-
-def iter_sanitized(files: List[Path], sanitize=None) -> Iterator[Tuple[str, mx.array]]:
-    """iter_tensors with the model class's `sanitize` applied to each tensor alone.
-
-    Fits architectures whose sanitize renames, drops or reshapes single tensors (llama,
-    qwen, bitnet); ones that merge tensors (MoE expert stacking) are not streamed.
-    """
-    for name, arr in iter_tensors(files):
-        yield from (sanitize({name: arr}) if sanitize else {name: arr}).items()
-
-
-def count_sanitized(files: List[Path], sanitize=None) -> int:
-    """How many tensors iter_sanitized yields, from the headers alone."""
-    n = 0
-    for name, (_, meta, _) in tensor_index(files).items():
-        n += len(sanitize({name: mx.zeros(tuple(meta["shape"]))})) if sanitize else 1
-    return n
 
 
 def sanitized_index(files: List[Path], sanitize=None):

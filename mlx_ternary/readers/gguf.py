@@ -230,6 +230,11 @@ def iter_native(path: Path, config: dict, packing: str,
                               f"(reads {', '.join(TERNARY_TYPES + FLOAT_TYPES)})")
 
 
+def detect(path: Path) -> bool:
+    """A single .gguf file."""
+    return path.is_file() and path.suffix == ".gguf"
+
+
 def source(path: Path, packing: str, unpermute: bool = True) -> Source:
     """A convert Source for a .gguf file (`unpermute=False` only for negative controls)."""
     reader = _open(path)

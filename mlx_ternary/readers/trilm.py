@@ -3,18 +3,21 @@
 The linear weights are stored as floats already equal to t * s, t in {-1, 0, +1},
 with a few distinct scales per tensor (blocks of rows, or blocks along the input).
 The scales are read off exactly; a weight that is not ternary-valued is refused by
-name, never re-quantized.
+name, never re-quantized, unless the config marks a BitNet-trained model
+(`is_bitnet_config`, as onebitllms writes it): then it is a latent weight, ternarized
+with absmean as onebitllms' BitNetLinear does.
 """
 
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import FormatError
-from ..format import GROUP_SIZES, PackedTernary
-from .common import Source, count_sanitized, iter_sanitized, shard_files
+from ..format import GROUP_SIZES, PackedTernary, ternarize_absmean
+from . import arch
+from .common import Source
 
 FLOAT_SKIP = ("lm_head",)
 
@@ -65,31 +68,54 @@ def read_scales(w: np.ndarray, group_size: int, name: str) -> Tuple[np.ndarray, 
     )
 
 
-def iter_native(model_path: Path, linears: Dict[str, tuple], packing: str, group_size: int,
-                sanitize=None, skip=FLOAT_SKIP) -> Iterator[Tuple[str, object]]:
-    for name, arr in iter_sanitized(shard_files(model_path), sanitize):
-        path = name.rpartition(".")[0]
-        if (not name.endswith(".weight") or path not in linears
-                or path.split(".")[-1] in skip):
-            yield name, arr
-            continue
-        k, n, _ = linears[path]
-        label = f"{model_path.name}: {name}"
-        if tuple(arr.shape) != (n, k):
-            raise FormatError(f"{label}: shape {tuple(arr.shape)}, the config expects ({n}, {k})")
-        t, s, gs, desc = read_scales(np.array(arr.astype(mx.float32)), group_size, label)
+def detect(path: Path) -> bool:
+    """Any other checkpoint directory: its linear weights must be t * s floats."""
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def activation_bits(config: dict) -> Optional[int]:
+    """8 for configs that mark a BitNet-trained model (onebitllms' `is_bitnet_config`,
+    1bitLLM's `input_bits`): such floats are dequantized BitNet weights (Falcon-E's
+    bfloat16 revision) and the model ran with int8 activations. Else None."""
+    if config.get("is_bitnet_config") or config.get("input_bits") == 8:
+        return 8
+    return None
+
+
+def source(path: Path, packing: str = "compact", group_size: int = 128) -> Source:
+    """A Source for a float checkpoint whose linear weights are t * s.
+
+    Args:
+        group_size: the column group scales are read at when one per row does not fit.
+    """
+    config = arch.read_config(path)
+    model = arch.skeleton(config, path)
+    targets = {p: d for p, d in arch.ternary_targets(model, config).items()
+               if p.split(".")[-1] not in FLOAT_SKIP}
+
+    def linear(p, w, read):
+        k, n, _ = targets[p]
+        label = f"{path.name}: {p}.weight"
+        if tuple(w.shape) != (n, k):
+            raise FormatError(f"{label}: shape {tuple(w.shape)}, the config expects ({n}, {k})")
+        if not mx.issubdtype(w.dtype, mx.floating):
+            raise FormatError(f"{label}: dtype {w.dtype}; expected float weights equal to t*s")
+        w32 = np.array(w.astype(mx.float32))
+        try:
+            t, s, gs, desc = read_scales(w32, group_size, label)
+        except FormatError:
+            if not config.get("is_bitnet_config"):
+                raise
+            # onebitllms' "prequantized" latent weights: its BitNetLinear ternarizes them
+            # with absmean per tensor in every forward.
+            (t, s), gs, desc = ternarize_absmean(w32), None, "latent: absmean per tensor"
         pt = PackedTernary.from_trits(t, s, packing, gs, name=label)
         pt.note = desc
-        yield path, pt
+        return pt
 
-
-def source(model_path: Path, config: dict, linears: Dict[str, tuple], packing: str,
-           group_size: int = 128, sanitize=None) -> Source:
-    """A convert Source for a float checkpoint whose linear weights are t * s."""
-    files = shard_files(model_path)
-    return Source(
-        path=model_path, kind="unpacked ternary floats (TriLM style)", config=dict(config),
-        count=count_sanitized(files, sanitize),
-        items=lambda: iter_native(model_path, linears, packing, group_size, sanitize),
-        group_size=group_size, tokenizer_dir=model_path,
-    )
+    count, items = arch.stream(path, model, targets, arch.quant_block(config), linear=linear,
+                               sanitize=getattr(model, "sanitize", None))
+    return Source(path=path, kind="unpacked ternary floats (TriLM style)",
+                  config=arch.architecture(config), count=count, items=items,
+                  activation_bits=activation_bits(config), group_size=group_size,
+                  tokenizer_dir=path, model=model, targets=targets)

@@ -7,6 +7,7 @@ levels over [-s, s] and rounds the trits to +-s/3 steps. Codes are packed as MLX
 does: one little-endian bit stream per row, lowest bits first, in uint32 words.
 """
 
+import json
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -83,12 +84,15 @@ def dequantized(path: str, pt: PackedTernary, dtype=None) -> List[Tuple[str, mx.
     return [(f"{path}.weight", w.astype(dtype) if dtype is not None else w)]
 
 
-def affine_config(config: dict, bits: int, group_size: int) -> dict:
-    """config.json for mlx-lm: mlx-lm's own `quantization` block (and its HF mirror)."""
-    q = {"group_size": group_size, "bits": bits, "mode": "affine"}
+def affine_config(config: dict, bits: int, group_size: int,
+                  layers: Optional[dict] = None) -> dict:
+    """config.json for mlx-lm: mlx-lm's own `quantization` block (and its HF mirror),
+    with a per-layer entry for each layer kept at its own bits (e.g. a 4-bit embedding)."""
+    q = {"group_size": group_size, "bits": bits, "mode": "affine",
+         **{path: dict(entry) for path, entry in sorted((layers or {}).items())}}
     out = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     out["quantization"] = q
-    out["quantization_config"] = dict(q)
+    out["quantization_config"] = json.loads(json.dumps(q))
     return out
 
 

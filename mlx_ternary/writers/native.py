@@ -13,7 +13,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..format import QuantizationConfig
-from ..nn import ternary_layers
+from ..nn import model_quantization, ternary_layers
 
 MAX_SHARD_BYTES = 5 << 30
 FOREIGN_QUANT_KEYS = ("quantization", "quantization_config")
@@ -46,18 +46,6 @@ def native_config(config: dict, quant: QuantizationConfig) -> dict:
     out = {k: v for k, v in config.items() if k not in FOREIGN_QUANT_KEYS}
     out["quantization"] = quant.to_dict()
     return out
-
-
-def model_quantization(model: nn.Module) -> QuantizationConfig:
-    layers = [m for _, m in ternary_layers(model)]
-    if not layers:
-        raise ValueError("the model has no TernaryLinear layers to save")
-    first = layers[0]
-    # A layer narrower than one group has row-shaped scales: take the group from any layer.
-    groups = {m.group_size for m in layers if m.group_size}
-    group = max(groups) if groups else None
-    return QuantizationConfig(packing=first.packing, scale="group" if group else first.scale,
-                              group_size=group, activation_bits=first.activation_bits)
 
 
 def save_model(model: nn.Module, config: dict, out_dir, tokenizer=None,
