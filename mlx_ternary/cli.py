@@ -63,11 +63,22 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
             raise TernaryError(f"the embedded model is missing from this installation "
                                f"({gen.EMBEDDED_MODEL}); reinstall mlx-ternary or pass --model")
         model = str(gen.EMBEDDED_MODEL)
-    if prompt == "-":
-        prompt = sys.stdin.read()
     if max_tokens < 1:
         raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
-    lm, tokenizer = load(model, lazy=True)
+    from . import distributed as dist
+
+    group = dist.world()  # under mlx.launch: tensor parallel, rank 0 prints
+    rank0 = group.rank() == 0
+    if prompt == "-":
+        if group.size() > 1:  # mlx.launch forwards stdin but never closes it
+            raise click.BadParameter("stdin cannot be read under mlx.launch; give the prompt "
+                                     "itself", param_hint="--prompt")
+        prompt = sys.stdin.read()
+    if group.size() > 1:
+        lm, tokenizer = dist.sharded_load(model, group)
+        seed = dist.agree_seed(seed, group)
+    else:
+        lm, tokenizer = load(model, lazy=True)
     from .plan import plan as memory_plan
 
     n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
@@ -83,8 +94,11 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
                            system_prompt=system_prompt,
                            ignore_chat_template=ignore_chat_template,
                            max_kv_size=max_kv_size, kv_bits=kv_bits):
-        click.echo(last.text, nl=False)
-        sys.stdout.flush()
+        if rank0:
+            click.echo(last.text, nl=False)
+            sys.stdout.flush()
+    if not rank0:
+        return
     click.echo()
     if verbose and last is not None:
         click.echo("=" * 10)
@@ -234,6 +248,7 @@ Examples:
               help="Requests decoded together in one batch; more wait in a queue.")
 def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_concurrency):
     """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)."""
+    from . import distributed as dist
     from . import generate as gen
     from .load import load
     from .plan import plan as memory_plan
@@ -241,7 +256,8 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
 
     if model is None:
         model = str(gen.EMBEDDED_MODEL)
-    lm, tokenizer = load(model, lazy=True)
+    group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
+    lm, tokenizer = dist.sharded_load(model, group) if group.size() > 1 else load(model, lazy=True)
     mem = memory_plan(lm, max_context, batch=max_concurrency,
                       prefill_step_size=prefill_step_size, memory_limit=memory_limit,
                       flags={"context": "--max-context", "batch": "--max-concurrency",
@@ -250,7 +266,11 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
         raise TernaryError(mem.refusal())
     config = ServeConfig(model_name=model, max_context=max_context,
                          prefill_step_size=prefill_step_size, max_concurrency=max_concurrency)
-    server = Server(lm, tokenizer, config, host, port)
+    engine = dist.LockstepEngine(lm, tokenizer, group, config) if group.size() > 1 else None
+    if engine is not None and group.rank() != 0:
+        dist.follow(engine)
+        return
+    server = Server(lm, tokenizer, config, host, port, engine=engine)
     click.echo(f"Serving {model} on http://{host}:{server.server_address[1]}/v1 "
                f"(plan: {mem.total / 1024 ** 3:.2f} of {mem.limit / 1024 ** 3:.2f} GiB)",
                err=True)

@@ -13,6 +13,7 @@ from .errors import FormatError, TernaryError
 from .format import PACKINGS, scale_kind
 from .nn import TernaryLinear, linear_paths, swap_modules, ternary_layers
 from .readers import hf_bitnet, mlx_affine, native
+from .shard import make_shardable
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -189,7 +190,7 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
     if not lazy:
         mx.eval(model.parameters())
     config["quantization"] = {**quant.to_dict(), "packing": runtime or quant.packing}
-    return model, config
+    return make_shardable(model), config  # model.shard(group) knows TernaryLinear
 
 
 def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,

@@ -177,25 +177,27 @@ class Engine:
             self._emit(gen, r)
 
     def _admit(self, gen, block: bool):
-        from mlx_lm.sample_utils import make_logits_processors
-
         while True:
             try:
                 job = self.inbox.get(timeout=POLL_S) if block else self.inbox.get_nowait()
             except queue.Empty:
                 return
             block = False
-            if job.cancelled.is_set():
-                continue
-            s = job.sampling
-            procs = make_logits_processors(
-                s.get("logit_bias"), s.get("repetition_penalty"), 20,
-                s.get("presence_penalty"), 20, s.get("frequency_penalty"), 20)
-            (job.uid,) = gen.insert([job.prompt], max_tokens=[job.max_tokens],
-                                    samplers=[make_sampler(s)], logits_processors=[procs],
-                                    stop_sequences=[self._stops])
-            job.detokenizer = self.tokenizer.detokenizer
-            self.active[job.uid] = job
+            if not job.cancelled.is_set():
+                self._insert(gen, job)
+
+    def _insert(self, gen, job: Job):
+        from mlx_lm.sample_utils import make_logits_processors
+
+        s = job.sampling
+        procs = make_logits_processors(
+            s.get("logit_bias"), s.get("repetition_penalty"), 20,
+            s.get("presence_penalty"), 20, s.get("frequency_penalty"), 20)
+        (job.uid,) = gen.insert([job.prompt], max_tokens=[job.max_tokens],
+                                samplers=[make_sampler(s)], logits_processors=[procs],
+                                stop_sequences=[self._stops])
+        job.detokenizer = self.tokenizer.detokenizer
+        self.active[job.uid] = job
 
     def _drop_cancelled(self, gen):
         gone = [uid for uid, job in self.active.items() if job.cancelled.is_set()]
@@ -546,9 +548,10 @@ class Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, model, tokenizer, config: ServeConfig, host: str = "127.0.0.1",
-                 port: int = 8080):
+                 port: int = 8080, engine: Optional[Engine] = None):
         materialize(model)
-        self.engine = Engine(model, tokenizer, config.max_concurrency, config.prefill_step_size)
+        self.engine = engine or Engine(model, tokenizer, config.max_concurrency,
+                                       config.prefill_step_size)
         self.tokenizer, self.config, self.created = tokenizer, config, int(time.time())
         super().__init__((host, port), Handler)
         self.engine.start()
