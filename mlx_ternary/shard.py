@@ -196,10 +196,11 @@ def local_parts(p: TernaryParts, sharding: str, world: int, rank: int,
     g = p.group_size
     if kind == "group" and any(c0 % g or (c1 % g and c1 != p.in_features) for c0, c1 in cols):
         k_loc = cols[0][1] - cols[0][0]
+        fix = (f"run on a number of ranks that divides its {p.in_features // g} groups"
+               if p.in_features % g == 0 else "its last group is partial, so it cannot be split")
         raise TernaryError(
             f"{p.name}: cannot split its {p.in_features} input columns across {world} ranks: "
-            f"each rank's {k_loc} columns must be whole scale groups of {g}; run on a number "
-            f"of ranks that divides {p.in_features // g} groups")
+            f"each rank's {k_loc} columns must be whole scale groups of {g}; {fix}")
     packed = _cols(p, p.packed, cols, out)
     if kind == "group":
         scales = _concat([p.scales[:, c0 // g: -(-c1 // g)] for c0, c1 in cols], axis=1)
