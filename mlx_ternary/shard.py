@@ -364,6 +364,9 @@ def shard_linear(module: nn.Module, sharding: str, *, segments: Segments = 1,
     """
     if not isinstance(module, TernaryLinear):
         return mlx_distributed.shard_linear(module, sharding, segments=segments, group=group)
+    if type(module) is not TernaryLinear:  # e.g. a rotation on the input, or sharded already
+        raise TernaryError(f"{name}: {type(module).__name__} layers cannot be sharded; tensor "
+                           "parallelism splits plain TernaryLinear layers")
     if parts is None:
         parts = TernaryParts.of(module, name)
     if parts.runtime_packing is None:

@@ -203,3 +203,11 @@ def test_shared_quantization_is_the_reference_one_on_one_rank():
 def test_bitnet_has_shard_after_load(models):
     model, _ = mlx_ternary.load(str(models["bitnet"]))
     assert not hasattr(type(model), "shard") and callable(model.shard)
+
+
+def test_ternary_subclasses_are_refused_not_split_as_plain_layers():
+    from mlx_ternary.shard import shard_linear
+
+    layer = AllToShardedTernaryLinear(64, 32)  # already sharded; a rotation subclass alike
+    with pytest.raises(TernaryError, match="q_proj: AllToShardedTernaryLinear layers cannot"):
+        shard_linear(layer, "all-to-sharded", group=Ranks(2), name="q_proj")
