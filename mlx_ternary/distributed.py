@@ -9,8 +9,10 @@ Rank 0 prints and serves; the other ranks compute in step with it (docs/DISTRIBU
 
 import json
 import queue
+import socket
+import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +24,36 @@ from .nn import ternary_layers
 from .readers.common import SAFETENSORS_DTYPES, shard_files, tensor_index
 from .serve import POLL_S, Engine, Job, ServeConfig
 from .shard import TernaryParts, shard_model
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free on loopback (the ring backend listens on one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        socks = []
+        try:
+            for p in range(port, port + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise TernaryError("no free ports on loopback for mlx.launch's ring backend")
+
+
+def local_launch(ranks: int, *command: str) -> List[str]:
+    """The command line that runs `python command...` as `ranks` ring ranks on this machine,
+    with mlx.launch beside this Python (the tests' and benchmarks' way to start a group)."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    if not launcher.exists():
+        raise TernaryError(f"mlx.launch not found beside {sys.executable}; is mlx installed?")
+    return [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port",
+            str(free_ports(ranks)), "--", sys.executable, *command]
 
 
 def world() -> mx.distributed.Group:

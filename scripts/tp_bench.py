@@ -13,7 +13,6 @@ memory after loading and its peak over the run.
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,31 +53,12 @@ def worker(args) -> None:
                       "peak_bytes": mx.get_peak_memory()}), flush=True)
 
 
-def free_port(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            socks = [socket.socket() for _ in range(n)]
-            for i, s in enumerate(socks):
-                s.bind(("127.0.0.1", p + i))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise SystemExit("no free ports on loopback")
-
-
 def run(args, ranks: int) -> list:
-    me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", args.model,
+    from mlx_ternary.distributed import local_launch
+
+    me = [str(Path(__file__).resolve()), "--worker", "--model", args.model,
           "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]
-    if ranks > 1:
-        launcher = Path(sys.executable).parent / "mlx.launch"
-        me = [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port",
-              str(free_port(ranks)), "--", *me]
+    me = local_launch(ranks, *me) if ranks > 1 else [sys.executable, *me]
     done = subprocess.run(me, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if done.returncode:
         raise SystemExit(f"{' '.join(me)} failed:\n{done.stdout}\n{done.stderr}")

@@ -9,9 +9,7 @@ change the logits by far more than the tolerance.
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -19,10 +17,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx_ternary
 from mlx.utils import tree_flatten
 
+import mlx_ternary
+from mlx_ternary.distributed import free_ports, local_launch
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.shard import ternary_bytes
 from tiny import ternary_checkpoint
@@ -33,38 +31,8 @@ TOL = 1e-4
 LAUNCH_TIMEOUT = 180
 
 
-def free_ports(n: int = 2) -> int:
-    """A port p with p..p+n-1 free on loopback (mlx.launch's ring uses one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + n >= 65535:
-            continue
-        try:
-            socks = []
-            for q in range(p, p + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports on loopback")
-
-
-def launch_cmd(*command) -> list:
-    launcher = Path(sys.executable).parent / "mlx.launch"
-    if not launcher.exists():
-        pytest.fail(f"mlx.launch not found beside {sys.executable}; is mlx installed?")
-    return [str(launcher), "-n", "2", "--backend", "ring", "--starting-port",
-            str(free_ports()), "--", sys.executable, *command]
-
-
 def run_launch(*command, timeout=LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
-    cmd = launch_cmd(*command)
+    cmd = local_launch(2, *command)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL, cwd=HERE)
@@ -192,9 +160,9 @@ def test_serve_under_mlx_launch_answers_with_the_single_process_text():
     want = ["".join(r.text for r in stream_generate(model, tokenizer, tokenizer.encode(p),
                                                     max_tokens=8)) for p in prompts]
     port = free_ports(1)
-    proc = subprocess.Popen(launch_cmd("-m", "mlx_ternary.cli", "serve", "--port", str(port),
-                                       "--max-context", "128"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    cmd = local_launch(2, "-m", "mlx_ternary.cli", "serve", "--port", str(port),
+                       "--max-context", "128")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -17,7 +17,7 @@ from mlx_ternary.readers.common import shard_files, tensor_index
 from mlx_ternary.reference import quantize_activations
 from mlx_ternary.shard import (AllToShardedTernaryLinear, ShardedRMSNorm,
                                ShardedToAllTernaryLinear, TernaryParts, local_parts,
-                               quantize_shared, rank_ranges, shard_model, ternary_bytes)
+                               quantize_shared, rank_ranges, ternary_bytes)
 from tiny import ternary_checkpoint
 
 
