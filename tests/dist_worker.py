@@ -1,6 +1,8 @@
 """One rank of the tensor-parallel test: run by `mlx.launch` from tests/test_distributed.py.
 
-For each case in the JSON file given as argv[1] it writes, per rank, into argv[2]:
+It runs `mlx-ternary generate` with the JSON file's (argv[1]) "generate" arguments, keeping
+each rank's stdout in argv[2]/generate.rank<r>.txt; then for each of its "cases" it writes,
+per rank, into argv[2]:
 `<name>.rank<r>.npz` with the logits of
   disk:    mlx_ternary.distributed.sharded_load (each rank reads its slices from disk),
   memory:  mlx_ternary.load, then model.shard(group) (mlx-lm's call, slicing in memory),
@@ -41,10 +43,25 @@ def measured(fn):
     return model, mx.get_peak_memory() - base
 
 
-def main(cases_file: str, out_dir: str) -> None:
+def generate(args, out: Path, rank: int) -> None:
+    """`mlx-ternary generate ARGS` in this rank, its stdout kept in generate.rank<r>.txt."""
+    import contextlib
+    import io
+
+    from mlx_ternary.cli import main as cli
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        cli(["generate", *args], standalone_mode=False)
+    (out / f"generate.rank{rank}.txt").write_text(text.getvalue())
+
+
+def main(spec_file: str, out_dir: str) -> None:
     group = world()
     rank, out = group.rank(), Path(out_dir)
-    for case in json.loads(Path(cases_file).read_text()):
+    spec = json.loads(Path(spec_file).read_text())
+    generate(spec["generate"], out, rank)
+    for case in spec["cases"]:
         tokens = mx.array([case["tokens"]])
         disk, peak_disk = measured(lambda: sharded_load(case["path"], group)[0])
         logits = {"disk": disk(tokens)}
@@ -66,8 +83,7 @@ def main(cases_file: str, out_dir: str) -> None:
                  **{k: np.array(v.astype(mx.float32)) for k, v in logits.items()})
         (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(info))
         del memory, logits
-    print(f"rank {rank} of {group.size()}: {len(json.loads(Path(cases_file).read_text()))} "
-          "cases done", flush=True)
+    print(f"rank {rank} of {group.size()}: {len(spec['cases'])} cases done", flush=True)
 
 
 if __name__ == "__main__":
