@@ -68,8 +68,9 @@ class DiskTensor:
     of every row (a strided read of the mapped file); nothing else is read.
     """
 
-    def __init__(self, name: str, entry):
+    def __init__(self, name: str, entry, dtype=None):
         self.name, (self.path, meta, start) = name, entry
+        self.dtype = dtype  # cast to this after reading (as load casts float parameters)
         if meta["dtype"] not in SAFETENSORS_DTYPES:
             raise TernaryError(f"{self.path}: tensor {name} has dtype {meta['dtype']}, which "
                                "mlx-ternary does not read")
@@ -83,7 +84,8 @@ class DiskTensor:
 
     def _array(self, raw: np.ndarray) -> mx.array:
         arr = mx.array(raw)
-        return arr.view(mx.bfloat16) if self._mx == mx.bfloat16 else arr
+        arr = arr.view(mx.bfloat16) if self._mx == mx.bfloat16 else arr
+        return arr if self.dtype is None else arr.astype(self.dtype)
 
     def __getitem__(self, key) -> mx.array:
         rows, cols = key if isinstance(key, tuple) else (key, slice(None))
@@ -114,10 +116,10 @@ def checkpoint_parts(model, model_path: Path, config: dict) -> Dict[str, Ternary
         if f"{path}.packed" not in index:
             continue
         bias = f"{path}.bias"
+        bias = DiskTensor(bias, index[bias], layer.bias.dtype) if bias in index else None
         parts[path] = TernaryParts(
             path, DiskTensor(f"{path}.packed", index[f"{path}.packed"]),
-            DiskTensor(f"{path}.scales", index[f"{path}.scales"]),
-            DiskTensor(bias, index[bias]) if bias in index else None, stored.packing,
+            DiskTensor(f"{path}.scales", index[f"{path}.scales"]), bias, stored.packing,
             layer.in_features, layer.out_features, layer.group_size, layer.activation_bits,
             layer.backend, runtime_packing=layer.packing)
     return parts

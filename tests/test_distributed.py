@@ -63,6 +63,8 @@ def cases(tmp_path_factory):
         "qwen3-compact-group": ternary_checkpoint(
             tmp / "c", "qwen3", "compact", "group", 64, 8, hidden_size=128,
             intermediate_size=256, head_dim=32)[0],
+        "qwen2-fast-row-bias": ternary_checkpoint(tmp / "e", "qwen3", "fast", "row", None,
+                                                  8, model_type="qwen2")[0],  # q/k/v biases
         # large enough that scales and padding are noise: the memory case
         "llama-fast-row-wide": ternary_checkpoint(
             tmp / "d", "llama", "fast", "row", None, None, hidden_size=512,
@@ -87,7 +89,8 @@ def cases(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["embedded", "llama-compact-row", "bitnet-fast-tensor",
-                                  "qwen3-compact-group", "llama-fast-row-wide"])
+                                  "qwen3-compact-group", "qwen2-fast-row-bias",
+                                  "llama-fast-row-wide"])
 def test_two_ranks_give_the_single_process_logits(cases, name):
     single, results = cases
     ref = single[name][0]

@@ -117,6 +117,10 @@ def test_disk_tensor_reads_rows_and_column_blocks(tmp_path):
     assert np.array_equal(np.array(t[3:7]), whole[3:7])
     assert np.array_equal(np.array(t[:, 1:3]), whole[:, 1:3])
     assert np.array_equal(np.array(t[2:5, 1:2]), whole[2:5, 1:2])
+    scales = "model.layers.0.mlp.down_proj.scales"
+    half = DiskTensor(scales, index[scales], mx.float16)[:]
+    assert half.dtype == mx.float16 and mx.array_equal(
+        half, mx.load(str(path / "model.safetensors"))[scales].astype(mx.float16))
 
 
 @pytest.fixture(scope="module")
