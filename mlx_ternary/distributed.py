@@ -143,11 +143,13 @@ def sharded_load(path_or_hf_repo: str, group: Optional[mx.distributed.Group] = N
             the group size (naming the layer).
     """
     group = group or world()
-    model_path = resolve_model_path(path_or_hf_repo, revision)
-    model, tokenizer, config = load(str(model_path), tokenizer_config=tokenizer_config,
+    source = Path(path_or_hf_repo).expanduser()
+    if not source.is_file():  # a directory or hub id; a single file (GGUF) goes to load as is
+        source = resolve_model_path(path_or_hf_repo, revision)
+    model, tokenizer, config = load(str(source), tokenizer_config=tokenizer_config,
                                     dtype=dtype, packing=packing, backend=backend, lazy=True,
-                                    return_config=True)
-    parts = checkpoint_parts(model, model_path, read_config(model_path))
+                                    revision=revision, return_config=True)
+    parts = checkpoint_parts(model, source, read_config(source)) if source.is_dir() else {}
     shard_model(model, group, sources=parts)
     mx.eval(model.parameters())
     barrier(group)  # a slow rank's load must not time out the first collective
