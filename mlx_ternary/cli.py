@@ -1,6 +1,7 @@
 """The mlx-ternary command line. The only module that prints."""
 
 import sys
+from functools import partial
 
 import click
 
@@ -63,11 +64,22 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
             raise TernaryError(f"the embedded model is missing from this installation "
                                f"({gen.EMBEDDED_MODEL}); reinstall mlx-ternary or pass --model")
         model = str(gen.EMBEDDED_MODEL)
-    if prompt == "-":
-        prompt = sys.stdin.read()
     if max_tokens < 1:
         raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
-    lm, tokenizer = load(model, lazy=True)
+    from . import distributed as dist
+
+    group = dist.world()  # under mlx.launch: tensor parallel, rank 0 prints
+    rank0 = group.rank() == 0
+    if prompt == "-":
+        if group.size() > 1:  # mlx.launch forwards stdin but never closes it
+            raise click.BadParameter("stdin cannot be read under mlx.launch; give the prompt "
+                                     "itself", param_hint="--prompt")
+        prompt = sys.stdin.read()
+    if group.size() > 1:
+        lm, tokenizer = dist.sharded_load(model, group)
+        seed = dist.agree_seed(seed, group)
+    else:
+        lm, tokenizer = load(model, lazy=True)
     from .plan import plan as memory_plan
 
     n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
@@ -83,8 +95,11 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
                            system_prompt=system_prompt,
                            ignore_chat_template=ignore_chat_template,
                            max_kv_size=max_kv_size, kv_bits=kv_bits):
-        click.echo(last.text, nl=False)
-        sys.stdout.flush()
+        if rank0:
+            click.echo(last.text, nl=False)
+            sys.stdout.flush()
+    if not rank0:
+        return
     click.echo()
     if verbose and last is not None:
         click.echo("=" * 10)
@@ -248,14 +263,16 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
           kv_bits, kv_group_size, prompt_cache_bytes):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
+    from . import distributed as dist
     from . import generate as gen
     from .plan import kv_bytes, parse_bytes, plan as memory_plan
-    from .serve import ServeConfig, Server, load_model
+    from .serve import ServeConfig, Server, load_model, make_engine
 
     model = model or str(gen.EMBEDDED_MODEL)
     kv_bits = int(kv_bits) if kv_bits else None
     kv_group_size = int(kv_group_size)
-    lm, tokenizer = load_model(model)
+    group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
+    lm, tokenizer = dist.sharded_load(model, group) if group.size() > 1 else load_model(model)
     _check_kv_groups(lm, kv_bits, kv_group_size)
     try:
         cache_bytes = (kv_bytes(lm, max_context, max_concurrency, kv_bits, kv_group_size)
@@ -274,8 +291,12 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
                          prefill_step_size=prefill_step_size, max_concurrency=max_concurrency,
                          kv_bits=kv_bits, kv_group_size=kv_group_size,
                          prompt_cache_bytes=cache_bytes)
+    lockstep = partial(dist.LockstepEngine, group=group) if group.size() > 1 else None
     try:
-        server = Server(lm, tokenizer, config, host, port)
+        if lockstep is not None and group.rank() != 0:
+            dist.follow(make_engine(lm, tokenizer, config, lockstep))
+            return
+        server = Server(lm, tokenizer, config, host, port, engine_class=lockstep)
     except ValueError as e:  # a model whose caches --kv-bits cannot quantize
         raise TernaryError(str(e)) from None
     click.echo(f"Serving {model} on http://{host}:{server.server_address[1]}/v1 "

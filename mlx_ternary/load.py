@@ -16,6 +16,7 @@ from .readers import open_source
 from .readers.arch import Checker, hadamard_paths
 from .readers.arch import get_classes, normalize_config, read_config  # noqa: F401 (re-exported)
 from .readers.common import Source
+from .shard import make_shardable
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -132,7 +133,7 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
         mx.eval(model.parameters())
     config = dict(source.config)
     config["quantization"] = model_quantization(model).to_dict()
-    return model, config
+    return make_shardable(model), config  # model.shard(group) knows TernaryLinear
 
 
 def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,

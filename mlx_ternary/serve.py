@@ -31,7 +31,7 @@ MAX_BODY = 4 * 1024 * 1024
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETION_PATHS = ("/v1/completions", "/completions")
 MESSAGES_PATHS = ("/v1/messages", "/messages")
-__all__ = ["APIError", "ServeConfig", "Server", "load_model", "materialize"]
+__all__ = ["APIError", "ServeConfig", "Server", "load_model", "make_engine", "materialize"]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -287,18 +287,9 @@ class Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, model, tokenizer, config: ServeConfig, host: str = "127.0.0.1",
-                 port: int = 8080):
-        materialize(model)
-        make_cache(model, config.kv_bits, config.kv_group_size)  # refuses what cannot be
-        if config.prompt_cache_bytes is None:
-            config.prompt_cache_bytes = kv_bytes(model, config.max_context,
-                                                 config.max_concurrency, config.kv_bits,
-                                                 config.kv_group_size)
-        self.grammars = _grammars(model, tokenizer)
-        self.engine = Engine(model, tokenizer, config.max_concurrency, config.prefill_step_size,
-                             kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
-                             prompt_cache_bytes=config.prompt_cache_bytes,
-                             grammars=self.grammars)
+                 port: int = 8080, engine_class=None):
+        self.engine = make_engine(model, tokenizer, config, engine_class or Engine)
+        self.grammars = self.engine.grammars
         self.tokenizer, self.config, self.created = tokenizer, config, int(time.time())
         super().__init__((host, port), Handler)
         self.engine.start()
@@ -306,6 +297,21 @@ class Server(ThreadingHTTPServer):
     def server_close(self):
         super().server_close()
         self.engine.stop()
+
+
+def make_engine(model, tokenizer, config: ServeConfig, engine_class=None) -> Engine:
+    """The generation engine for `config` (not started); `engine_class` defaults to Engine
+    (distributed.LockstepEngine runs one rank of a tensor-parallel group)."""
+    materialize(model)
+    make_cache(model, config.kv_bits, config.kv_group_size)  # refuses what cannot be
+    if config.prompt_cache_bytes is None:
+        config.prompt_cache_bytes = kv_bytes(model, config.max_context,
+                                             config.max_concurrency, config.kv_bits,
+                                             config.kv_group_size)
+    return (engine_class or Engine)(
+        model, tokenizer, config.max_concurrency, config.prefill_step_size,
+        kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
+        prompt_cache_bytes=config.prompt_cache_bytes, grammars=_grammars(model, tokenizer))
 
 
 def _grammars(model, tokenizer):

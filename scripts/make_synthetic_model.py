@@ -22,7 +22,7 @@ from mlx_ternary.nn import linear_paths
 from mlx_ternary.writers.native import ShardWriter, native_config
 
 # Published shapes: BitNet b1.58 2B4T, Llama-3-8B (HF1BitLLM's ternary Llama3-8B-1.58),
-# Qwen3.5-27B (Ternary-Bonsai / Bonsai-2 27B). `tiny` is a BitNet for tests.
+# Llama-3.2-1B, Qwen3.5-27B (Ternary-Bonsai / Bonsai-2 27B). `tiny` is a BitNet for tests.
 SHAPES = {
     "bitnet-2b": dict(
         config=dict(model_type="bitnet", hidden_size=2560, intermediate_size=6912,
@@ -35,6 +35,12 @@ SHAPES = {
                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                     vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
                     max_position_embeddings=8192, tie_word_embeddings=False),
+        scale="tensor", group_size=None, activation_bits=8),
+    "llama-1b": dict(  # Llama-3.2-1B: 32/8 heads split across 2, 4 or 8 ranks
+        config=dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
+                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                    vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+                    max_position_embeddings=8192, tie_word_embeddings=True),
         scale="tensor", group_size=None, activation_bits=8),
     "bonsai-27b": dict(
         config=dict(model_type="qwen3_5", text_config=dict(

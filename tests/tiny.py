@@ -48,11 +48,12 @@ def write_tokenizer(out_dir: Path) -> None:
     }))
 
 
-def float_model(arch: str, seed: int = 0):
-    """mlx-lm's model class for `arch` with seeded float32 weights and plain Linear layers."""
+def float_model(arch: str, seed: int = 0, **overrides):
+    """mlx-lm's model class for `arch` (config fields overridable) with seeded float32
+    weights and plain Linear layers."""
     from mlx_lm.utils import _get_classes
 
-    config = dict(CONFIGS[arch], bos_token_id=0, eos_token_id=1)
+    config = dict(CONFIGS[arch], bos_token_id=0, eos_token_id=1, **overrides)
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
@@ -72,18 +73,18 @@ def float_model(arch: str, seed: int = 0):
 
 
 def ternary_checkpoint(tmp: Path, arch: str, packing="compact", scale="tensor",
-                       group_size=None, activation_bits=None, seed=0):
+                       group_size=None, activation_bits=None, seed=0, **overrides):
     """Write a native checkpoint of a random ternary `arch` model; returns (dir, float twin).
 
     The float twin is the same architecture with plain Linear layers holding the
     dequantized weights: the reference the ternary model must match.
     """
-    model, config = float_model(arch, seed)
+    model, config = float_model(arch, seed, **overrides)
     ternarize_model(model, packing, scale, group_size, activation_bits)
     out = tmp / f"{arch}-{packing}-{scale}"
     save_model(model, config, out)
     write_tokenizer(out)
-    twin, _ = float_model(arch, seed)
+    twin, _ = float_model(arch, seed, **overrides)
     from mlx_ternary.nn import ternary_layers
 
     deq = {f"{p}.weight": m.dequantize() for p, m in ternary_layers(model)}

@@ -1,0 +1,90 @@
+"""One rank of the tensor-parallel test: run by `mlx.launch` from tests/test_distributed.py.
+
+It runs `mlx-ternary generate` with the JSON file's (argv[1]) "generate" arguments, keeping
+each rank's stdout in argv[2]/generate.rank<r>.txt; then for each of its "cases" it writes,
+per rank, into argv[2]:
+`<name>.rank<r>.npz` with the logits of
+  disk:    mlx_ternary.distributed.sharded_load (each rank reads its slices from disk),
+  memory:  mlx_ternary.load, then model.shard(group) (mlx-lm's call, slicing in memory),
+  control: the memory model with per-rank activation absmax (the negative control),
+and `<name>.rank<r>.json` with the ternary bytes each rank holds and MLX's peak memory
+during each load.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_ternary.distributed import sharded_load, world
+from mlx_ternary.load import load
+from mlx_ternary.shard import ShardedToAllTernaryLinear, ternary_bytes
+
+
+def per_rank_absmax(model) -> int:
+    """Let each sharded-to-all layer quantize its K-slice with its own absmax."""
+    n = 0
+    for _, m in model.named_modules():
+        if isinstance(m, ShardedToAllTernaryLinear) and m.activation_bits:
+            m.linear.activation_bits, m.activation_bits = m.activation_bits, None
+            n += 1
+    return n
+
+
+def measured(fn):
+    """(model, MLX's peak memory while building it, over what was held before)."""
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    model = fn()
+    mx.eval(model.parameters())
+    return model, mx.get_peak_memory() - base
+
+
+def generate(args, out: Path, rank: int) -> None:
+    """`mlx-ternary generate ARGS` in this rank, its stdout kept in generate.rank<r>.txt."""
+    import contextlib
+    import io
+
+    from mlx_ternary.cli import main as cli
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        cli(["generate", *args], standalone_mode=False)
+    (out / f"generate.rank{rank}.txt").write_text(text.getvalue())
+
+
+def main(spec_file: str, out_dir: str) -> None:
+    group = world()
+    rank, out = group.rank(), Path(out_dir)
+    spec = json.loads(Path(spec_file).read_text())
+    generate(spec["generate"], out, rank)
+    for case in spec["cases"]:
+        tokens = mx.array([case["tokens"]])
+        disk, peak_disk = measured(lambda: sharded_load(case["path"], group)[0])
+        logits = {"disk": disk(tokens)}
+        info = {"ternary_bytes_disk": ternary_bytes(disk), "peak_disk": peak_disk}
+        del disk
+
+        def in_memory():
+            model = load(case["path"], lazy=True)[0]
+            model.shard(group)
+            return model
+
+        memory, peak_memory = measured(in_memory)
+        logits["memory"] = memory(tokens)
+        info.update(ternary_bytes_memory=ternary_bytes(memory), peak_memory=peak_memory,
+                    sharded_to_all=per_rank_absmax(memory))
+        if info["sharded_to_all"]:
+            logits["control"] = memory(tokens)
+        np.savez(out / f"{case['name']}.rank{rank}.npz",
+                 **{k: np.array(v.astype(mx.float32)) for k, v in logits.items()})
+        (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(info))
+        del memory, logits
+    print(f"rank {rank} of {group.size()}: {len(spec['cases'])} cases done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
