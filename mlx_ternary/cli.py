@@ -20,6 +20,33 @@ class _Group(click.Group):
             raise click.ClickException(f"{e.filename or e}: no such file or directory") from None
 
 
+def _model(model: str) -> str:
+    """--model: a GGUF file is converted once into the cache, saying so on stderr."""
+    from pathlib import Path
+
+    from .readers.gguf import detect
+
+    if not detect(Path(model).expanduser()):
+        return model
+    from tqdm import tqdm
+
+    from .gguf_cache import native_dir
+
+    bar = None
+
+    def progress(name, done, total):
+        nonlocal bar
+        bar = bar or tqdm(total=total, unit="tensor", desc="convert", file=sys.stderr)
+        bar.update(1)
+
+    try:
+        return str(native_dir(Path(model).expanduser(), lambda m: click.echo(m, err=True),
+                              progress))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mlx-ternary")
 def main():
@@ -33,7 +60,8 @@ Examples:
   echo "Once upon a time" | mlx-ternary generate --model DIR --prompt - --verbose
 """)
 @click.option("--model", default=None,
-              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+              help="Model directory, .gguf file or Hugging Face repo id (default: the embedded "
+                   "tiny model).")
 @click.option("--prompt", "-p", default="ROMEO:", show_default=True,
               help="The prompt; '-' reads it from stdin.")
 @click.option("--max-tokens", "-m", default=100, show_default=True, type=int,
@@ -67,7 +95,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
         prompt = sys.stdin.read()
     if max_tokens < 1:
         raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
-    lm, tokenizer = load(model, lazy=True)
+    lm, tokenizer = load(_model(model), lazy=True)
     from .plan import plan as memory_plan
 
     n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
@@ -101,7 +129,8 @@ Examples:
   mlx-ternary perplexity --model DIR --data FILE --context 512 --json
 """)
 @click.option("--model", default=None,
-              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+              help="Model directory, .gguf file or Hugging Face repo id (default: the embedded "
+                   "tiny model).")
 @click.option("--data", required=True, type=click.Path(dir_okay=False),
               help="UTF-8 text file to evaluate on.")
 @click.option("--context", default=None, type=click.IntRange(min=1),
@@ -125,7 +154,7 @@ def perplexity(model, data, context, batch_size, max_tokens, as_json):
             raise TernaryError(f"the embedded model is missing from this installation "
                                f"({gen.EMBEDDED_MODEL}); reinstall mlx-ternary or pass --model")
         model = str(gen.EMBEDDED_MODEL)
-    lm, tokenizer, config = load(model, return_config=True)
+    lm, tokenizer, config = load(_model(model), return_config=True)
     context = context or ppl.default_context(config)
     result = ppl.file_perplexity(lm, tokenizer, data, context=context, batch_size=batch_size,
                                  max_tokens=max_tokens)
@@ -220,7 +249,8 @@ Examples:
   mlx-ternary serve --model DIR --max-context 8192 --max-concurrency 4 --memory-limit 12
 """)
 @click.option("--model", default=None,
-              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+              help="Model directory, .gguf file or Hugging Face repo id (default: the embedded "
+                   "tiny model).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (loopback by default; 0.0.0.0 exposes it).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
@@ -241,7 +271,7 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
 
     if model is None:
         model = str(gen.EMBEDDED_MODEL)
-    lm, tokenizer = load(model, lazy=True)
+    lm, tokenizer = load(_model(model), lazy=True)
     mem = memory_plan(lm, max_context, batch=max_concurrency,
                       prefill_step_size=prefill_step_size, memory_limit=memory_limit,
                       flags={"context": "--max-context", "batch": "--max-concurrency",
@@ -268,7 +298,8 @@ Examples:
   mlx-ternary plan --model DIR --max-context 32768 --batch 4 --kv-bits 8 --json
 """)
 @click.option("--model", default=None,
-              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+              help="Model directory, .gguf file or Hugging Face repo id (default: the embedded "
+                   "tiny model).")
 @click.option("--max-context", default=4096, show_default=True, type=click.IntRange(min=1),
               help="Prompt + generated tokens per sequence.")
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
@@ -288,7 +319,7 @@ def plan(model, max_context, batch, kv_bits, prefill_step_size, memory_limit, as
     from .load import load
     from .plan import plan as memory_plan
 
-    lm, _ = load(model or str(gen.EMBEDDED_MODEL), lazy=True)
+    lm, _ = load(_model(model or str(gen.EMBEDDED_MODEL)), lazy=True)
     mem = memory_plan(lm, max_context, batch=batch, prefill_step_size=prefill_step_size,
                       kv_bits=kv_bits, memory_limit=memory_limit)
     if as_json:

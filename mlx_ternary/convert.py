@@ -150,7 +150,9 @@ def open_source(hf_path: Union[str, Path], packing: str = DEFAULT_PACKING,
         if p.suffix != ".gguf":
             raise TernaryError(f"{p}: a single file must be a .gguf; otherwise pass the "
                                "model directory")
-        return gguf_reader.source(p, packing)
+        # AffineTensor items reach convert with fmt-st's reader interface; until then the
+        # GGUF reader dequantizes its Q8_0/Q4_x/Q4_K/Q5_K tensors to float16.
+        return gguf_reader.source(p, packing, keep_affine=False)
     model_path = resolve_model_path(str(hf_path), revision)
     config = normalize_config(read_config(model_path))
     is_bitnet = not native.detect(config) and hf_bitnet.detect(config)
@@ -444,7 +446,8 @@ def _write_gguf(source: Source, tmp: Path, qtype: str, dtype, report: ConvertRep
         if progress:
             progress(name, done[0], source.count)
 
-    gguf_writer.write(tmp, source.config, items(), qtype, tok_json, tok_cfg, on_tensor)
+    gguf_writer.write(tmp, source.config, items(), qtype, tok_json, tok_cfg, on_tensor,
+                      activation_bits=source.activation_bits)
     check.finish()
 
 

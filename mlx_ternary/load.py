@@ -12,7 +12,7 @@ from . import kernels
 from .errors import FormatError, TernaryError
 from .format import PACKINGS, scale_kind
 from .nn import TernaryLinear, linear_paths, swap_modules, ternary_layers
-from .readers import hf_bitnet, mlx_affine, native
+from .readers import gguf, hf_bitnet, mlx_affine, native
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 
@@ -44,9 +44,13 @@ def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> 
     p = Path(path_or_hf_repo).expanduser()
     if p.is_dir():
         return p
+    if gguf.detect(p):  # converted once into the cache, then read from there
+        from .gguf_cache import native_dir
+
+        return native_dir(p)
     if p.is_file():
-        raise TernaryError(f"{p}: is a file, not a model directory; GGUF and single files are "
-                           "read by `mlx-ternary convert --hf-path FILE --mlx-path DIR`")
+        raise TernaryError(f"{p}: is a file, not a model directory (or a .gguf file); other "
+                           "single files are not models mlx-ternary reads")
     repo = str(path_or_hf_repo)
     if repo.count("/") != 1 or repo.startswith((".", "/", "~")):
         raise TernaryError(f"{path_or_hf_repo}: no such model directory (and not a Hugging Face "
@@ -199,10 +203,12 @@ def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
 
     Reads the native format (both packings), Hugging Face BitNet packed checkpoints
     (`bitlinear` and `autobitlinear` scales) and float latent BitNet checkpoints
-    (absmean-ternarized at load).
+    (absmean-ternarized at load). A GGUF file is converted once into the cache
+    (gguf_cache.py) and loaded from there.
 
     Args:
-        path_or_hf_repo: a local directory or a Hugging Face repo id (downloaded).
+        path_or_hf_repo: a local directory, a .gguf file or a Hugging Face repo id
+            (downloaded).
         tokenizer_config: extra keyword arguments for the tokenizer.
         dtype, packing, backend, lazy: see `load_model`.
         revision: hub revision (branch, tag or commit).
