@@ -65,7 +65,6 @@ def native_dir(path: Path, notify: Optional[Callable[[str], None]] = None,
     if notify:
         notify(f"{path}: converting the GGUF file to mlx-ternary's format once, into {out} "
                "(later runs load it from there)")
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         convert(str(path), out, progress=progress)
     except TernaryError:

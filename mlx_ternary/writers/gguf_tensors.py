@@ -112,30 +112,51 @@ def ternary(hf: str, pt: PackedTernary, qtype: str, plan: Plan):
     return data, q, float(np.abs(back - w).max(initial=0.0)), exact
 
 
+def _codes(at: AffineTensor) -> np.ndarray:
+    """MLX's packed codes -> (N, K) uint8 (a little-endian bit stream per row)."""
+    words = np.array(at.weight).astype("<u4")
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    n, k = at.shape
+    return np.packbits(np.pad(bits.reshape(n, k, at.bits), ((0, 0), (0, 0), (0, 8 - at.bits))),
+                       axis=2, bitorder="little").reshape(n, k)
+
+
 def affine(hf: str, at: AffineTensor, plan: Plan):
     """An MLX affine weight -> (data, GGML type or None for float, max round-trip error).
 
-    4-bit codes with float16 scale and bias per 32 (or a multiple) are Q4_1 exactly;
-    8-bit codes whose bias is -128 * scale are Q8_0; anything else is written as floats.
+    4-bit codes with float16 scale and bias per 32 (or a multiple) are Q4_1 exactly; 8-bit
+    codes whose bias is -128 * scale are Q8_0; anything else is written as floats.
     """
     from gguf import GGMLQuantizationType as Q, quants
 
-    w = plan.apply(hf, np.array(at.dequantize(mx.float32)))
     s = np.array(at.scales.astype(mx.float32))
     b = np.array(at.biases.astype(mx.float32))
+    # in float32 throughout (AffineTensor.dequantize rounds to the scales' dtype first)
+    w = plan.apply(hf, np.array(mx.dequantize(at.weight, mx.array(s), mx.array(b),
+                                              group_size=at.group_size, bits=at.bits)))
     exact16 = (np.array_equal(s.astype(np.float16).astype(np.float32), s)
                and np.array_equal(b.astype(np.float16).astype(np.float32), b))
-    q = None
-    if at.group_size % 32 == 0 and exact16 and at.bits == 4:
-        q = Q.Q4_1
-    elif at.group_size % 32 == 0 and exact16 and at.bits == 8 and np.array_equal(b, -128 * s):
-        q = Q.Q8_0
-    if q is None or w.shape[1] % 32:
+    fits = (exact16 and at.group_size % 32 == 0 and w.shape == at.shape
+            and (at.bits == 4 or (at.bits == 8 and np.array_equal(b, -128 * s))))
+    if not fits:  # includes an MLP padded to whole TQ blocks: zeros have no code
         f16 = w.astype(np.float16)
         return (f16 if np.array_equal(f16.astype(np.float32), w) else w), None, 0.0
-    data = quants.quantize(w, q)
-    back = quants.dequantize(data, q).reshape(w.shape)
-    return data, q, float(np.abs(back - w).max(initial=0.0))
+    q = plan.apply(hf, _codes(at))
+    n, k = q.shape
+    per = np.repeat(plan.apply(hf, s, edge=True), at.group_size // 32, axis=1)[..., None]
+    if at.bits == 4:
+        m = np.repeat(plan.apply(hf, b, edge=True), at.group_size // 32, axis=1)[..., None]
+        nib = q.reshape(n, k // 32, 2, 16)
+        body = nib[:, :, 0] | (nib[:, :, 1] << 4)
+        head = np.concatenate([per.astype(np.float16).view(np.uint8),
+                               m.astype(np.float16).view(np.uint8)], axis=-1)
+        qtype = Q.Q4_1
+    else:
+        body = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8).reshape(n, k // 32, 32)
+        head, qtype = per.astype(np.float16).view(np.uint8), Q.Q8_0
+    data = np.concatenate([head, body], axis=-1).reshape(n, -1)
+    back = quants.dequantize(data, qtype).reshape(w.shape)
+    return data, qtype, float(np.abs(back - w).max(initial=0.0))
 
 
 def floating(hf: str, arr: mx.array, plan: Plan):
