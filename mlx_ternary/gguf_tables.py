@@ -134,6 +134,8 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,9 @@ PRE_TOKENIZERS = {
     "gpt-2": PreTokenizer((_GPT2,)),
     "llama-bpe": PreTokenizer((_LLAMA3,), ignore_merges=True),
     "qwen2": PreTokenizer((_QWEN2,), nfc=True),
+    "qwen35": PreTokenizer((_QWEN35,)),
     "smollm": PreTokenizer((r"\p{N}", _GPT2)),
+    "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
     # llama.cpp's fallback when a converter did not recognise the tokenizer
     "default": PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
 }
@@ -164,7 +168,7 @@ PRE_ALIASES = {
                     "smollm"),
 }
 # Order in which the writer tries them against a tokenizer's own pre-tokenizer.
-PRE_DETECT_ORDER = ("gpt-2", "llama-bpe", "qwen2", "smollm")
+PRE_DETECT_ORDER = ("gpt-2", "llama-bpe", "qwen2", "qwen35", "smollm", "falcon")
 
 
 def pre_tokenizer(name: str) -> Optional[PreTokenizer]:

@@ -4,7 +4,8 @@
     python scripts/llamacpp_check.py --node-modules DIR --model M --gguf-type TQ1_0 --json
 
 DIR is a node_modules folder holding node-llama-cpp (3.x, prebuilt CPU binaries), or set
-NODE_LLAMA_CPP_MODULES. The model is exported with `convert --to-gguf`, then compared:
+NODE_LLAMA_CPP_MODULES. The model is exported with `convert --to-gguf` (a --model that
+is already a .gguf file is used as it is, and mlx-ternary reads that file), then compared:
 1. greedy continuation of the prompt (as `mlx-ternary generate` tokenizes it: through
    the chat template) by mlx-ternary from the original model, by mlx-ternary from the
    GGUF, and by llama.cpp (temperature 0, the same prompt ids);
@@ -29,6 +30,8 @@ import numpy as np
 import mlx_ternary
 from mlx_ternary import generate as gen
 from mlx_ternary.convert import convert
+from mlx_ternary.readers.gguf import detect
+from mlx_ternary.readers.gguf_file import GGUFFile
 
 HERE = Path(__file__).resolve().parent
 STRINGS = ["I'll", "What's", "don't", "ROMEO: I'll tell thee, my lord.",
@@ -93,10 +96,14 @@ def main():
         sys.exit("give --node-modules DIR (or set NODE_LLAMA_CPP_MODULES)")
 
     tmp = tempfile.TemporaryDirectory()
-    gguf = Path(args.gguf or Path(tmp.name) / "model.gguf")
     t0 = time.perf_counter()
-    report = convert(args.model, to_gguf=gguf, gguf_type=args.gguf_type, force=True)
-    kinds = sorted({t.kind for t in report.tensors})
+    if detect(Path(args.model)):
+        gguf, max_error = Path(args.model), None
+        kinds = sorted({t.type_name for t in GGUFFile(gguf).tensors})
+    else:
+        gguf = Path(args.gguf or Path(tmp.name) / "model.gguf")
+        report = convert(args.model, to_gguf=gguf, gguf_type=args.gguf_type, force=True)
+        kinds, max_error = sorted({t.kind for t in report.tensors}), report.max_error
     model, tokenizer = mlx_ternary.load(args.model)
     prompt_ids = [int(i) for i in gen.prompt_tokens(tokenizer, args.prompt)]
     ours = mlx_greedy(model, tokenizer, prompt_ids, args.max_tokens)
@@ -117,7 +124,7 @@ def main():
     result = {
         "model": args.model, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
         "gguf_type": args.gguf_type, "tensor_kinds": kinds,
-        "convert_max_error": report.max_error, "prompt": args.prompt,
+        "convert_max_error": max_error, "prompt": args.prompt,
         "prompt_ids": prompt_ids,
         "greedy_tokens": len(ours), "greedy_equal_llamacpp": agree(ours, theirs["generated"]),
         "greedy_equal_from_gguf": agree(ours, ours_gguf),

@@ -23,7 +23,7 @@ from pathlib import Path
 from mlx_ternary.gguf_tables import hf_pre_tokenizer, pre_tokenizer
 from mlx_ternary.readers.gguf_file import GGUFFile
 
-NAMES = ("gpt-2", "llama-bpe", "qwen2", "starcoder")
+NAMES = ("gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "falcon")
 
 
 def cases(models: Path, name: str):

@@ -96,7 +96,7 @@ def test_narrow_layers_as_q8_0_codes_and_float(tmp_path, arch, monkeypatch):
     ckpt, _ = ternary_checkpoint(tmp_path, arch, scale="row")
     _bpe_tokenizer(ckpt)
     out = tmp_path / f"{arch}.gguf"
-    report = convert(str(ckpt), to_gguf=out)
+    convert(str(ckpt), to_gguf=out)
     gf = GGUFFile(out)
     types = {t.name: t.type_name for t in gf.tensors}
     assert types["blk.0.attn_q.weight"] == "Q8_0" and types["blk.0.ffn_down.weight"] == "F32"
