@@ -14,6 +14,10 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+TQ_BLOCK = 256  # weights per TQ1_0 / TQ2_0 block
+Q_BLOCK = 32  # weights per Q8_0 / Q4_0 / Q4_1 block (and per k-quant sub-block)
+META = "mlx_ternary"  # namespace of the keys our writer adds (readers/gguf.py reads them)
+
 # --------------------------------------------------------------------------- #
 # Tensor names
 # --------------------------------------------------------------------------- #

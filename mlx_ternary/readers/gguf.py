@@ -22,7 +22,8 @@ import numpy as np
 
 from ..errors import FormatError
 from ..format import PackedTernary, expand_scales
-from ..gguf_tables import ARCHITECTURES, IGNORED_TENSORS, NameTable, rotary_heads, rotary_unpermute
+from ..gguf_tables import (ARCHITECTURES, IGNORED_TENSORS, META, Q_BLOCK, TQ_BLOCK, NameTable,
+                           rotary_heads, rotary_unpermute)
 from . import gguf_quants as gq
 from . import i2s
 from .common import Source
@@ -31,7 +32,6 @@ from .gguf_tokenizer import tokenizer_files
 
 TERNARY_TYPES = ("TQ1_0", "TQ2_0", "I2_S")
 FLOAT_TYPES = ("F32", "F16", "BF16")
-META = "mlx_ternary"  # our own metadata namespace (written by writers/gguf.py)
 
 
 def detect(path: Path) -> bool:
@@ -217,16 +217,16 @@ def _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names):
     keep = _padding(gf, hf)
     if kind in ("TQ1_0", "TQ2_0"):
         t, d = gq.tq_trits(raw, GGMLQuantizationType[kind], rows, cols, label)
-        exact = _exact_scales(gf, info.name, d, gq.BLOCK, cols, label)
-        return module, _ternary(t, d, gq.BLOCK, n_head, packing, label, exact, keep)
+        exact = _exact_scales(gf, info.name, d, TQ_BLOCK, cols, label)
+        return module, _ternary(t, d, TQ_BLOCK, n_head, packing, label, exact, keep)
     if kind == "I2_S":
         t, s = i2s.decode(raw, rows, cols, label)
         return module, _ternary(t, s, None, n_head, packing, label, None, keep)
     if kind == "Q8_0" and matrix:
         found = gq.q8_0_trits(raw, rows, cols)
         if found is not None:
-            exact = _exact_scales(gf, info.name, found[1], 32, cols, label)
-            pt = _ternary(*found, 32, n_head, packing, label, exact, keep)
+            exact = _exact_scales(gf, info.name, found[1], Q_BLOCK, cols, label)
+            pt = _ternary(*found, Q_BLOCK, n_head, packing, label, exact, keep)
             if pt is not None:
                 return module, pt
     if kind in gq.AFFINE_TYPES and matrix and keep_affine and keep == (None, None):
@@ -296,7 +296,7 @@ def source(path: Path, packing: str, *, keep_affine: bool = True,
     if lossy:
         notes.append(f"non-ternary {', '.join(lossy)} tensors are dequantized to float16 "
                      "(no exact MLX form kept)")
-    groups = {gq.BLOCK for t in kept if t.type_name in ("TQ1_0", "TQ2_0")}
+    groups = {TQ_BLOCK for t in kept if t.type_name in ("TQ1_0", "TQ2_0")}
     summary = ", ".join(f"{n} {k}" for k, n in types.most_common())
     return Source(path=path, kind=f"llama.cpp GGUF ({arch}: {summary})", config=config,
                   count=len(kept),

@@ -25,8 +25,8 @@ import numpy as np
 
 from ..errors import FormatError
 from ..format import GROUP_SIZES, AffineTensor
+from ..gguf_tables import Q_BLOCK, TQ_BLOCK
 
-BLOCK = 256  # weights per TQ block
 AFFINE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")
 
 
@@ -50,10 +50,10 @@ def tq_trits(raw: np.ndarray, qtype, rows: int, cols: int, name: str):
     from gguf import GGML_QUANT_SIZES, quants
 
     _, block_bytes = GGML_QUANT_SIZES[qtype]
-    blocks = _blocks(raw, rows, cols, BLOCK, block_bytes)
+    blocks = _blocks(raw, rows, cols, TQ_BLOCK, block_bytes)
     d = _f16(blocks[:, :, -2:])
     w = quants.dequantize(blocks.reshape(rows, -1), qtype).reshape(rows, cols)
-    dd = np.repeat(d.astype(np.float32), BLOCK, axis=1)
+    dd = np.repeat(d.astype(np.float32), TQ_BLOCK, axis=1)
     t = np.rint(np.divide(w, dd, out=np.zeros_like(w), where=dd != 0)).astype(np.int8)
     if (np.abs(t) > 1).any() or not np.array_equal(t.astype(np.float32) * dd, w):
         raise FormatError(f"{name}: {qtype.name} blocks do not decode to d * t; the file is "
@@ -63,7 +63,7 @@ def tq_trits(raw: np.ndarray, qtype, rows: int, cols: int, name: str):
 
 def q8_0_trits(raw: np.ndarray, rows: int, cols: int):
     """Q8_0 whose codes are all in {-1, 0, 1} -> (trits, d (rows, cols/32)); else None."""
-    blocks = _blocks(raw, rows, cols, 32, 34)
+    blocks = _blocks(raw, rows, cols, Q_BLOCK, 34)
     q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8)
     if (np.abs(q.astype(np.int16)) > 1).any():
         return None
@@ -140,20 +140,20 @@ def _finite16(scales: np.ndarray, biases: np.ndarray):
 def affine(raw: np.ndarray, type_name: str, rows: int, cols: int) -> AffineTensor:
     """Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K bytes -> the same numbers as an MLX AffineTensor."""
     if type_name == "Q8_0":
-        b = _blocks(raw, rows, cols, 32, 34)
+        b = _blocks(raw, rows, cols, Q_BLOCK, 34)
         d = _f16(b[:, :, :2]).astype(np.float32)
         q = (np.ascontiguousarray(b[:, :, 2:]).view(np.int8).astype(np.int16) + 128)
         scales, biases, bits = d, -128 * d, 8
     elif type_name in ("Q4_0", "Q4_1"):
         size = 18 if type_name == "Q4_0" else 20
-        b = _blocks(raw, rows, cols, 32, size)
+        b = _blocks(raw, rows, cols, Q_BLOCK, size)
         d = _f16(b[:, :, :2]).astype(np.float32)
         q = _nibbles(b[:, :, size - 16:], 1)
         m = -8 * d if type_name == "Q4_0" else _f16(b[:, :, 2:4]).astype(np.float32)
         scales, biases, bits = d, m, 4
     elif type_name in ("Q4_K", "Q5_K"):
         size = 144 if type_name == "Q4_K" else 176
-        b = _blocks(raw, rows, cols, 256, size)
+        b = _blocks(raw, rows, cols, TQ_BLOCK, size)
         d, dmin = _f16(b[:, :, 0:2]).astype(np.float32), _f16(b[:, :, 2:4]).astype(np.float32)
         sc, mn = _k_scales(b[:, :, 4:16])
         q = _nibbles(b[:, :, size - 128:], 4)
@@ -170,7 +170,7 @@ def affine(raw: np.ndarray, type_name: str, rows: int, cols: int) -> AffineTenso
     scales, biases = _finite16(scales.reshape(rows, -1), biases.reshape(rows, -1))
     q = q.reshape(rows, cols).astype(np.uint8)
     return AffineTensor(mx.array(pack_codes(q, bits)), mx.array(scales), mx.array(biases),
-                        bits, 32)
+                        bits, Q_BLOCK)
 
 
 def dequantize(raw: np.ndarray, qtype, shape: tuple) -> np.ndarray:

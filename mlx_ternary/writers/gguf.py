@@ -20,12 +20,11 @@ import mlx.core as mx
 
 from ..errors import TernaryError
 from ..format import AffineTensor, PackedTernary
-from ..gguf_tables import (ARCHITECTURES, PRE_DETECT_ORDER, PRE_TOKENIZERS, WRITE_ARCH,
+from ..gguf_tables import (ARCHITECTURES, META, PRE_DETECT_ORDER, PRE_TOKENIZERS, WRITE_ARCH,
                            NameTable, hf_pre_tokenizer)
 from . import gguf_tensors as gt
 
 QTYPES = ("TQ1_0", "TQ2_0")
-META = "mlx_ternary"
 # Splits every pre-tokenizer in gguf_tables differently from the others.
 PROBE = ("Hello world! I'll say: What's up? DON'T don't we'd they've I'M it's\n\n"
          "  3 33 333 3333 12345678 1.5e-3\t tab\r\n  \u00dcn\u00efc\u00f6d\u00e9 "

@@ -6,7 +6,7 @@ docs/CONVERT.md, "Widths that are not whole TQ blocks"):
   block (d = s). A gated MLP whose intermediate size is not a multiple of 256 (llama,
   qwen) is padded with zero rows in gate/up and zero columns in down_proj: act(0) * 0
   is 0, so the padded model computes the same numbers, and its down_proj becomes TQ
-  too (llama.cpp decodes such a model about twice as fast as with a Q8_0 down_proj).
+  too (smaller and faster in llama.cpp than a Q8_0 down_proj: docs/CONVERT.md).
 - else Q8_0 with codes t in {-1, 0, 1} and d = s per 32 weights;
 - else float32.
 """
@@ -18,9 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..format import AffineTensor, PackedTernary, expand_scales
-from ..gguf_tables import rotary_heads, rotary_permute
+from ..gguf_tables import Q_BLOCK, TQ_BLOCK, rotary_heads, rotary_permute
 
-TQ_BLOCK, Q8_BLOCK = 256, 32
 PADDED_FFN = ("llama", "qwen2", "qwen3")  # gated MLP, act(0) = 0, no norm inside
 
 
@@ -68,8 +67,8 @@ class Plan:
 def _q8_0_codes(t: np.ndarray, s: np.ndarray) -> np.ndarray:
     """Trits (N, K) and per-weight scales (N, K) -> Q8_0 bytes: d = s, codes = t."""
     n, k = t.shape
-    d = s.reshape(n, k // Q8_BLOCK, Q8_BLOCK)[:, :, 0].astype(np.float16)
-    q = t.reshape(n, k // Q8_BLOCK, Q8_BLOCK).astype(np.int8)
+    d = s.reshape(n, k // Q_BLOCK, Q_BLOCK)[:, :, 0].astype(np.float16)
+    q = t.reshape(n, k // Q_BLOCK, Q_BLOCK).astype(np.int8)
     blocks = np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], axis=-1)
     return blocks.reshape(n, -1)
 
@@ -99,7 +98,7 @@ def ternary(hf: str, pt: PackedTernary, qtype: str, plan: Plan):
     if k % TQ_BLOCK == 0 and _constant_over(s, TQ_BLOCK):
         q = Q[qtype]
         data = quants.quantize(w, q)
-    elif k % Q8_BLOCK == 0 and _constant_over(s, Q8_BLOCK):
+    elif k % Q_BLOCK == 0 and _constant_over(s, Q_BLOCK):
         q = Q.Q8_0
         data = _q8_0_codes(t, s)
     else:
@@ -152,7 +151,8 @@ def affine(hf: str, at: AffineTensor, plan: Plan):
                                m.astype(np.float16).view(np.uint8)], axis=-1)
         qtype = Q.Q4_1
     else:
-        body = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8).reshape(n, k // 32, 32)
+        body = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+        body = body.reshape(n, k // Q_BLOCK, Q_BLOCK)
         head, qtype = per.astype(np.float16).view(np.uint8), Q.Q8_0
     data = np.concatenate([head, body], axis=-1).reshape(n, -1)
     back = quants.dequantize(data, qtype).reshape(w.shape)
