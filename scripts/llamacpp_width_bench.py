@@ -15,16 +15,15 @@ tokens/s). Prints file sizes and median (min-max) speeds.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+from llamacpp_check import run_llamacpp  # scripts/ is on sys.path when run as a script
+
 H, I, PADDED, L, HEADS, V = 1024, 2880, 3072, 4, 8, 4096
 VARIANTS = ("q8", "pad", "pad_q8", "f16")
 
@@ -92,14 +91,7 @@ def build(path: Path, variant: str) -> None:
 def time_once(node_modules: str, model: Path) -> dict:
     req = {"model": str(model), "prompt_ids": [(7 * i) % (V - 2) + 2 for i in range(128)],
            "max_tokens": 33, "strings": [], "threads": 1}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(req, f)
-    try:
-        out = subprocess.run(["node", str(HERE / "llamacpp_check.mjs"), node_modules, f.name],
-                             capture_output=True, text=True, check=True)
-    finally:
-        os.unlink(f.name)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_llamacpp(node_modules, req)
 
 
 def main():
