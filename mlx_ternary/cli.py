@@ -187,9 +187,10 @@ Examples:
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None,
               help="dtype of float tensors (default: as stored).")
 @click.option("-d", "--dequantize", is_flag=True, help="Write a float checkpoint.")
-@click.option("--to-gguf", default=None, help="Write a llama.cpp GGUF file (TQ1_0/TQ2_0).")
+@click.option("--to-gguf", default=None, help="Write a llama.cpp GGUF file.")
 @click.option("--gguf-type", type=click.Choice(["TQ1_0", "TQ2_0"]), default="TQ2_0",
-              show_default=True, help="GGUF type of the ternary tensors.")
+              show_default=True,
+              help="GGUF type of ternary rows of whole 256-weight blocks (others: Q8_0 codes).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--force", is_flag=True, help="Replace an existing output.")
 def convert(hf_path, mlx_path, packing, q_bits, q_group_size, dtype, dequantize, to_gguf,
