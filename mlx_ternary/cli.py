@@ -21,6 +21,33 @@ class _Group(click.Group):
             raise click.ClickException(f"{e.filename or e}: no such file or directory") from None
 
 
+def _model(model: str) -> str:
+    """--model: a GGUF file is converted once into the cache, saying so on stderr."""
+    from pathlib import Path
+
+    from .readers.gguf import detect
+
+    if not detect(Path(model).expanduser()):
+        return model
+    from tqdm import tqdm
+
+    from .gguf_cache import native_dir
+
+    bar = None
+
+    def progress(name, done, total):
+        nonlocal bar
+        bar = bar or tqdm(total=total, unit="tensor", desc="convert", file=sys.stderr)
+        bar.update(1)
+
+    try:
+        return str(native_dir(Path(model).expanduser(), lambda m: click.echo(m, err=True),
+                              progress))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mlx-ternary")
 def main():
@@ -34,7 +61,8 @@ Examples:
   echo "Once upon a time" | mlx-ternary generate --model DIR --prompt - --verbose
 """)
 @click.option("--model", default=None,
-              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+              help="Model directory, .gguf file or Hugging Face repo id (default: the embedded "
+                   "tiny model).")
 @click.option("--prompt", "-p", default="ROMEO:", show_default=True,
               help="The prompt; '-' reads it from stdin.")
 @click.option("--max-tokens", "-m", default=100, show_default=True, type=int,
@@ -76,10 +104,10 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
                                      "itself", param_hint="--prompt")
         prompt = sys.stdin.read()
     if group.size() > 1:
-        lm, tokenizer = dist.sharded_load(model, group)
+        lm, tokenizer = dist.sharded_load(_model(model), group)
         seed = dist.agree_seed(seed, group)
     else:
-        lm, tokenizer = load(model, lazy=True)
+        lm, tokenizer = load(_model(model), lazy=True)
     from .plan import plan as memory_plan
 
     n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
@@ -116,7 +144,8 @@ Examples:
   mlx-ternary perplexity --model DIR --data FILE --context 512 --json
 """)
 @click.option("--model", default=None,
-              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+              help="Model directory, .gguf file or Hugging Face repo id (default: the embedded "
+                   "tiny model).")
 @click.option("--data", required=True, type=click.Path(dir_okay=False),
               help="UTF-8 text file to evaluate on.")
 @click.option("--context", default=None, type=click.IntRange(min=1),
@@ -140,7 +169,7 @@ def perplexity(model, data, context, batch_size, max_tokens, as_json):
             raise TernaryError(f"the embedded model is missing from this installation "
                                f"({gen.EMBEDDED_MODEL}); reinstall mlx-ternary or pass --model")
         model = str(gen.EMBEDDED_MODEL)
-    lm, tokenizer, config = load(model, return_config=True)
+    lm, tokenizer, config = load(_model(model), return_config=True)
     context = context or ppl.default_context(config)
     result = ppl.file_perplexity(lm, tokenizer, data, context=context, batch_size=batch_size,
                                  max_tokens=max_tokens)
@@ -173,9 +202,10 @@ Examples:
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default=None,
               help="dtype of float tensors (default: as stored).")
 @click.option("-d", "--dequantize", is_flag=True, help="Write a float checkpoint.")
-@click.option("--to-gguf", default=None, help="Write a llama.cpp GGUF file (TQ1_0/TQ2_0).")
+@click.option("--to-gguf", default=None, help="Write a llama.cpp GGUF file.")
 @click.option("--gguf-type", type=click.Choice(["TQ1_0", "TQ2_0"]), default="TQ2_0",
-              show_default=True, help="GGUF type of the ternary tensors.")
+              show_default=True,
+              help="GGUF type of ternary rows of whole 256-weight blocks (others: Q8_0 codes).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--activation-bits", type=click.Choice(["8", "0"]), default=None,
               help="Override the source's activation quantization: 8 (BitNet int8) or 0 "
@@ -240,7 +270,8 @@ Examples:
   mlx-ternary serve --model DIR --max-context 8192 --max-concurrency 4 --memory-limit 12
 """)
 @click.option("--model", default=None,
-              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+              help="Model directory, .gguf file or Hugging Face repo id (default: the embedded "
+                   "tiny model).")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (loopback by default; 0.0.0.0 exposes it).")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
@@ -272,7 +303,8 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
     kv_bits = int(kv_bits) if kv_bits else None
     kv_group_size = int(kv_group_size)
     group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
-    lm, tokenizer = dist.sharded_load(model, group) if group.size() > 1 else load_model(model)
+    path = _model(model)
+    lm, tokenizer = dist.sharded_load(path, group) if group.size() > 1 else load_model(path)
     _check_kv_groups(lm, kv_bits, kv_group_size)
     try:
         cache_bytes = (kv_bytes(lm, max_context, max_concurrency, kv_bits, kv_group_size)
@@ -326,7 +358,8 @@ Examples:
   mlx-ternary plan --model DIR --max-context 32768 --batch 4 --kv-bits 8 --json
 """)
 @click.option("--model", default=None,
-              help="Model directory or Hugging Face repo id (default: the embedded tiny model).")
+              help="Model directory, .gguf file or Hugging Face repo id (default: the embedded "
+                   "tiny model).")
 @click.option("--max-context", default=4096, show_default=True, type=click.IntRange(min=1),
               help="Prompt + generated tokens per sequence.")
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1),
@@ -353,7 +386,7 @@ def plan(model, max_context, batch, kv_bits, prefill_step_size, memory_limit,
         cache_bytes = parse_bytes(prompt_cache_bytes)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--prompt-cache-bytes") from None
-    lm, _ = load(model or str(gen.EMBEDDED_MODEL), lazy=True)
+    lm, _ = load(_model(model or str(gen.EMBEDDED_MODEL)), lazy=True)
     mem = memory_plan(lm, max_context, batch=batch, prefill_step_size=prefill_step_size,
                       kv_bits=kv_bits, memory_limit=memory_limit, prompt_cache=cache_bytes)
     if as_json:

@@ -318,7 +318,8 @@ def _write_gguf(source: Source, tmp: Path, qtype: str, dtype, report: ConvertRep
         if progress:
             progress(name, done[0], source.count)
 
-    gguf_writer.write(tmp, source.config, items(), qtype, tok_json, tok_cfg, on_tensor)
+    gguf_writer.write(tmp, source.config, items(), qtype, tok_json, tok_cfg, on_tensor,
+                      activation_bits=source.activation_bits)
     check.finish()
 
 

@@ -424,8 +424,9 @@ class AffineTensor:
         return {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
 
     def dequantize(self, dtype=mx.float32) -> mx.array:
-        return mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size,
-                             bits=self.bits).astype(dtype)
+        # Scales and biases in `dtype` first: float16 ones would round each weight.
+        return mx.dequantize(self.weight, self.scales.astype(dtype), self.biases.astype(dtype),
+                             group_size=self.group_size, bits=self.bits)
 
     @property
     def nbytes(self) -> int:

@@ -10,9 +10,9 @@ from mlx.utils import tree_unflatten
 from . import kernels
 from .errors import TernaryError
 from .format import PACKINGS, AffineTensor, PackedTernary
-from .nn import (HadamardTernaryLinear, TernaryLinear, affine_layer, model_quantization,
-                 ternary_layers)
-from .readers import open_source
+from .nn import (HadamardTernaryLinear, QuantizedEmbedding, TernaryLinear, affine_layer,
+                 model_quantization, ternary_layers)
+from .readers import gguf, open_source
 from .readers.arch import Checker, hadamard_paths
 from .readers.arch import get_classes, normalize_config, read_config  # noqa: F401 (re-exported)
 from .readers.common import Source
@@ -48,9 +48,13 @@ def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> 
     p = Path(path_or_hf_repo).expanduser()
     if p.is_dir():
         return p
+    if gguf.detect(p):  # converted once into the cache, then read from there
+        from .gguf_cache import native_dir
+
+        return native_dir(p)
     if p.is_file():
-        raise TernaryError(f"{p}: is a file, not a model directory; GGUF and single files are "
-                           "read by `mlx-ternary convert --hf-path FILE --mlx-path DIR`")
+        raise TernaryError(f"{p}: is a file, not a model directory (or a .gguf file); other "
+                           "single files are not models mlx-ternary reads")
     repo = str(path_or_hf_repo)
     if repo.count("/") != 1 or repo.startswith((".", "/", "~")):
         raise TernaryError(f"{path_or_hf_repo}: no such model directory (and not a Hugging Face "
@@ -122,6 +126,9 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
                    and not k.endswith((".scales", ".biases")) else v
                    for k, v in weights.items()}
+        for _, m in model.named_modules():  # quantized embeddings give rows in `dtype`
+            if isinstance(m, QuantizedEmbedding):
+                m.out_dtype = dtype
     model.load_weights(list(weights.items()), strict=False)
     model.eval()
     if runtime:
@@ -145,10 +152,12 @@ def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
     format, Hugging Face BitNet (packed or latent, every published config revision),
     mlx-lm quantized BitNet conversions, MLX affine ternary packs (Ternary-Bonsai,
     Bonsai-2) and TriLM-style float checkpoints. Layers stored MLX affine-quantized
-    (embeddings, lm_head) stay quantized.
+    (embeddings, lm_head) stay quantized. A .gguf file is converted once into the cache
+    (gguf_cache.py) and loaded from there.
 
     Args:
-        path_or_hf_repo: a local directory or a Hugging Face repo id (downloaded).
+        path_or_hf_repo: a local directory, a .gguf file or a Hugging Face repo id
+            (downloaded).
         tokenizer_config: extra keyword arguments for the tokenizer.
         dtype, packing, backend, lazy: see `load_model`.
         revision: hub revision (branch, tag or commit).

@@ -158,6 +158,26 @@ def _mx(a) -> mx.array:
     return a if isinstance(a, mx.array) else mx.array(a)
 
 
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose lookup can return `out_dtype`.
+
+    MLX's lookup dequantizes in the scales' dtype: float16 scales round each row and turn
+    a float32 model's residual stream float16 (inexact, and many times slower on the CPU).
+    With `out_dtype` the gathered rows' scales and biases are cast first, so rows are exact
+    in float32 while the table keeps its stored scales. `as_linear` is already exact:
+    quantized_matmul computes in x's dtype.
+    """
+
+    out_dtype = None
+
+    def __call__(self, x):
+        s, b = self["scales"][x], self["biases"][x]
+        if self.out_dtype is not None:
+            s, b = s.astype(self.out_dtype), b.astype(self.out_dtype)
+        return mx.dequantize(self["weight"][x], s, b, group_size=self.group_size,
+                             bits=self.bits, mode=self.mode)
+
+
 def affine_layer(module: nn.Module, at: fmt.AffineTensor, name: str = "layer") -> nn.Module:
     """nn.QuantizedLinear / nn.QuantizedEmbedding holding `at` in place of `module`.
 
@@ -169,7 +189,7 @@ def affine_layer(module: nn.Module, at: fmt.AffineTensor, name: str = "layer") -
                          "weight (only Linear and Embedding layers can)")
     n, k = at.shape
     if isinstance(module, nn.Embedding):
-        layer = nn.QuantizedEmbedding(n, k, group_size=at.group_size, bits=at.bits)
+        layer = QuantizedEmbedding(n, k, group_size=at.group_size, bits=at.bits)
     else:
         layer = nn.QuantizedLinear(k, n, "bias" in module, group_size=at.group_size,
                                    bits=at.bits)
@@ -238,7 +258,8 @@ def model_quantization(model: nn.Module) -> fmt.QuantizationConfig:
     group = max(groups) if groups else None
     affine = {p: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
               for p, m in model.named_modules()
-              if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding)}  # not mlx-lm subclasses
+              if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedEmbedding)}
+    # (not mlx-lm's own subclasses)
     return fmt.QuantizationConfig(packing=first.packing,
                                   scale="group" if group else first.scale, group_size=group,
                                   activation_bits=first.activation_bits, layers=affine)

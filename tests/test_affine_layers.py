@@ -45,7 +45,7 @@ def test_quantize_model_save_reload(quantized):
     saved = json.loads((path / "config.json").read_text())["quantization"]
     assert saved["model.embed_tokens"] == {"group_size": 64, "bits": 4, "mode": "affine"}
     model, _, config = mlx_ternary.load(str(path), return_config=True)
-    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
     assert type(model.lm_head) is nn.QuantizedLinear and model.lm_head.bits == 4
     assert len(ternary_layers(model)) == 14
     np.testing.assert_array_equal(logits(model), want)

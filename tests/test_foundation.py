@@ -246,10 +246,14 @@ def test_float_model_without_ternary_weights_is_refused(tmp_path):
 
 
 def test_file_instead_of_directory(tmp_path):
-    f = tmp_path / "model.gguf"
-    f.write_bytes(b"GGUF")
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"weights")
     with pytest.raises(TernaryError, match="is a file, not a model directory"):
         mlx_ternary.load(str(f))
+    f = tmp_path / "model.gguf"  # a GGUF file is read (converted into the cache) ...
+    f.write_bytes(b"GGUF")
+    with pytest.raises(TernaryError, match="model.gguf: not a readable GGUF file"):
+        mlx_ternary.load(str(f))  # ... and a broken one says so
 
 
 def test_hub_repo_offline_gives_one_clear_error(tmp_path, monkeypatch):
