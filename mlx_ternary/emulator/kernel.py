@@ -146,7 +146,8 @@ class _Binding:
             self.keep.append(placeholder)
             base = lo = hi = placeholder.__array_interface__["data"][0]
         self.keep.append(view)
-        self.args.append(f"emu::device_ptr<{ctype}>(&b[{len(self.bufs)}])")
+        ptr = "constant_ptr" if kind == _BUF_CONSTANT else "device_ptr"
+        self.args.append(f"emu::{ptr}<{ctype}>(&b[{len(self.bufs)}])")
         self.names.append(name)
         self.bufs.append(_Buf(base, lo, hi, 0, 0, name.encode(), kind, view.itemsize))
 
