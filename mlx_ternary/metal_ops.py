@@ -307,47 +307,58 @@ def _decode(spec: LayerSpec, dtype, decode: Optional[str]) -> str:
 
 
 def prepare(spec: LayerSpec, packed: mx.array, scales: mx.array, bias: Optional[mx.array],
-            dtype, m: int, backend: str, decode: Optional[str] = None,
+            dtype, shape: tuple, backend: str, decode: Optional[str] = None,
             kernel: Optional[str] = None) -> Tuple[Callable[[mx.array], mx.array], tuple]:
-    """The launches of an m-token call with `dtype` activations, decided now.
+    """The launches of a call with x of `shape` (..., K) and `dtype`, decided now.
 
     Returns:
-        (run, variant): run(x) takes x (..., K) of `dtype` with m rows in all and returns
-        (..., N); variant identifies the compiled pipelines (for first-use checks).
+        (run, variant): run(x) launches and returns y (..., N); variant identifies the
+        compiled pipelines (for first-use checks).
 
     Raises:
-        ValueError: an unknown decode or kernel, or more tokens than a forced GEMV takes.
+        ValueError: an unknown dtype, decode or kernel, or more tokens than a forced GEMV
+            takes.
     """
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32, got {dtype}")
+    m = 1
+    for d in shape[:-1]:
+        m *= d
     kind = choose_kernel(m, kernel)
     decode = _decode(spec, dtype, decode)
     corr = 0
     if spec.act and spec.packing == "fast" and kind == "gemv":
         corr = 1 if decode == "offset" else 2
-    pre = _prepass(spec, dtype, m, corr, backend) if spec.act else None
     aw = _aux_width(spec, corr)
     xt = mx.float16 if spec.act else dtype
     if kind == "gemv":
         main = _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw)
     else:
         main = _gemm(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend, aw)
-    n, k = spec.n, spec.k
+    # Everything the closures touch is a local: no attribute lookups per call.
+    kern, rest, tmpl, grid, tg, odt = (main.kernel, main.rest, main.template, main.grid,
+                                       main.threadgroup, main.out_dtypes)
+    out_shapes = [(*shape[:-1], spec.n)]
+    if not spec.act:
+        aux, w, s, b, params = rest
 
-    if pre is None:
         def run(x):
-            return main(x, [(*x.shape[:-1], n)])[0]
+            return kern(inputs=[x, aux, w, s, b, params], template=tmpl, grid=grid,
+                        threadgroup=tg, output_shapes=out_shapes, output_dtypes=odt)[0]
+
         return run, (main.variant,)
 
-    pre_shapes = [(m, k), (m, aw)]
-    main_rest = main.rest[1:]
+    pre = _prepass(spec, dtype, m, corr, backend)
+    pkern, (pparams,), ptmpl, pgrid, ptg, pdt = (pre.kernel, pre.rest, pre.template, pre.grid,
+                                                  pre.threadgroup, pre.out_dtypes)
+    pshapes = [(m, spec.k), (m, aw)]
+    _, w, s, b, params = rest
 
     def run_act(x):
-        xq, aux = pre(x, pre_shapes)
-        return main.kernel(inputs=[xq, aux, *main_rest], template=main.template,
-                           grid=main.grid, threadgroup=main.threadgroup,
-                           output_shapes=[(*x.shape[:-1], n)],
-                           output_dtypes=main.out_dtypes)[0]
+        xq, xaux = pkern(inputs=[x, pparams], template=ptmpl, grid=pgrid, threadgroup=ptg,
+                         output_shapes=pshapes, output_dtypes=pdt)
+        return kern(inputs=[xq, xaux, w, s, b, params], template=tmpl, grid=grid,
+                    threadgroup=tg, output_shapes=out_shapes, output_dtypes=odt)[0]
 
     return run_act, (pre.variant, main.variant)
 
@@ -385,8 +396,8 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
     spec = check_layer(packed, scales, bias, packing=packing, in_features=in_features,
                        group_size=group_size, activation_bits=activation_bits)
     check_x(x, spec)
-    m = x.size // in_features
-    if m == 0:
+    if x.size == 0:
         return mx.zeros((*x.shape[:-1], spec.n), dtype=x.dtype)
-    run, _ = prepare(spec, packed, scales, bias, x.dtype, m, backend, decode, kernel)
+    run, _ = prepare(spec, packed, scales, bias, x.dtype, tuple(x.shape), backend, decode,
+                     kernel)
     return run(x)
