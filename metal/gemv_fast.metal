@@ -168,20 +168,17 @@ inline uint ternary_exponent(int p) {
     }
   }
 
+  // Lane 0 writes: only it reads the row scale, bias and activation scale.
   TERNARY_UNROLL
   for (int r = 0; r < 4; r++) {
     const int n = row0 + r;
-    float srow = 1.0f;
-    if (SMODE == 0) {
-      srow = static_cast<float>(scales[0]);
-    } else if (SMODE == 1) {
-      srow = static_cast<float>(scales[rows[r]]);
-    }
     TERNARY_UNROLL
     for (int m = 0; m < TM; m++) {
       if (m < mc) {
         const float total = simd_sum(acc[r][m]);
         if (lane == 0 && n < N) {
+          const float srow = SMODE == 0 ? static_cast<float>(scales[0])
+                           : (SMODE == 1 ? static_cast<float>(scales[n]) : 1.0f);
           float out = total * srow;
           if (ACTQ) {
             out *= aux[(m0 + m) * AW];
