@@ -510,6 +510,19 @@ struct tg_ptr;
   friend bool operator!=(const P& a, std::nullptr_t) { return a.p_ != nullptr; }       \
   explicit operator bool() const { return p_ != nullptr; }
 
+// A checked, counted read of element i from a device or constant buffer.
+template <class T>
+inline const T& checked_read(char* p, emu_buf* d, ptrdiff_t i, const char* space) {
+  char* a = offset(p, i * ptrdiff_t(sizeof(T)));
+  if (__builtin_expect(!d, 0)) {
+    emu_rt_fail(space[0] == 'd' ? "read through a null device pointer"
+                                : "read through a null constant pointer");
+  }
+  check(d, a, sizeof(T), align_of<T>(), 0);
+  d->read += sizeof(T);
+  return *reinterpret_cast<const T*>(a);
+}
+
 template <class T>
 struct device_ptr<const T> {
   using E = const T;
@@ -523,13 +536,7 @@ struct device_ptr<const T> {
   template <class U, std::enable_if_t<!std::is_same_v<std::remove_cv_t<U>, std::remove_cv_t<T>>, int> = 0>
   explicit device_ptr(const device_ptr<U>& o) : p_(o.p_), d_(o.d_) {}
 
-  const T& at(ptrdiff_t i) const {
-    char* a = offset(p_, i * ptrdiff_t(sizeof(T)));
-    if (__builtin_expect(!d_, 0)) emu_rt_fail("read through a null device pointer");
-    check(d_, a, sizeof(T), align_of<T>(), 0);
-    d_->read += sizeof(T);
-    return *reinterpret_cast<const T*>(a);
-  }
+  const T& at(ptrdiff_t i) const { return checked_read<T>(p_, d_, i, "device"); }
   template <class I, std::enable_if_t<is_index_v<I>, int> = 0>
   const T& operator[](I i) const { return at(ptrdiff_t(i)); }
   const T& operator*() const { return at(0); }
@@ -584,13 +591,7 @@ struct constant_ptr {
   template <class U, std::enable_if_t<!std::is_same_v<std::remove_cv_t<U>, V>, int> = 0>
   explicit constant_ptr(const constant_ptr<U>& o) : p_(o.p_), d_(o.d_) {}
 
-  const V& at(ptrdiff_t i) const {
-    char* a = offset(p_, i * ptrdiff_t(sizeof(V)));
-    if (__builtin_expect(!d_, 0)) emu_rt_fail("read through a null constant pointer");
-    check(d_, a, sizeof(V), align_of<V>(), 0);
-    d_->read += sizeof(V);
-    return *reinterpret_cast<const V*>(a);
-  }
+  const V& at(ptrdiff_t i) const { return checked_read<V>(p_, d_, i, "constant"); }
   template <class I, std::enable_if_t<is_index_v<I>, int> = 0>
   const V& operator[](I i) const { return at(ptrdiff_t(i)); }
   const V& operator*() const { return at(0); }
