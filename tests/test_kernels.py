@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_ternary import format as fmt
-from mlx_ternary import kernels, metal_ops, reference
+from mlx_ternary import kernels, metal_ops
 from mlx_ternary.metal_sources import metal_dir, read_source
 
 emulator = pytest.importorskip("mlx_ternary.emulator")
