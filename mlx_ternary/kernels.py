@@ -131,8 +131,8 @@ class LayerPlan:
             affine = self.affine(dtype) if self.packing == "fast" else None
             return reference.prepare(self.packed, self.scales, self.bias, **args, dtype=dtype,
                                      affine=affine)
-        return partial(host_matmul(backend), packed=self.packed, scales=self.scales,
-                       bias=self.bias, **args)
+        fn, packed, scales, bias = host_matmul(backend), self.packed, self.scales, self.bias
+        return lambda x: fn(x, packed, scales, bias, **args)
 
     def grad_x(self, g: mx.array) -> mx.array:
         """g @ W: the input gradient (the straight-through estimator's, with int8 x too)."""

@@ -389,3 +389,26 @@ def _layers(model):
     from mlx_ternary.nn import ternary_layers
 
     return [m for _, m in ternary_layers(model)]
+
+
+def test_a_host_backend_slots_in_through_host_matmul(monkeypatch):
+    """Where another backend (the CPU extension, "native") joins: resolve_backend accepts its
+    name, host_matmul returns its function, called with reference.ternary_matmul's signature."""
+    calls = []
+
+    def native(x, packed, scales, bias, *, packing, in_features, group_size, activation_bits):
+        calls.append((packing, in_features, group_size, activation_bits))
+        return reference.ternary_matmul(x, packed, scales, bias, packing=packing,
+                                        in_features=in_features, group_size=group_size,
+                                        activation_bits=activation_bits)
+
+    real = kernels.host_matmul
+    monkeypatch.setattr(kernels, "BACKENDS", kernels.BACKENDS + ("native",))
+    monkeypatch.setattr(kernels, "host_matmul",
+                        lambda b: native if b == "native" else real(b))
+    layer, w = make_layer(act=8, bias=True, backend="native")
+    layer.eval()
+    x = mx.array(np.random.default_rng(11).normal(size=(2, 96)).astype(np.float32))
+    assert rel_err(layer(x), forward_np(x, w, 8, layer.bias)) < 1e-5
+    layer(x)
+    assert calls == [("fast", 96, None, 8)] * 2
