@@ -412,3 +412,16 @@ def test_a_host_backend_slots_in_through_host_matmul(monkeypatch):
     assert rel_err(layer(x), forward_np(x, w, 8, layer.bias)) < 1e-5
     layer(x)
     assert calls == [("fast", 96, None, 8)] * 2
+
+
+def test_first_use_check_inside_mx_compile(fake_metal):
+    """The check evaluates only its own arrays, which MLX allows while tracing: a variant
+    first met inside mx.compile is checked there, and its fallback compiles."""
+    fake_metal.setattr(mx.fast, "metal_kernel",
+                       Counting(metal_kernel, transform=lambda a: mx.zeros_like(a)))
+    layer, w = make_layer(act=None)
+    layer.eval()
+    x = mx.array(np.random.default_rng(12).normal(size=(1, 96)).astype(np.float32))
+    with pytest.warns(probe.KernelCheckWarning):
+        y = mx.compile(lambda x_: layer(x_) * 1.0)(x)
+    assert rel_err(y, forward_np(x, w, None)) < 1e-5
