@@ -103,34 +103,35 @@ def _nbytes(arrays) -> int:
 
 def _variants(layer: dict, k: int, n: int, m: int, act: bool, dtype, backend: str,
               decodes: bool) -> Dict[str, tuple]:
-    """{name: (fn(x, w) -> y, arrays of w)}; w is one copy of the layer's arrays."""
+    """{name: (make, arrays)}: make(w) -> (x -> y) for one copy w of the layer's arrays,
+    with everything but x decided (so a timed chain only launches)."""
     out = {}
     g, bits = layer["group"], 8 if act else None
+    shape = (m, k)
     for packing in ("fast", "compact"):
         choices = [None]
         if decodes and packing == "fast" and m <= metal_ops.MAX_GEMV_TOKENS:
             choices = list(metal_ops.FAST_DECODES)
         for decode in choices:
-            def fn(x, w, packing=packing, decode=decode):
+            def make(w, packing=packing, decode=decode):
                 spec = metal_ops.check_layer(w[0], w[1], None, packing=packing, in_features=k,
                                              group_size=g, activation_bits=bits)
-                run, _ = metal_ops.prepare(spec, w[0], w[1], None, x.dtype, x.shape, backend,
-                                           decode=decode)
-                return run(x)
+                return metal_ops.prepare(spec, w[0], w[1], None, dtype, shape, backend,
+                                         decode=decode)[0]
             kind = metal_ops.choose_kernel(m)
             label = f"{packing}/{decode or (kind if kind != 'gemv' else 'default')}"
-            out[label] = (fn, (layer[packing], layer["scales"]))
+            out[label] = (make, (layer[packing], layer["scales"]))
 
-    def ref(x, w):
-        return reference.ternary_matmul(x, w[0], w[1], packing="fast", in_features=k,
-                                        group_size=g, activation_bits=bits)
+    def ref(w):
+        return reference.prepare(w[0], w[1], None, packing="fast", in_features=k,
+                                 group_size=g, activation_bits=bits, dtype=dtype)
     out["reference (qmm + MLX act quant)" if act else "reference (qmm)"] = (
         ref, (layer["fast"], layer["scales"]))
     if not act:
         for bits_ in (2, 4):
-            def stock(x, w, bits_=bits_):
-                return mx.quantized_matmul(x, *w, transpose=True, group_size=STOCK_GROUP,
-                                           bits=bits_)
+            def stock(w, bits_=bits_):
+                return lambda x: mx.quantized_matmul(x, *w, transpose=True,
+                                                     group_size=STOCK_GROUP, bits=bits_)
             name = "stock 2-bit g64 (same words)" if bits_ == 2 else "stock 4-bit g64"
             out[name] = (stock, layer[f"q{bits_}"])
     return out
@@ -157,21 +158,25 @@ def _glue(k: int, n: int) -> Callable[[mx.array], mx.array]:
     return link
 
 
-def chain_seconds(step: Callable, x: mx.array, weights: List[tuple], length: int,
+def chain_seconds(steps: List[Callable], x: mx.array, length: int,
                   trials: int) -> List[float]:
-    """Seconds per call of `length` dependent calls of step(x, w) in one evaluation."""
-    def run():
+    """Seconds per call of `length` dependent calls (step i % len(steps)), one evaluation each.
+
+    The graph is built before the clock starts: only its evaluation is timed.
+    """
+    def build():
         y = x
         for i in range(length):
-            y = step(y, weights[i % len(weights)])
+            y = steps[i % len(steps)](y)
         return y
 
-    mx.eval(run())
+    mx.eval(build())
     times = []
     for _ in range(trials):
+        y = build()
         mx.synchronize()
         t0 = time.perf_counter()
-        mx.eval(run())
+        mx.eval(y)
         mx.synchronize()
         times.append((time.perf_counter() - t0) / length)
     return times
@@ -181,12 +186,12 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, length: int = 10, trials: int = TRI
     """GB/s of a streaming read + write (x + 1 over nbytes of float16), chained."""
     x = mx.zeros((nbytes // 2,), dtype=mx.float16)
     mx.eval(x)
-    t = min(chain_seconds(lambda y, _w: y + 1, x, [()], length, trials))
+    t = min(chain_seconds([lambda y: y + 1], x, length, trials))
     return 2 * nbytes / t / 1e9
 
 
-def _check(fn, w, x, twin) -> tuple:
-    y = fn(x, w)
+def _check(fn, x, twin) -> tuple:
+    y = fn(x)
     mx.eval(y, twin)
     got = np.array(y.astype(mx.float32)).astype(np.float64)
     want = np.array(twin.astype(mx.float32)).astype(np.float64)
@@ -211,22 +216,22 @@ def measure_point(shape: str, k: int, n: int, m: int, act: bool, scale: str, dty
     link = _glue(k, n)
     glue = None
     rows = []
-    for name, (fn, arrays) in _variants(layer, k, n, m, act, dtype, backend, decodes).items():
+    # Stock layers quantize no activations: with int8 x they are not run at all.
+    for name, (make, arrays) in _variants(layer, k, n, m, act, dtype, backend, decodes).items():
         row = Row(shape, k, n, m, act, scale, str(dtype).split(".")[-1], name, _nbytes(arrays))
         try:
-            # Stock layers quantize no activations: with int8 x they are not run at all.
-            row.check, row.error = _check(fn, arrays, x, twin)
+            row.check, row.error = _check(make(arrays), x, twin)
         except Exception as e:  # noqa: BLE001 - a kernel that fails is reported, not timed
             row.check = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         rows.append(row)
         if row.check != "ok":
             continue
         copies = max(1, min(16, rotate_bytes // max(row.bytes, 1)))
-        weights = _copies(arrays, copies)
-        times = chain_seconds(lambda y, w, fn=fn: link(fn(y, w)), x, weights, chain, trials)
+        steps = [lambda y, fn=make(w): link(fn(y)) for w in _copies(arrays, copies)]
+        times = chain_seconds(steps, x, chain, trials)
         if glue is None:  # the links alone: a broadcast view in place of the layer
-            glue = min(chain_seconds(lambda y, _w: link(mx.broadcast_to(y[..., :1], (m, n))),
-                                     x, [()], chain, trials))
+            glue = min(chain_seconds([lambda y: link(mx.broadcast_to(y[..., :1], (m, n)))],
+                                     x, chain, trials))
         per_call = [max(t - glue, 1e-9) for t in times]
         row.us_median, row.us_min = statistics.median(per_call) * 1e6, min(per_call) * 1e6
         sec = row.us_min / 1e6
