@@ -108,6 +108,23 @@ def test_gemm(case, packing, kernel):
     assert rel_err(y, want) < TOL[DTYPES[dt]]
 
 
+@pytest.mark.parametrize("kernel", ["gemm", "gemm_fma"])
+def test_gemm_half_tiles_with_fp16_group_scales(kernel):
+    """float16 x and float16 group scales: t * s is exact in half, so the tiles are half."""
+    kw, _ = make_case(40, 24, 256, "fast", "group", 64, mx.float16, False, True, seed=8)
+    kw["scales"] = kw["scales"].astype(mx.float16)
+    spec = metal_ops.check_layer(kw["packed"], kw["scales"], kw["bias"], packing="fast",
+                                 in_features=256, group_size=64, activation_bits=None)
+    launch = metal_ops._gemm(spec, kw["packed"], kw["scales"], kw["bias"], mx.float16,
+                             mx.float16, 40, kernel == "gemm", "emulate", 1)
+    assert ("TT", mx.float16) in launch.template
+    t = fmt.unpack_fast(np.array(kw["packed"]), 256).astype(np.float64)
+    w = t * np.repeat(np.array(kw["scales"].astype(mx.float32)), 64, axis=1)
+    want = np.array(kw["x"].astype(mx.float32)).astype(np.float64) @ w.T + np.array(kw["bias"])
+    y = metal_ops.ternary_matmul(**kw, backend="emulate", kernel=kernel)
+    assert rel_err(y, want) < TOL[mx.float16]
+
+
 @pytest.mark.parametrize("packing", fmt.PACKINGS)
 def test_gemm_small_m_matches_gemv(packing):
     kw, want = make_case(3, 19, 150, packing, "group", 64, mx.float32, False, True, seed=3)
