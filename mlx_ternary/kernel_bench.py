@@ -24,6 +24,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
@@ -77,6 +78,7 @@ class Row:
     vs_stock_q2: Optional[float] = None  # stock 2-bit (same words) time / this time
 
 
+@lru_cache(maxsize=1)  # the points of one shape come in a row; packing 89 M trits is slow
 def _layer(k: int, n: int, scale: str, dtype, seed: int = 0) -> dict:
     """Random trits in both packings, scales of `scale` kind, stock 2/4-bit arrays."""
     rng = np.random.default_rng(seed)
