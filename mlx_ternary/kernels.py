@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from . import metal_ops, probe, reference, tune
 from .errors import TernaryError
+from .format import CODES_PER_WORD
 
 BACKENDS = ("metal", "emulate", "reference")
 ENV_BACKEND = "MLX_TERNARY_BACKEND"
@@ -109,7 +110,7 @@ class LayerPlan:
     def affine(self, dtype):
         """MLX affine (scales, biases, group) for the fast packing's reference path."""
         if dtype not in self._affine:
-            kp = self.packed.shape[1] * 16
+            kp = self.packed.shape[1] * CODES_PER_WORD
             self._affine[dtype] = reference.qmm_affine(self.scales, self.n, kp,
                                                        self.group_size, dtype)
         return self._affine[dtype]
@@ -120,7 +121,7 @@ class LayerPlan:
             fn = self.plan_call(x, training)
         return fn(x)
 
-    # ---- planning (once per dtype and token count) ------------------------------------
+    # ---- planning (once per x shape and dtype) ----------------------------------------
 
     def host_call(self, dtype) -> Callable:
         """x -> y on the host backend (the reference twin on Metal): exact on every device."""
