@@ -1,27 +1,30 @@
-// Prefill GEMM, both packings: y (M, N) = act_quant(x) (M, K) @ (s * t).T + bias, any M.
+// Prefill GEMM, both packings: y (M, N) = x (M, K) @ (s * t).T + bias for many tokens.
 //
 // Thread mapping: one threadgroup = 256 threads (8 SIMD groups) owns a tile of 64 tokens x
-// 32 output rows (grid = (256, ceil(N / 32), ceil(M / 64))). K is walked in steps; per step
-// the threadgroup decodes its 32 rows' packed weights for the step ONCE into threadgroup
-// memory (as float t * group scale) and stages 64 tokens of x beside them. MMA 1: SIMD group
-// s multiplies tokens 16(s/2)..+15 by rows 16(s%2)..+15 as 2x2 simdgroup 8x8 float matrices
-// (columns padded to a multiple of 8 with zeros); MMA 0: every thread computes 2 tokens x 4
-// rows (rows tx, tx+8, tx+16, tx+24; tokens 2ty, 2ty+1) with plain FMA.
-// Each packed word/byte is read once per threadgroup, so at M tokens the weights are read
+// 32 output rows (grid = (256, ceil(N / 32), ceil(M / 64))). K is walked in steps of 8
+// packed bytes per row; per step every thread decodes one byte (thread i: row i / 8, byte
+// i % 8; 4 codes for fast, 5 trits for compact) into the threadgroup's weight tile as t *
+// group scale, and the tokens' x columns are staged beside it. MMA 1: SIMD group s
+// multiplies tokens 16 (s / 2)..+15 by rows 16 (s % 2)..+15 as 2 x 2 simdgroup 8x8 matrices
+// (step columns padded to a multiple of 8 with zeros), accumulating in float, and writes its
+// results from the matrices' own lanes; a SIMD group whose 16 tokens lie past M does no
+// matrix work, and only the tokens' 16-row sub-tiles that hold some token are staged. MMA 0:
+// every thread computes 2 tokens x 4 rows (rows tx, tx + 8, tx + 16, tx + 24; tokens 2 ty,
+// 2 ty + 1) with plain FMA. Tiles are half (TT) where that is exact: x in half or integer
+// activations, and weights t or t * an fp16 scale.
+// Each packed byte is read once per threadgroup, so at M tokens the weights are read
 // ceil(M / 64) times in all: 1/64 of the packed size per token at 64 tokens.
-//   fast (PACKING 1):    a step is 32 columns = 2 words per row; threads 0..63 decode one
-//                        word (16 codes) each.
+//   fast (PACKING 1):    a step is 8 bytes = 2 words = 32 columns of a row.
 //   compact (PACKING 0): a step is up to 8 bytes (40 columns) of one block (a scale group,
-//                        or the whole row); thread i decodes byte i % 8 of row i / 8.
+//                        or the whole row).
 //
 // File convention: text above "//// BODY ////" is the `header`, text below the `source`.
-// Inputs: x (M, K) T; wq (N, KW) uint32 | (N, RB) uint8; scales ST; bias (N,) BT (dummy when
-// !HAS_BIAS); params int32 [M, N, K, W (words or bytes per row), SC, B, BPB, NB].
-// Output: y (M, N) T. Templates: T, ST, BT, PACKING, SMODE, G, ACTQ, HAS_BIAS, MMA.
+// Inputs: x (M, K) XT; aux (M, AW) float (ACTQ: aux[m][0] = 1 / scale from the pre-pass; a
+// 1-element dummy otherwise); wq (N, W) uint32 (fast) | (N, W) uint8 (compact); scales ST;
+// bias (N,) BT (dummy when !HAS_BIAS); params int32 [M, N, K, W, SC, B, BPB, NB, AW].
+// Output: y (M, N) T. Templates: T, ST, BT, TT, PACKING, SMODE, G, ACTQ, HAS_BIAS, MMA.
 
-inline float ternary_act_quant(float v, float scale) {
-  return clamp(rint(v * scale), -128.0f, 127.0f);
-}
+#define TERNARY_UNROLL _Pragma("clang loop unroll(full)")
 
 //// BODY ////
   const int M = params[0];
@@ -32,149 +35,142 @@ inline float ternary_act_quant(float v, float scale) {
   const int B = params[5];
   const int BPB = params[6];
   const int NB = params[7];
+  const int AW = params[8];
   const int tid = int(thread_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
   const int n0 = int(threadgroup_position_in_grid.y) * 32;
   const int m0 = int(threadgroup_position_in_grid.z) * 64;
+  const int mc = min(64, M - m0);         // tokens of this tile
+  const int mc16 = (mc + 15) / 16 * 16;   // staged token rows (whole 16-token sub-tiles)
   const int ty = tid / 8;
   const int tx = tid % 8;
 
-  threadgroup float ws[32][41];
-  threadgroup float xs[64][41];
-  threadgroup float tg_red[256];
-  threadgroup float tg_scale[64];
+  threadgroup TT ws[32][41];
+  threadgroup TT xs[64][41];
 
-  // Per-token activation scales (127 / absmax over K), 4 threads per token.
-  if (ACTQ) {
-    const int mt = m0 + tid / 4;
-    float a = 0.0f;
-    if (mt < M) {
-      for (int k = tid % 4; k < K; k += 4) {
-        a = max(a, fabs(static_cast<float>(x[mt * K + k])));
-      }
-    }
-    tg_red[tid] = a;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (tid < 64) {
-      const float amax = max(max(tg_red[4 * tid], tg_red[4 * tid + 1]),
-                             max(tg_red[4 * tid + 2], tg_red[4 * tid + 3]));
-      tg_scale[tid] = 127.0f / max(amax, 1e-5f);
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-
-  float acc[2][4];
-  for (int i = 0; i < 2; i++) {
-    for (int r = 0; r < 4; r++) {
-      acc[i][r] = 0.0f;
-    }
-  }
   const int sg = int(simdgroup_index_in_threadgroup);
   const int tb = 16 * (sg / 2);
   const int rb = 16 * (sg % 2);
+  const bool live = tb < mc;  // uniform per SIMD group
   simdgroup_float8x8 macc[2][2];
+  TERNARY_UNROLL
   for (int i = 0; i < 2; i++) {
+    TERNARY_UNROLL
     for (int j = 0; j < 2; j++) {
       macc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
   }
+  float acc[2][4];
+  TERNARY_UNROLL
+  for (int i = 0; i < 2; i++) {
+    TERNARY_UNROLL
+    for (int r = 0; r < 4; r++) {
+      acc[i][r] = 0.0f;
+    }
+  }
 
-  // Steps: fast walks words two at a time; compact walks (block, byte chunk) pairs.
-  const int chunks = PACKING == 1 ? (W + 1) / 2 : NB * ((BPB + 7) / 8);
+  // This thread's weight byte in every step: row dr of the tile, byte db of the step.
+  const int dr = tid / 8;
+  const int db = tid % 8;
+  const int dn = min(n0 + dr, N - 1);
+  const bool drow = n0 + dr < N;
+  const device uchar* wbytes = (const device uchar*)wq;
+  const int RBY = PACKING == 1 ? 4 * W : W;  // bytes per row
+
+  // Steps: fast walks 8 bytes at a time; compact walks (block, 8-byte chunk) pairs.
   const int per_blk = (BPB + 7) / 8;
-  for (int step = 0; step < chunks; step++) {
+  const int steps = PACKING == 1 ? (RBY + 7) / 8 : NB * per_blk;
+  for (int step = 0; step < steps; step++) {
     int kbase;   // first column of the step
     int kc;      // columns in the step
     int klimit;  // columns at or past this are padding (zero trits, x = 0)
-    int blk = 0;
-    int c0 = 0;
+    int byte;    // this thread's byte in the row, or -1 when the step has none
+    int blk;
     if (PACKING == 1) {
       kbase = step * 32;
       kc = 32;
       klimit = K;
+      byte = 8 * step + db < RBY ? 8 * step + db : -1;
+      blk = 0;
     } else {
       blk = step / per_blk;
-      c0 = (step % per_blk) * 8;
+      const int c0 = (step % per_blk) * 8;
       kbase = blk * B + 5 * c0;
       kc = 5 * min(8, BPB - c0);
       klimit = min(blk * B + B, K);
+      byte = c0 + db < BPB ? blk * BPB + c0 + db : -1;
     }
     // Columns staged: kc rounded up to the 8 of a matrix tile (zeros past kc).
     const int kc8 = MMA ? (kc + 7) / 8 * 8 : kc;
 
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // Decode the weight tile once: ws[row][col] = t * (group scale).
-    if (PACKING == 1) {
-      if (tid < 64) {
-        const int r = tid / 2;
-        const int j = 2 * step + tid % 2;
-        const int n = min(n0 + r, N - 1);
-        const bool live = j < W && n0 + r < N;
-        const uint w = live ? ((const device uint*)wq)[n * W + j] : 0x55555555u;
-        const float s = SMODE == 2
-            ? static_cast<float>(scales[n * SC + min(16 * j / max(G, 1), SC - 1)]) : 1.0f;
-        for (int c = 0; c < 16; c++) {
-          const int code = int((w >> (2 * c)) & 3u);
-          ws[r][16 * (tid % 2) + c] = float(code - 1) * s;
+    // Decode the weight tile once, every thread one byte: ws[row][col] = t * (group scale).
+    // Rows past N and bytes past the step read nothing: 0x55 is four zero codes, 128 five
+    // zero trits.
+    {
+      const bool read = drow && byte >= 0;
+      uint q = read ? uint(wbytes[dn * RBY + byte]) : (PACKING == 1 ? 0x55u : 128u);
+      const int g = PACKING == 1 ? (kbase / max(G, 1)) : blk;
+      const float s = SMODE == 2 ? static_cast<float>(scales[dn * SC + min(g, SC - 1)]) : 1.0f;
+      if (PACKING == 1) {
+        TERNARY_UNROLL
+        for (int c = 0; c < 4; c++) {
+          ws[dr][4 * db + c] = static_cast<TT>(float(int((q >> (2 * c)) & 3u) - 1) * s);
         }
-      }
-    } else {
-      const int r = tid / 8;
-      const int b = tid % 8;
-      const int n = min(n0 + r, N - 1);
-      if (c0 + b < BPB) {
-        // Rows past N read nothing: byte 128 is five zero trits.
-        uint q = n0 + r < N ? uint(((const device uchar*)wq)[n * W + blk * BPB + c0 + b]) : 128u;
-        const float s = SMODE == 2 ? static_cast<float>(scales[n * SC + blk]) : 1.0f;
+      } else {
+        TERNARY_UNROLL
         for (int d = 0; d < 5; d++) {
           const int digit = int(((q & 0xFFu) * 3u) >> 8);
-          ws[r][5 * b + d] = float(digit - 1) * s;
+          ws[dr][5 * db + d] = static_cast<TT>(float(digit - 1) * s);
           q = q * 3u;
         }
       }
     }
     if (kc8 > kc) {
       for (int e = tid; e < 32 * (kc8 - kc); e += 256) {
-        ws[e / (kc8 - kc)][kc + e % (kc8 - kc)] = 0.0f;
+        ws[e / (kc8 - kc)][kc + e % (kc8 - kc)] = static_cast<TT>(0.0f);
       }
     }
-    // Stage 64 tokens x kc8 columns of x.
-    for (int e = tid; e < 64 * kc8; e += 256) {
+    // Stage the tile's tokens (whole 16-token sub-tiles; zeros past M) x kc8 columns.
+    for (int e = tid; e < mc16 * kc8; e += 256) {
       const int mi = e / kc8;
       const int c = e % kc8;
       const int k = kbase + c;
-      const int m = m0 + mi;
       float v = 0.0f;
-      if (m < M && c < kc && k < klimit) {
-        v = static_cast<float>(x[m * K + k]);
-        if (ACTQ) {
-          v = ternary_act_quant(v, tg_scale[mi]);
-        }
+      if (mi < mc && c < kc && k < klimit) {
+        v = static_cast<float>(x[(m0 + mi) * K + k]);
       }
-      xs[mi][c] = v;
+      xs[mi][c] = static_cast<TT>(v);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     if (MMA) {
-      for (int kk = 0; kk < kc8; kk += 8) {
-        simdgroup_float8x8 a[2];
-        simdgroup_float8x8 b[2];
-        for (int i = 0; i < 2; i++) {
-          simdgroup_load(a[i], &xs[tb + 8 * i][kk], 41);
-          // b[j] (k, n) = ws[n][k]: the weight tile read transposed.
-          simdgroup_load(b[i], &ws[rb + 8 * i][kk], 41, ulong2(0, 0), true);
-        }
-        for (int i = 0; i < 2; i++) {
-          for (int j = 0; j < 2; j++) {
-            simdgroup_multiply_accumulate(macc[i][j], a[i], b[j], macc[i][j]);
+      if (live) {
+        for (int kk = 0; kk < kc8; kk += 8) {
+          simdgroup_matrix<TT, 8, 8> a[2];
+          simdgroup_matrix<TT, 8, 8> b[2];
+          TERNARY_UNROLL
+          for (int i = 0; i < 2; i++) {
+            simdgroup_load(a[i], &xs[tb + 8 * i][kk], 41);
+            // b[j] (k, n) = ws[n][k]: the weight tile read transposed.
+            simdgroup_load(b[i], &ws[rb + 8 * i][kk], 41, ulong2(0, 0), true);
+          }
+          TERNARY_UNROLL
+          for (int i = 0; i < 2; i++) {
+            TERNARY_UNROLL
+            for (int j = 0; j < 2; j++) {
+              simdgroup_multiply_accumulate(macc[i][j], a[i], b[j], macc[i][j]);
+            }
           }
         }
       }
-    } else {
+    } else if (2 * ty < mc) {
       for (int c = 0; c < kc; c++) {
-        const float x0 = xs[2 * ty][c];
-        const float x1 = xs[2 * ty + 1][c];
+        const float x0 = static_cast<float>(xs[2 * ty][c]);
+        const float x1 = static_cast<float>(xs[2 * ty + 1][c]);
+        TERNARY_UNROLL
         for (int r = 0; r < 4; r++) {
-          const float wv = ws[tx + 8 * r][c];
+          const float wv = static_cast<float>(ws[tx + 8 * r][c]);
           acc[0][r] = fma(x0, wv, acc[0][r]);
           acc[1][r] = fma(x1, wv, acc[1][r]);
         }
@@ -182,44 +178,63 @@ inline float ternary_act_quant(float v, float scale) {
     }
   }
 
+  // Epilogue per element: row scale, 1 / activation scale, bias.
   if (MMA) {
-    // Matrix tiles -> threadgroup memory (xs is free now) -> the FMA path's register layout.
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int i = 0; i < 2; i++) {
-      for (int j = 0; j < 2; j++) {
-        simdgroup_store(macc[i][j], &xs[tb + 8 * i][rb + 8 * j], 41);
+    if (live) {
+      // Lane layout of an 8x8 simdgroup matrix: row fm, columns fn and fn + 1.
+      const int qid = lane / 4;
+      const int fm = (qid & 4) + (lane / 2) % 4;
+      const int fn = (qid & 2) * 2 + (lane % 2) * 2;
+      TERNARY_UNROLL
+      for (int i = 0; i < 2; i++) {
+        const int m = m0 + tb + 8 * i + fm;
+        TERNARY_UNROLL
+        for (int j = 0; j < 2; j++) {
+          const auto e = macc[i][j].thread_elements();
+          TERNARY_UNROLL
+          for (int c = 0; c < 2; c++) {
+            const int n = n0 + rb + 8 * j + fn + c;
+            if (m < M && n < N) {
+              float out = e[c];
+              if (SMODE == 0) {
+                out *= static_cast<float>(scales[0]);
+              } else if (SMODE == 1) {
+                out *= static_cast<float>(scales[n]);
+              }
+              if (ACTQ) {
+                out *= aux[m * AW];
+              }
+              if (HAS_BIAS) {
+                out += static_cast<float>(bias[n]);
+              }
+              y[m * N + n] = static_cast<T>(out);
+            }
+          }
+        }
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    TERNARY_UNROLL
     for (int i = 0; i < 2; i++) {
+      const int m = m0 + 2 * ty + i;
+      TERNARY_UNROLL
       for (int r = 0; r < 4; r++) {
-        acc[i][r] = xs[2 * ty + i][tx + 8 * r];
+        const int n = n0 + tx + 8 * r;
+        if (m < M && n < N) {
+          float out = acc[i][r];
+          if (SMODE == 0) {
+            out *= static_cast<float>(scales[0]);
+          } else if (SMODE == 1) {
+            out *= static_cast<float>(scales[n]);
+          }
+          if (ACTQ) {
+            out *= aux[m * AW];
+          }
+          if (HAS_BIAS) {
+            out += static_cast<float>(bias[n]);
+          }
+          y[m * N + n] = static_cast<T>(out);
+        }
       }
-    }
-  }
-
-  for (int i = 0; i < 2; i++) {
-    const int m = m0 + 2 * ty + i;
-    if (m >= M) {
-      continue;
-    }
-    for (int r = 0; r < 4; r++) {
-      const int n = n0 + tx + 8 * r;
-      if (n >= N) {
-        continue;
-      }
-      float out = acc[i][r];
-      if (SMODE == 0) {
-        out *= static_cast<float>(scales[0]);
-      } else if (SMODE == 1) {
-        out *= static_cast<float>(scales[n]);
-      }
-      if (ACTQ) {
-        out = out / tg_scale[2 * ty + i];
-      }
-      if (HAS_BIAS) {
-        out += static_cast<float>(bias[n]);
-      }
-      y[m * N + n] = static_cast<T>(out);
     }
   }

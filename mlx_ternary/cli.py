@@ -402,8 +402,19 @@ Examples:
   python scripts/make_synthetic_model.py --shape bitnet-2b --out /tmp/bitnet-2b
   mlx-ternary bench --model /tmp/bitnet-2b --prompt-tokens 16 --gen-tokens 8 --repeats 2
   mlx-ternary bench --model DIR --formats fast,q4 --json bench.json --plot bench.png
+  mlx-ternary bench --kernels --json kernels.json     # on a Mac: every kernel vs stock MLX
+  mlx-ternary bench --kernels --backend emulate --quick  # off a Mac: a smoke run, no timing
+  mlx-ternary bench --host                            # host time per layer call and token
 """)
-@click.option("--model", required=True, help="Model directory or Hugging Face repo id.")
+@click.option("--model", default=None,
+              help="Model directory or Hugging Face repo id (not for --kernels/--host).")
+@click.option("--kernels", is_flag=True,
+              help="Benchmark the Metal kernels against stock MLX (docs/KERNELS.md).")
+@click.option("--host", is_flag=True,
+              help="Measure host (graph-construction) time per layer call and decode token.")
+@click.option("--backend", type=click.Choice(["metal", "emulate"]), default="metal",
+              show_default=True, help="--kernels: the GPU, or the CPU emulator (no timing).")
+@click.option("--quick", is_flag=True, help="--kernels: one shape, fewer token counts.")
 @click.option("--formats", default="compact,fast,q2,q4,bf16", show_default=True,
               help="Comma-separated: compact, fast, q2, q4, bf16, f32.")
 @click.option("--prompt-tokens", default=512, show_default=True, type=int,
@@ -422,12 +433,30 @@ Examples:
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG of tokens/s and memory per format (needs matplotlib).")
 @click.option("--markdown", is_flag=True, help="Print the tables as Markdown.")
-def bench(model, formats, prompt_tokens, gen_tokens, repeats, context, bandwidth, seed,
-          json_path, plot_path, markdown):
+def bench(model, kernels, host, backend, quick, formats, prompt_tokens, gen_tokens, repeats,
+          context, bandwidth, seed, json_path, plot_path, markdown):
     """Measure each representation of a model: bytes, peak memory, prefill and decode speed."""
     import json as json_
 
     from . import bench as bench_
+
+    if kernels or host:
+        if kernels:
+            from . import kernel_bench as mod
+
+            result = mod.run(backend, quick, bandwidth, progress=lambda s: click.echo(s, err=True))
+        else:
+            from . import host_bench as mod
+
+            result = mod.report()
+        for line in mod.lines(result):
+            click.echo(line)
+        if json_path:
+            with open(json_path, "w") as f:
+                json_.dump(result, f, indent=2)
+        return
+    if model is None:
+        raise click.UsageError("give --model DIR (or --kernels / --host)")
 
     names = [f.strip() for f in formats.split(",") if f.strip()]
     result = bench_.run_bench(model, names, prompt_tokens, gen_tokens, repeats, context,

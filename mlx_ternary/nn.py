@@ -8,7 +8,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import format as fmt
-from . import kernels, reference
+from . import kernels
+
+# Settings a launch plan depends on besides the arrays; assigning one drops the plan.
+_PLAN_SETTINGS = ("packing", "in_features", "out_features", "group_size", "activation_bits",
+                  "backend")
 
 
 class TernaryLinear(nn.Module):
@@ -29,6 +33,11 @@ class TernaryLinear(nn.Module):
         scale_dtype: dtype of `scales`.
         activation_bits: 8 for BitNet int8 per-token activation quantization.
         backend: force "metal", "emulate" or "reference" (default: automatic).
+
+    Calls run a launch plan made once per (packed, scales, bias) (kernels.LayerPlan),
+    made again whenever one of them or a setting is replaced. In
+    training mode (`train()`, as mlx-lm's trainer sets it) every backend is differentiable
+    w.r.t. x with BitNet's straight-through estimator: grad_x = g @ (s * t).
     """
 
     def __init__(self, input_dims: int, output_dims: int, bias: bool = False, *,
@@ -36,6 +45,7 @@ class TernaryLinear(nn.Module):
                  group_size: Optional[int] = None, scale_dtype=mx.float32,
                  activation_bits: Optional[int] = None, backend: Optional[str] = None):
         super().__init__()
+        self.__dict__["_plan"] = None
         self.in_features = input_dims
         self.out_features = output_dims
         self.packing = packing
@@ -98,33 +108,46 @@ class TernaryLinear(nn.Module):
             return
         self.packed = fmt.pack_mx(self.trits(), packing, self.group_size)
         self.packing = packing
-        self.__dict__.pop("_affine", None)
+
+    # The plan is dropped whenever a setting or one of its arrays changes: attribute
+    # assignment, mlx-lm's load_weights/update and nn.value_and_grad all go through these.
+    def __setattr__(self, key, val):
+        super().__setattr__(key, val)
+        if key in _PLAN_SETTINGS:
+            self.__dict__["_plan"] = None
+
+    def __setitem__(self, key, val):
+        super().__setitem__(key, val)
+        self.__dict__["_plan"] = None
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.__dict__["_plan"] = None
+
+    def pop(self, key, *default):
+        self.__dict__["_plan"] = None
+        return super().pop(key, *default)
+
+    def plan(self) -> kernels.LayerPlan:
+        """This layer's launch plan: made on first use, again after any change."""
+        plan = self.__dict__.get("_plan")
+        if plan is None:
+            plan = kernels.LayerPlan(self["packed"], self["scales"], self.get("bias"),
+                                     packing=self.packing, in_features=self.in_features,
+                                     group_size=self.group_size,
+                                     activation_bits=self.activation_bits, backend=self.backend)
+            self.__dict__["_plan"] = plan
+        return plan
 
     def _fast_affine(self, dtype):
-        # Load-time work for the reference fast path, cached per scales array and dtype.
-        cached = self.__dict__.get("_affine")
-        if cached is None or cached[0] is not self.scales or cached[1] != str(dtype):
-            kp = self.packed.shape[1] * fmt.CODES_PER_WORD
-            affine = reference.qmm_affine(self.scales, self.out_features, kp,
-                                          self.group_size, dtype)
-            self.__dict__["_affine"] = cached = (self.scales, str(dtype), affine)
-        return cached[2]
-
-    def _backend(self) -> str:
-        # Resolved once per layer (keyword, environment, hardware): not on every token.
-        cached = self.__dict__.get("_resolved")
-        if cached is None or cached[0] != self.backend:
-            self.__dict__["_resolved"] = cached = (self.backend,
-                                                   kernels.resolve_backend(self.backend))
-        return cached[1]
+        """The reference fast path's MLX affine (scales, biases, group) for `dtype`."""
+        return self.plan().affine(dtype)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return kernels.ternary_matmul(
-            x, self.packed, self.scales, self.get("bias"), packing=self.packing,
-            in_features=self.in_features, group_size=self.group_size,
-            activation_bits=self.activation_bits, backend=self._backend(),
-            affine=self._fast_affine,
-        )
+        plan = self._plan or self.plan()
+        training = self._training
+        fn = (plan.train_calls if training else plan.calls).get((x.shape, x.dtype))
+        return (fn or plan.plan_call(x, training))(x)
 
     def _extra_repr(self) -> str:
         return (f"input_dims={self.in_features}, output_dims={self.out_features}, "

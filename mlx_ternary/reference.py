@@ -6,7 +6,7 @@ layout, so `mx.quantized_matmul` consumes it in place with scale 1, bias -1
 (both exact in any float dtype) and the real scale applied to the output.
 """
 
-from functools import partial
+from functools import lru_cache, partial
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -107,6 +107,30 @@ def matmul_compact(x: mx.array, packed: mx.array, scales: mx.array, in_features:
     return y if s is None else y * s.astype(y.dtype)
 
 
+def transposed_matmul(g: mx.array, packed: mx.array, scales: mx.array, *, packing: str,
+                      in_features: int, group_size: Optional[int] = None,
+                      affine: Optional[Tuple[mx.array, mx.array, int]] = None) -> mx.array:
+    """g (..., N) @ W (N, K) for W = s * t: the ternary layer's gradient w.r.t. x.
+
+    BitNet's straight-through estimator passes gradients through the activation
+    quantization unchanged, so this is the input gradient with and without it.
+    `affine` is `qmm_affine(...)` for g's dtype (fast packing), built here when absent.
+    """
+    row = _row_scale(scales)
+    if row is not None:
+        g = g * row.astype(g.dtype)
+    if packing == "fast":
+        n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
+        qs, qb, gs = affine if affine is not None else qmm_affine(scales, n, kp, group_size,
+                                                                  g.dtype)
+        y = mx.quantized_matmul(g, packed, qs, qb, transpose=False, group_size=gs, bits=2)
+        return y[..., :in_features] if kp != in_features else y
+    t = unpack_mx(packed, "compact", in_features, group_size).astype(g.dtype)
+    if row is None:
+        t = t * expand_scales(scales.astype(g.dtype), in_features, group_size)
+    return g @ t
+
+
 @partial(mx.compile, shapeless=True)  # one fused pass over the output
 def _epilogue(y: mx.array, row_scale: mx.array, x_scale: mx.array, bias: mx.array):
     return (y * row_scale * x_scale + bias).astype(y.dtype)
@@ -114,6 +138,53 @@ def _epilogue(y: mx.array, row_scale: mx.array, x_scale: mx.array, bias: mx.arra
 
 _ONE = mx.array([1.0])
 _ZERO = mx.array([0.0])
+
+
+def _fast_layer(group: int, act: bool):
+    """act_quant -> mx.quantized_matmul -> epilogue: the fast packing's whole layer."""
+    def layer(x, packed, qs, qb, row_scale, bias):
+        x_scale = _ONE
+        if act:
+            x, x_scale = quantize_activations(x)
+        y = mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=group, bits=2)
+        return _epilogue(y, row_scale, x_scale, bias)
+
+    return layer
+
+
+@lru_cache(maxsize=None)
+def _fast_layer_compiled(group: int, act: bool):
+    return mx.compile(_fast_layer(group, act), shapeless=True)
+
+
+def prepare(packed: mx.array, scales: mx.array, bias: Optional[mx.array] = None, *,
+            packing: str, in_features: int, group_size: Optional[int] = None,
+            activation_bits: Optional[int] = None, dtype=mx.float32,
+            affine: Optional[Tuple[mx.array, mx.array, int]] = None):
+    """`ternary_matmul` for x of `dtype` with everything but x decided: x -> y.
+
+    The fast packing runs one mx.quantized_matmul (times the row scale, in x's dtype) when
+    there is no bias and no activation quantization, else one function compiled for this
+    layer, its arrays held as constants (traced again per input shape).
+    """
+    kw = dict(packing=packing, in_features=in_features, group_size=group_size,
+              activation_bits=activation_bits)
+    n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
+    if packing != "fast" or kp != in_features:
+        return lambda x: ternary_matmul(x, packed, scales, bias, **kw, affine=affine)
+    qs, qb, g = affine if affine is not None else qmm_affine(scales, n, kp, group_size, dtype)
+    row = _row_scale(scales)
+    if not activation_bits and bias is None:
+        if row is None:
+            return lambda x: mx.quantized_matmul(x, packed, qs, qb, transpose=True,
+                                                 group_size=g, bits=2)
+        row = row.astype(dtype)
+        return lambda x: mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g,
+                                             bits=2) * row
+    layer = _fast_layer(g, bool(activation_bits))
+    row = _ONE if row is None else row
+    bias = _ZERO if bias is None else bias
+    return mx.compile(lambda x: layer(x, packed, qs, qb, row, bias))
 
 
 def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
@@ -124,6 +195,16 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
 
     Row scale, activation scale and bias are applied in one fused epilogue.
     """
+    n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
+    if packing == "fast" and kp == in_features:
+        qs, qb, g = affine if affine is not None else qmm_affine(scales, n, kp, group_size,
+                                                                  x.dtype)
+        row = _row_scale(scales)
+        if not activation_bits and bias is None:
+            y = mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g, bits=2)
+            return y if row is None else y * row.astype(x.dtype)
+        return _fast_layer_compiled(g, bool(activation_bits))(
+            x, packed, qs, qb, _ONE if row is None else row, _ZERO if bias is None else bias)
     x_scale = None
     if activation_bits:
         x, x_scale = quantize_activations(x)

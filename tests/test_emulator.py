@@ -270,6 +270,54 @@ def test_scalars_small_arrays_and_row_contiguous_copies(rng):
     assert kernel.last_stats["x_strides"] == {"read": 24 * 8, "written": 0}
 
 
+def test_vector_loads_from_host_memory_mlx_aligns_to_8_bytes():
+    """A float4 load compiles to an aligned 16-byte host move, and MLX's CPU arrays (a slice
+    even more so) start only 8-byte aligned: the emulator moves such inputs to an aligned
+    buffer first, as Metal buffers are."""
+    source = """
+        uint i = thread_position_in_grid.x;
+        float xv[8];
+        const device float4* xp = (const device float4*)(x + 8 * i);
+        for (int q = 0; q < 2; q++) {
+          const float4 v = xp[q];
+          for (int j = 0; j < 4; j++) xv[4 * q + j] = v[j];
+        }
+        out[i] = xv[0] + xv[7];
+    """
+    kernel = metal_kernel("host_alignment", ["x"], ["out"], source)
+    for x in (mx.arange(256, dtype=mx.float32), mx.arange(257, dtype=mx.float32)[1:]):
+        out = kernel(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                     output_shapes=[(32,)], output_dtypes=[mx.float32])[0]
+        close(out, x.reshape(32, 8)[:, 0] + x.reshape(32, 8)[:, 7])
+
+
+def test_constant_inputs_cannot_be_cast_to_device():
+    """MLX binds an input of fewer than 8 elements as `const constant T*`, and Apple's
+    compiler rejects a cast of it to `device`: so does the emulator. The same body compiles
+    and runs when the input has 8 elements (a `device` buffer); a cast within the constant
+    space stays legal."""
+    bad = """
+        uint i = thread_position_in_grid.x;
+        const device uchar* b = (const device uchar*)w;
+        out[i] = float(b[i]);
+    """
+    kernel = metal_kernel("cast_to_device", ["w"], ["out"], bad)
+    call = dict(grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
+                output_dtypes=[mx.float32])
+    big = kernel(inputs=[mx.array([0x04030201] * 8, dtype=mx.uint32)], **call)[0]
+    assert big.tolist() == [1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(MetalCompileError, match="cast_to_device"):
+        kernel(inputs=[mx.array([0x04030201] * 7, dtype=mx.uint32)], **call)
+    ok = """
+        uint i = thread_position_in_grid.x;
+        constant uchar* b = (constant uchar*)w;
+        out[i] = float(b[i]);
+    """
+    small = metal_kernel("cast_in_constant", ["w"], ["out"], ok)(
+        inputs=[mx.array([0x04030201] * 7, dtype=mx.uint32)], **call)[0]
+    assert small.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 # ---------------------------------------------------------------------------
 # SIMD-group functions, over full and partial simdgroups
 

@@ -50,6 +50,7 @@ _SCHEDULES = {"forward": 0, "reverse": 1}
 _STRICT_SIMD = 2
 _COUNTER_NAMES = ("threadgroups", "threads", "simd_ops", "divergent_simd_ops", "barriers", "switches")
 _BUF_DEVICE, _BUF_CONSTANT = 0, 1
+_BUF_ALIGN = 64  # bytes: where the emulator puts a buffer that is not aligned already
 
 
 class _Buf(ctypes.Structure):
@@ -121,6 +122,22 @@ def _raw_view(arr: mx.array) -> np.ndarray:
     return np.asarray(memoryview(arr))
 
 
+def _aligned_raw(nbytes: int) -> tuple:
+    """(owner, start) of nbytes of host memory aligned like a Metal buffer."""
+    raw = np.empty(nbytes + _BUF_ALIGN, np.uint8)
+    start = (-raw.__array_interface__["data"][0]) % _BUF_ALIGN
+    return raw, start
+
+
+def _aligned_copy(view: np.ndarray) -> np.ndarray:
+    """A copy of a contiguous array at an aligned address: Metal buffers start aligned, and
+    a kernel's 16-byte vector loads (float4) compile to aligned host moves."""
+    raw, start = _aligned_raw(view.nbytes)
+    out = raw[start:start + view.nbytes].view(view.dtype).reshape(view.shape)
+    out[...] = view
+    return out
+
+
 def _fill_value(value: float, dtype):
     if dtype == mx.bfloat16:
         return np.array(mx.array(value, mx.bfloat16).view(mx.uint16))
@@ -146,7 +163,8 @@ class _Binding:
             self.keep.append(placeholder)
             base = lo = hi = placeholder.__array_interface__["data"][0]
         self.keep.append(view)
-        self.args.append(f"emu::device_ptr<{ctype}>(&b[{len(self.bufs)}])")
+        ptr = "constant_ptr" if kind == _BUF_CONSTANT else "device_ptr"
+        self.args.append(f"emu::{ptr}<{ctype}>(&b[{len(self.bufs)}])")
         self.names.append(name)
         self.bufs.append(_Buf(base, lo, hi, 0, 0, name.encode(), kind, view.itemsize))
 
@@ -276,6 +294,8 @@ class MetalKernel:
                 continue
             if self.ensure_row_contiguous and not view.flags.c_contiguous:
                 view = np.ascontiguousarray(view)
+            if view.flags.c_contiguous and view.__array_interface__["data"][0] % _BUF_ALIGN:
+                view = _aligned_copy(view)
             kind = _BUF_CONSTANT if arr.size < signature.MAX_CONSTANT_ARRAY_SIZE else _BUF_DEVICE
             binding.buffer(view, name, kind, "const " + ctype)
             if has_shape:
@@ -291,8 +311,7 @@ class MetalKernel:
         for name, shape, dtype in zip(self.output_names, output_shapes, output_dtypes):
             np_type = _NUMPY_TYPES[dtype]
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_type).itemsize
-            raw = np.empty(nbytes + 64, np.uint8)
-            start = (-raw.__array_interface__["data"][0]) % 64  # aligned like a Metal buffer
+            raw, start = _aligned_raw(nbytes)
             view = raw[start:start + nbytes].view(np_type)
             if init_value is not None:
                 view[...] = _fill_value(init_value, dtype)

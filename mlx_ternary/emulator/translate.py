@@ -10,7 +10,8 @@ messages are those of the Metal source. It does, in order:
 4. turns multi-letter swizzles into member templates: ``v.xy`` ->
    ``v.template swz<0, 1>()``, and ``v.xy = e`` -> ``v.template swzref<0, 1>() = e``;
 5. rewrites address spaces: ``[const] device T*`` -> ``emu::device_ptr<[const] T>``,
-   ``constant T*`` -> ``emu::device_ptr<const T>``, ``threadgroup T*`` ->
+   ``constant T*`` -> ``emu::constant_ptr<const T>`` (a distinct type: a cast to
+   ``device`` does not compile, as on Apple's compiler), ``threadgroup T*`` ->
    ``emu::tg_ptr<T>``, ``device T&`` -> ``emu::device_ref<T>``,
    ``threadgroup T name[A][B];`` -> per-worker storage shared by the
    threadgroup's fibers, and drops ``thread`` and leftover qualifiers.
@@ -222,10 +223,10 @@ def _address_spaces(source: str) -> str:
         nxt = e.t(j)
         const = "const " if is_const else ""
         if type_text and nxt == "*":
-            if space in ("device", "constant"):
-                if space == "constant":
-                    const = "const "
+            if space == "device":
                 e.replace(start, j, f"emu::device_ptr<{const}{type_text}>")
+            elif space == "constant":
+                e.replace(start, j, f"emu::constant_ptr<const {type_text}>")
             elif space == "threadgroup":
                 e.replace(start, j, f"emu::tg_ptr<{const}{type_text}>")
             else:

@@ -1,7 +1,7 @@
 // The subset of the Metal Shading Language that the emulator supports, as
 // C++17 for g++. Kernels reach it after translate.py has rewritten address
-// spaces (device/constant pointers -> emu::device_ptr, threadgroup arrays ->
-// emu::tg_storage), swizzles (v.xy -> v.template swz<0, 1>()) and attributes.
+// spaces (device pointers -> emu::device_ptr, constant ones -> emu::constant_ptr,
+// threadgroup arrays -> emu::tg_storage), swizzles (v.xy -> v.template swz<0, 1>()) and attributes.
 //
 // No <cmath> or <cstdlib>: their global ::abs, ::exp... would make unqualified
 // calls in kernels ambiguous with metal::. Math goes through GCC builtins.
@@ -510,6 +510,19 @@ struct tg_ptr;
   friend bool operator!=(const P& a, std::nullptr_t) { return a.p_ != nullptr; }       \
   explicit operator bool() const { return p_ != nullptr; }
 
+// A checked, counted read of element i from a device or constant buffer.
+template <class T>
+inline const T& checked_read(char* p, emu_buf* d, ptrdiff_t i, const char* space) {
+  char* a = offset(p, i * ptrdiff_t(sizeof(T)));
+  if (__builtin_expect(!d, 0)) {
+    emu_rt_fail(space[0] == 'd' ? "read through a null device pointer"
+                                : "read through a null constant pointer");
+  }
+  check(d, a, sizeof(T), align_of<T>(), 0);
+  d->read += sizeof(T);
+  return *reinterpret_cast<const T*>(a);
+}
+
 template <class T>
 struct device_ptr<const T> {
   using E = const T;
@@ -523,13 +536,7 @@ struct device_ptr<const T> {
   template <class U, std::enable_if_t<!std::is_same_v<std::remove_cv_t<U>, std::remove_cv_t<T>>, int> = 0>
   explicit device_ptr(const device_ptr<U>& o) : p_(o.p_), d_(o.d_) {}
 
-  const T& at(ptrdiff_t i) const {
-    char* a = offset(p_, i * ptrdiff_t(sizeof(T)));
-    if (__builtin_expect(!d_, 0)) emu_rt_fail("read through a null device pointer");
-    check(d_, a, sizeof(T), align_of<T>(), 0);
-    d_->read += sizeof(T);
-    return *reinterpret_cast<const T*>(a);
-  }
+  const T& at(ptrdiff_t i) const { return checked_read<T>(p_, d_, i, "device"); }
   template <class I, std::enable_if_t<is_index_v<I>, int> = 0>
   const T& operator[](I i) const { return at(ptrdiff_t(i)); }
   const T& operator*() const { return at(0); }
@@ -563,6 +570,35 @@ struct device_ptr : device_ptr<const T> {
 
   EMU_PTR_ARITH(device_ptr)
   EMU_PTR_CMP(device_ptr)
+};
+
+// A pointer into the `constant` address space (program-scope tables aside):
+// MLX binds inputs of fewer than 8 elements and the _shape/_strides arrays
+// this way. A distinct type, so that casting it to a `device` pointer (or
+// passing it where a `device` pointer is expected) fails to compile, as it
+// does in Apple's compiler. Reads are checked and counted like device reads.
+template <class T>
+struct constant_ptr {
+  using E = const std::remove_const_t<T>;
+  using V = std::remove_const_t<T>;
+  char* p_ = nullptr;
+  emu_buf* d_ = nullptr;
+
+  constant_ptr() = default;
+  constant_ptr(std::nullptr_t) {}
+  explicit constant_ptr(emu_buf* d) : p_(d->base), d_(d) {}
+  constant_ptr(char* p, emu_buf* d) : p_(p), d_(d) {}
+  template <class U, std::enable_if_t<!std::is_same_v<std::remove_cv_t<U>, V>, int> = 0>
+  explicit constant_ptr(const constant_ptr<U>& o) : p_(o.p_), d_(o.d_) {}
+
+  const V& at(ptrdiff_t i) const { return checked_read<V>(p_, d_, i, "constant"); }
+  template <class I, std::enable_if_t<is_index_v<I>, int> = 0>
+  const V& operator[](I i) const { return at(ptrdiff_t(i)); }
+  const V& operator*() const { return at(0); }
+  const V* operator->() const { return &at(0); }
+
+  EMU_PTR_ARITH(constant_ptr)
+  EMU_PTR_CMP(constant_ptr)
 };
 
 // An element of a writable device buffer: reads and writes are counted when
@@ -737,6 +773,8 @@ template <class T>
 struct is_fat_ptr<device_ptr<T>> : std::true_type {};
 template <class T>
 struct is_fat_ptr<tg_ptr<T>> : std::true_type {};
+template <class T>
+struct is_fat_ptr<constant_ptr<T>> : std::true_type {};
 
 template <class To, class From>
 To reinterpret_cast_(From&& f) {
