@@ -113,6 +113,7 @@ class LayerPlan:
             kp = self.packed.shape[1] * CODES_PER_WORD
             self._affine[dtype] = reference.qmm_affine(self.scales, self.n, kp,
                                                        self.group_size, dtype)
+            reference.materialize(*self._affine[dtype][:2])
         return self._affine[dtype]
 
     def __call__(self, x: mx.array, training: bool = False) -> mx.array:

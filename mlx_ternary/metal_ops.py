@@ -100,6 +100,7 @@ def _dummy(name: str) -> mx.array:
     """A 1-element float32 stand-in for an input a variant does not read (bias, aux)."""
     if name not in _DUMMY:
         _DUMMY[name] = mx.zeros((1,), dtype=mx.float32)
+        mx.eval(_DUMMY[name])  # kept across calls and threads: never a lazy graph
     return _DUMMY[name]
 
 

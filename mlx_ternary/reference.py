@@ -35,6 +35,21 @@ def quantize_activations(x: mx.array) -> Tuple[mx.array, mx.array]:
     return xq, 1.0 / scale
 
 
+def materialize(*arrays) -> None:
+    """Evaluate arrays a layer keeps between calls, now, in this thread.
+
+    MLX ties an unevaluated array's graph to the stream of the thread that made it; used
+    from another thread (serve's engine) it fails with "There is no Stream(cpu, 0) in
+    current thread" -- through a compiled function that closes over it, even after a
+    first call was evaluated. Arrays derived from traced ones (a gradient taken with
+    respect to the scales) cannot be evaluated yet and stay lazy.
+    """
+    try:
+        mx.eval(*[a for a in arrays if isinstance(a, mx.array)])
+    except ValueError:  # inside a transformation, of traced arrays
+        pass
+
+
 def qmm_group(padded_k: int, group_size: Optional[int]) -> int:
     """The MLX quantized-matmul group size used to run a fast-packed weight."""
     for g in _QMM_GROUPS:
@@ -56,6 +71,7 @@ def qmm_affine(scales: mx.array, out_features: int, padded_k: int,
         if key not in _UNIT_AFFINE:
             ones = mx.ones(key[:2], dtype=dtype)
             _UNIT_AFFINE[key] = (ones, -ones)
+            materialize(*_UNIT_AFFINE[key])
         return (*_UNIT_AFFINE[key], g)
     s = scales.astype(dtype)
     if g != group_size:
@@ -174,11 +190,13 @@ def prepare(packed: mx.array, scales: mx.array, bias: Optional[mx.array] = None,
         return lambda x: ternary_matmul(x, packed, scales, bias, **kw, affine=affine)
     qs, qb, g = affine if affine is not None else qmm_affine(scales, n, kp, group_size, dtype)
     row = _row_scale(scales)
+    if row is not None and not activation_bits and bias is None:
+        row = row.astype(dtype)
+    materialize(qs, qb, row, bias)  # the closures below keep them
     if not activation_bits and bias is None:
         if row is None:
             return lambda x: mx.quantized_matmul(x, packed, qs, qb, transpose=True,
                                                  group_size=g, bits=2)
-        row = row.astype(dtype)
         return lambda x: mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g,
                                              bits=2) * row
     layer = _fast_layer(g, bool(activation_bits))

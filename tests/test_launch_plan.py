@@ -425,3 +425,49 @@ def test_first_use_check_inside_mx_compile(fake_metal):
     with pytest.warns(probe.KernelCheckWarning):
         y = mx.compile(lambda x_: layer(x_) * 1.0)(x)
     assert rel_err(y, forward_np(x, w, None)) < 1e-5
+
+
+def _run_in_thread(fn):
+    """fn() in a new thread on that thread's own stream (as serve's engine runs the model)."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            with mx.stream(mx.default_stream(mx.default_device())):
+                out["y"] = np.array(fn())
+        except Exception as e:  # reported to the test below
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulate"])
+def test_a_plan_made_in_one_thread_runs_in_another(backend):
+    """A layer planned (and run) in this thread, then called in a fresh thread: MLX ties an
+    unevaluated array to the stream of the thread that made it, so plans keep no lazy ones."""
+    w = np.random.default_rng(5).integers(-1, 2, (24, 96)).astype(np.int8)
+    layer = TernaryLinear.from_packed(fmt.PackedTernary.from_trits(w, np.float32(0.5), "fast"),
+                                      activation_bits=8, backend=backend)
+    x = mx.array(np.random.default_rng(6).normal(size=(1, 3, 96)).astype(np.float32))
+    want = np.array(layer(x))
+    out = _run_in_thread(lambda: layer(x))
+    assert "error" not in out, out.get("error")
+    np.testing.assert_array_equal(out["y"], want)
+
+
+def test_cross_thread_negative_control(monkeypatch):
+    """Without evaluating the plan's arrays up front, the same call fails in the new thread."""
+    monkeypatch.setattr(reference, "materialize", lambda *a: None)
+    monkeypatch.setattr(reference, "_UNIT_AFFINE", {})
+    w = np.random.default_rng(7).integers(-1, 2, (24, 96)).astype(np.int8)
+    layer = TernaryLinear.from_packed(fmt.PackedTernary.from_trits(w, np.float32(0.5), "fast"),
+                                      activation_bits=8, backend="reference")
+    x = mx.array(np.random.default_rng(8).normal(size=(1, 3, 96)).astype(np.float32))
+    mx.eval(layer(x))
+    out = _run_in_thread(lambda: layer(x))
+    assert "Stream" in str(out.get("error")), out
