@@ -194,7 +194,8 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
 
 def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
          dtype=None, packing: Optional[str] = None, backend: Optional[str] = None,
-         lazy: bool = False, revision: Optional[str] = None, return_config: bool = False):
+         lazy: bool = False, revision: Optional[str] = None, return_config: bool = False,
+         adapter_path: Optional[str] = None):
     """Load a ternary model as an mlx-lm model plus mlx-lm's TokenizerWrapper.
 
     Reads the native format (both packings), Hugging Face BitNet packed checkpoints
@@ -207,6 +208,8 @@ def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
         dtype, packing, backend, lazy: see `load_model`.
         revision: hub revision (branch, tag or commit).
         return_config: also return the config dict.
+        adapter_path: a directory with mlx-lm LoRA/DoRA adapters (adapters.safetensors,
+            adapter_config.json) to attach; the ternary base stays as it is.
 
     Returns:
         (model, tokenizer) or (model, tokenizer, config).
@@ -220,6 +223,11 @@ def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
     model_path = resolve_model_path(path_or_hf_repo, revision)
     model, config = load_model(model_path, dtype=dtype, packing=packing, backend=backend,
                                lazy=lazy)
+    if adapter_path is not None:
+        from .adapters import load_adapters
+
+        load_adapters(model, adapter_path)
+        model.eval()
     try:
         tokenizer = load_tokenizer(model_path, tokenizer_config,
                                    eos_token_ids=config.get("eos_token_id"))

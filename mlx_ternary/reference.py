@@ -28,11 +28,18 @@ def quantize_activations(x: mx.array) -> Tuple[mx.array, mx.array]:
 
     scale = 127 / max(|x|, 1e-5) per token; xq = clamp(round(x * scale), -128, 127).
     The matmul of xq is exact in float32 (|sum| <= 128 K < 2**24 for K < 131072).
+
+    Gradients follow BitNet's straight-through estimator: the fake-quantized input
+    xq / scale passes the gradient to x unchanged, so a layer's input gradient is g @ W
+    (see `input_grad`). xq is written as xs + stop_gradient(xq - xs), which is bit-for-bit
+    xq (xq - xs is exact by Sterbenz's lemma: round(xs) lies within a factor 2 of xs, or is
+    0), and the scale is a constant to autodiff.
     """
-    amax = mx.maximum(mx.abs(x).max(axis=-1, keepdims=True), ACT_EPS)
+    amax = mx.stop_gradient(mx.maximum(mx.abs(x).max(axis=-1, keepdims=True), ACT_EPS))
     scale = ACT_QMAX / amax
-    xq = mx.clip(mx.round(x * scale), ACT_QMIN, ACT_QMAX)
-    return xq, 1.0 / scale
+    xs = x * scale
+    xq = mx.clip(mx.round(xs), ACT_QMIN, ACT_QMAX)
+    return xs + mx.stop_gradient(xq - xs), 1.0 / scale
 
 
 def qmm_group(padded_k: int, group_size: Optional[int]) -> int:
@@ -105,6 +112,36 @@ def matmul_compact(x: mx.array, packed: mx.array, scales: mx.array, in_features:
     y = _trits_matmul_compact(x, packed, scales, in_features, group_size)
     s = _row_scale(scales)
     return y if s is None else y * s.astype(y.dtype)
+
+
+def input_grad(cotangent: mx.array, packed: mx.array, scales: mx.array, *, packing: str,
+               in_features: int, group_size: Optional[int] = None,
+               affine: Optional[Tuple[mx.array, mx.array, int]] = None) -> mx.array:
+    """The gradient of a ternary linear layer with respect to its input: g @ W, W = s * t.
+
+    This is the rule for every backend, with or without activation quantization (BitNet's
+    straight-through estimator lets the gradient pass the int8 rounding unchanged). Metal
+    and native kernels have no autodiff of their own: their custom VJPs return this.
+
+    Args:
+        cotangent: g, (..., out_features).
+        packed, scales, packing, in_features, group_size: the layer, as in `ternary_matmul`.
+        affine: `qmm_affine(...)` of a fast-packed layer in g's dtype, if precomputed.
+
+    Returns:
+        (..., in_features) in g's dtype.
+    """
+    s = _row_scale(scales)
+    g = cotangent if s is None else cotangent * s.astype(cotangent.dtype)
+    if packing == "fast":
+        n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
+        qs, qb, gs = affine or qmm_affine(scales, n, kp, group_size, g.dtype)
+        x = mx.quantized_matmul(g, packed, qs, qb, transpose=False, group_size=gs, bits=2)
+        return x[..., :in_features] if kp != in_features else x
+    t = unpack_mx(packed, "compact", in_features, group_size).astype(g.dtype)
+    if s is None:
+        t = t * expand_scales(scales.astype(g.dtype), in_features, group_size)
+    return g @ t
 
 
 @partial(mx.compile, shapeless=True)  # one fused pass over the output
