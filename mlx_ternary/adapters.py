@@ -12,17 +12,20 @@ from typing import Dict, Set
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+from mlx_lm.tuner import utils as tuner
+from mlx_lm.utils import dequantize_model as mlx_dequantize_model
 
 from .errors import FormatError, TernaryError
 from .nn import FusedTernaryLinear, TernaryLinear, ternary_layers
 
 ADAPTER_LEAVES = ("lora_a", "lora_b", "m")
+# mlx-lm's own functions, held here: `mlx-ternary lm` puts the ones below in their place.
+mlx_linear_to_lora_layers = tuner.linear_to_lora_layers
 
 
 def _default_keys(model: nn.Module) -> Set[str]:
     """The block-relative paths mlx-lm's converter picks when the config names no keys."""
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
-
     kinds = (nn.Linear, nn.QuantizedLinear, SwitchLinear, QuantizedSwitchLinear,
              nn.Embedding, nn.QuantizedEmbedding)
     keys = set()
@@ -66,15 +69,13 @@ def linear_to_lora_layers(model: nn.Module, num_layers: int, config: Dict,
     Same arguments, key rules and result as mlx_lm.tuner.utils.linear_to_lora_layers;
     a model without ternary layers goes to it unchanged.
     """
-    from mlx_lm.tuner import utils as tuner
-
     if not use_dora or not ternary_layers(model) or "scale" not in config:
-        return tuner.linear_to_lora_layers(model, num_layers, config, use_dora=use_dora)
+        return mlx_linear_to_lora_layers(model, num_layers, config, use_dora=use_dora)
     keys = config.get("keys")
     keys = set(keys) if keys is not None else _default_keys(model)
     used = _ternary_dora(model, num_layers, keys, config)
     rest = {**config, "keys": sorted(keys - used)}
-    return tuner.linear_to_lora_layers(model, num_layers, rest, use_dora=True)
+    return mlx_linear_to_lora_layers(model, num_layers, rest, use_dora=True)
 
 
 def load_adapters(model: nn.Module, adapter_path) -> nn.Module:
@@ -125,8 +126,6 @@ def dequantize_model(model: nn.Module) -> nn.Module:
 
     Activation quantization goes with them: the float model runs on unquantized inputs.
     """
-    from mlx_lm.utils import dequantize_model as mlx_dequantize
-
     new = []
     for path, m in ternary_layers(model):
         if isinstance(m, FusedTernaryLinear):
@@ -141,4 +140,4 @@ def dequantize_model(model: nn.Module) -> nn.Module:
         new.append((path, linear))
     if new:
         model.update_modules(tree_unflatten(new))
-    return mlx_dequantize(model)
+    return mlx_dequantize_model(model)

@@ -51,9 +51,12 @@ Examples:
 @click.option("--max-kv-size", default=None, type=int, help="Rotating KV cache size.")
 @click.option("--kv-bits", default=None, type=click.IntRange(2, 8),
               help="Quantize the KV cache to this many bits.")
+@click.option("--adapter-path", default=None,
+              help="Directory of LoRA/DoRA adapters (mlx-lm's adapters.safetensors and "
+                   "adapter_config.json) to apply.")
 @click.option("--verbose", is_flag=True, help="Print speeds and peak memory at the end.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_penalty, seed,
-             system_prompt, ignore_chat_template, max_kv_size, kv_bits, verbose):
+             system_prompt, ignore_chat_template, max_kv_size, kv_bits, adapter_path, verbose):
     """Generate text from a prompt, streaming tokens as they come."""
     from . import generate as gen
     from .load import load
@@ -67,7 +70,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
         prompt = sys.stdin.read()
     if max_tokens < 1:
         raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
-    lm, tokenizer = load(model, lazy=True)
+    lm, tokenizer = load(model, lazy=True, adapter_path=adapter_path)
     from .plan import plan as memory_plan
 
     n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
@@ -232,7 +235,10 @@ Examples:
               type=click.IntRange(min=1), help="Prompt tokens per prefill chunk.")
 @click.option("--max-concurrency", default=8, show_default=True, type=click.IntRange(min=1),
               help="Requests decoded together in one batch; more wait in a queue.")
-def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_concurrency):
+@click.option("--adapter-path", default=None,
+              help="Directory of LoRA/DoRA adapters (mlx-lm's format) to apply.")
+def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_concurrency,
+          adapter_path):
     """An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)."""
     from . import generate as gen
     from .load import load
@@ -241,7 +247,7 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
 
     if model is None:
         model = str(gen.EMBEDDED_MODEL)
-    lm, tokenizer = load(model, lazy=True)
+    lm, tokenizer = load(model, lazy=True, adapter_path=adapter_path)
     mem = memory_plan(lm, max_context, batch=max_concurrency,
                       prefill_step_size=prefill_step_size, memory_limit=memory_limit,
                       flags={"context": "--max-context", "batch": "--max-concurrency",
@@ -260,6 +266,32 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
         pass
     finally:
         server.server_close()
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+              add_help_option=False, epilog="""\b
+Examples:
+  mlx-ternary lm server --model DIR --port 8080      # mlx-lm's OpenAI-compatible server
+  mlx-ternary lm lora --model DIR --train --data DATA --iters 100
+  mlx-ternary lm chat --model DIR --adapter-path adapters
+  mlx-ternary lm TOOL --help                         # the tool's own flags
+""")
+@click.argument("tool", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def lm(ctx, tool, args):
+    """Run an mlx-lm command with ternary checkpoints loading like any model.
+
+    TOOL is one of mlx-lm's: server, chat, generate, lora, fuse, evaluate, cache_prompt,
+    benchmark, perplexity, ... with mlx-lm's own flags. Ternary checkpoints (native,
+    Hugging Face BitNet) load through mlx-ternary; other models through mlx-lm unchanged.
+    """
+    from .lm import run_tool
+
+    if tool is None or tool in ("-h", "--help"):
+        click.echo(ctx.get_help())
+        return
+    run_tool(tool, list(args))
 
 
 @main.command(epilog="""\b

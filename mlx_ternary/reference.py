@@ -33,13 +33,14 @@ def quantize_activations(x: mx.array) -> Tuple[mx.array, mx.array]:
     xq / scale passes the gradient to x unchanged, so a layer's input gradient is g @ W
     (see `input_grad`). xq is written as xs + stop_gradient(xq - xs), which is bit-for-bit
     xq (xq - xs is exact by Sterbenz's lemma: round(xs) lies within a factor 2 of xs, or is
-    0), and the scale is a constant to autodiff.
+    0), and the scale is a constant to autodiff. Where xs is not finite (a float16 scale
+    overflows on rows below ~2e-3) xq is returned as it is.
     """
     amax = mx.stop_gradient(mx.maximum(mx.abs(x).max(axis=-1, keepdims=True), ACT_EPS))
     scale = ACT_QMAX / amax
     xs = x * scale
     xq = mx.clip(mx.round(xs), ACT_QMIN, ACT_QMAX)
-    return xs + mx.stop_gradient(xq - xs), 1.0 / scale
+    return mx.where(mx.isfinite(xs), xs + mx.stop_gradient(xq - xs), xq), 1.0 / scale
 
 
 def qmm_group(padded_k: int, group_size: Optional[int]) -> int:
