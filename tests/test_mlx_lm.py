@@ -123,6 +123,22 @@ def test_mlx_lm_server_serves_a_native_checkpoint_to_the_openai_client(embedded)
     assert reply.usage.completion_tokens == 16
 
 
+def test_lm_cache_prompt_then_generate_continues_as_one_prompt(tmp_path):
+    # mlx-lm's cache_prompt and generate tools, chained over a ternary model's KV cache.
+    runner = CliRunner()
+    cache = str(tmp_path / "prompt.safetensors")
+    saved = runner.invoke(main, ["lm", "cache_prompt", "--model", EMBEDDED, "--prompt",
+                                 "ROMEO: But soft, what light", "--prompt-cache-file", cache])
+    assert saved.exit_code == 0, saved.output
+    cached = runner.invoke(main, ["lm", "generate", "--model", EMBEDDED, "--prompt-cache-file",
+                                  cache, "--prompt", " through yonder", "-m", "12"])
+    whole = runner.invoke(main, ["lm", "generate", "--model", EMBEDDED, "--prompt",
+                                 "ROMEO: But soft, what light through yonder", "-m", "12"])
+    text = [r.output.split("==========")[-2].strip() for r in (cached, whole)]
+    assert cached.exit_code == 0 and whole.exit_code == 0 and text[0]
+    assert text[0] == text[1]
+
+
 # --------------------------------------------------------------------------- LoRA via the CLI
 
 TRAIN = ["ROMEO: The answer is forty-two, my lord.",
@@ -169,6 +185,20 @@ def test_lm_lora_trains_and_saves_an_adapter_in_mlx_lm_form(trained_adapter, emb
     with routed():  # mlx-lm's own load(adapter_path=...) on the ternary base
         theirs, _ = mlx_lm.load(EMBEDDED, adapter_path=str(trained_adapter))
     assert mx.abs(theirs(ids) - adapted(ids)).max().item() < 1e-5
+
+
+def test_batched_decoding_of_an_adapted_model_matches_one_at_a_time(trained_adapter):
+    from mlx_lm.generate import BatchGenerator, stream_generate
+
+    model, tokenizer = mlx_ternary.load(EMBEDDED, adapter_path=str(trained_adapter))
+    prompts = [tokenizer.encode(p) for p in ("ROMEO:", "JULIET: What is the answer?",
+                                             "First Citizen: Before we proceed any further")]
+    gen = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, max_tokens=1)
+    uids = gen.insert(prompts)
+    batched = {r.uid: r.logprobs for r in gen.next_generated()}
+    for uid, prompt in zip(uids, prompts):
+        single = next(iter(stream_generate(model, tokenizer, prompt, max_tokens=1))).logprobs
+        assert mx.allclose(batched[uid], single, atol=1e-4).item()
 
 
 def test_generate_with_adapter_path_changes_the_output(trained_adapter):
