@@ -21,6 +21,11 @@ FUSE_REFUSAL = (
 )
 
 
+def _check_dequantize(dequantize: bool) -> None:
+    if not dequantize:
+        raise TernaryError(FUSE_REFUSAL)
+
+
 def _fused_linear(weight: mx.array, base) -> nn.Linear:
     out_f, in_f = weight.shape
     linear = nn.Linear(in_f, out_f, bias="bias" in base)
@@ -42,8 +47,7 @@ class TernaryLoRALinear(LoRALinear):
 
     def fuse(self, dequantize: bool = False) -> nn.Linear:
         """A float nn.Linear holding s * t + scale * (A @ B).T; only with dequantize."""
-        if not dequantize:
-            raise TernaryError(FUSE_REFUSAL)
+        _check_dequantize(dequantize)
         w = self.linear.dequantize()
         delta = ((self.scale * self.lora_b.T) @ self.lora_a.T).astype(w.dtype)
         return _fused_linear(w + delta, self.linear)
@@ -60,8 +64,7 @@ class FusedTernaryLoRALinear(FusedLoRALinear):
         return lora
 
     def fuse(self, dequantize: bool = False):
-        if not dequantize:
-            raise TernaryError(FUSE_REFUSAL)
+        _check_dequantize(dequantize)
         return super().fuse(dequantize=True)  # reads the base's float `weight`
 
 
@@ -119,8 +122,7 @@ class TernaryDoRALinear(nn.Module):
 
     def fuse(self, dequantize: bool = False) -> nn.Linear:
         """A float nn.Linear holding m * V / ||V||_row, V = s * t + scale * (A @ B).T."""
-        if not dequantize:
-            raise TernaryError(FUSE_REFUSAL)
+        _check_dequantize(dequantize)
         w = self.linear.dequantize()
         w = w + ((self.scale * self.lora_b.T) @ self.lora_a.T).astype(w.dtype)
         w = (self.m / mx.linalg.norm(w, axis=1))[:, None].astype(w.dtype) * w
