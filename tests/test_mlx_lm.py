@@ -56,6 +56,23 @@ def test_mlx_lm_load_opens_a_native_checkpoint_only_when_routed(embedded):
     assert their_tokenizer.encode("JULIET:") == tokenizer.encode("JULIET:")
 
 
+def test_hugging_face_bitnet_routes_to_the_ternary_loader():
+    from pathlib import Path
+
+    import mlx_lm.utils
+
+    path = Path(__file__).parent / "fixtures" / "hf" / "bitnet_offline_autobitlinear"
+    ids = mx.array([[1, 2, 3, 4]])
+    with routed():
+        theirs, _ = mlx_lm.utils.load_model(path)
+    ours, _ = load_model(path)
+    assert ternary_layers(theirs) and mx.array_equal(theirs(ids), ours(ids)).item()
+    if not mx.metal.is_available():  # stock mlx-lm runs BitNet with a Metal-only kernel
+        stock, _ = mlx_lm.utils.load_model(path)
+        with pytest.raises(RuntimeError, match="Metal"):
+            stock(ids)
+
+
 def test_non_ternary_models_load_exactly_as_mlx_lm_loads_them(tmp_path):
     from mlx_lm.utils import quantize_model, save_model as mlx_save_model
 
