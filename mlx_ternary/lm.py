@@ -59,9 +59,12 @@ def _routed_load_model(mlx_load_model, tool: str):
                 "layers and would not know its ternary ones. Use `mlx-ternary convert` "
                 "(-q BITS for a stock MLX checkpoint, -d for float, --to-gguf for llama.cpp)")
         overrides = sorted(k for k, v in (model_config or {}).items() if v)
+        if get_model_classes is not None:
+            overrides.append("get_model_classes")
         if overrides:
-            raise TernaryError(f"{model_path}: model_config overrides ({', '.join(overrides)}) "
-                               "do not apply to ternary checkpoints; drop the flag")
+            raise TernaryError(f"{model_path}: {', '.join(overrides)} do not apply to ternary "
+                               "checkpoints (mlx-ternary builds mlx-lm's class for the config "
+                               "as it is); drop them")
         from .load import load_model as ternary_load_model
 
         return ternary_load_model(Path(model_path), lazy=lazy)

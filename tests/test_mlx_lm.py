@@ -21,6 +21,7 @@ from mlx_lm.utils import _get_classes, compute_bits_per_weight, get_total_parame
 import mlx_ternary
 from mlx_ternary import nn as tnn
 from mlx_ternary.cli import main
+from mlx_ternary.errors import TernaryError
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.lm import routed
 from mlx_ternary.load import load_model
@@ -283,6 +284,8 @@ def test_lm_tools_fail_with_one_clear_line(monkeypatch, tmp_path):
     assert not (tmp_path / "q").exists()
     result = runner.invoke(main, ["lm", "train"])
     assert result.exit_code == 1 and "unknown mlx-lm tool 'train'" in result.output
+    with routed(), pytest.raises(TernaryError, match="rope_theta do not apply"):
+        mlx_lm.load(EMBEDDED, model_config={"rope_theta": 5.0, "quantize_activations": False})
 
 
 # --------------------------------------------------------------------------- counters
