@@ -80,9 +80,12 @@ Examples:
 @click.option("--max-kv-size", default=None, type=int, help="Rotating KV cache size.")
 @click.option("--kv-bits", default=None, type=click.IntRange(2, 8),
               help="Quantize the KV cache to this many bits.")
+@click.option("--adapter-path", default=None,
+              help="Directory of LoRA/DoRA adapters (mlx-lm's adapters.safetensors and "
+                   "adapter_config.json) to apply.")
 @click.option("--verbose", is_flag=True, help="Print speeds and peak memory at the end.")
 def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_penalty, seed,
-             system_prompt, ignore_chat_template, max_kv_size, kv_bits, verbose):
+             system_prompt, ignore_chat_template, max_kv_size, kv_bits, adapter_path, verbose):
     """Generate text from a prompt, streaming tokens as they come."""
     from . import generate as gen
     from .load import load
@@ -104,10 +107,15 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
                                      "itself", param_hint="--prompt")
         prompt = sys.stdin.read()
     if group.size() > 1:
+        if adapter_path:
+            raise click.BadParameter("adapters are not applied under mlx.launch (sharded "
+                                     "layers take no LoRA); run without mlx.launch, or fuse "
+                                     "with `mlx-ternary lm fuse --dequantize`",
+                                     param_hint="--adapter-path")
         lm, tokenizer = dist.sharded_load(_model(model), group)
         seed = dist.agree_seed(seed, group)
     else:
-        lm, tokenizer = load(_model(model), lazy=True)
+        lm, tokenizer = load(_model(model), lazy=True, adapter_path=adapter_path)
     from .plan import plan as memory_plan
 
     n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
@@ -290,8 +298,10 @@ Examples:
 @click.option("--prompt-cache-bytes", default=None,
               help="Bytes of KV kept across requests for prompt reuse, e.g. 512MB "
                    "(default: as much as the live KV cache; 0 turns it off).")
+@click.option("--adapter-path", default=None,
+              help="Directory of LoRA/DoRA adapters (mlx-lm's format) to apply.")
 def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_concurrency,
-          kv_bits, kv_group_size, prompt_cache_bytes):
+          kv_bits, kv_group_size, prompt_cache_bytes, adapter_path):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
     from . import distributed as dist
@@ -304,7 +314,11 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
     kv_group_size = int(kv_group_size)
     group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
     path = _model(model)
-    lm, tokenizer = dist.sharded_load(path, group) if group.size() > 1 else load_model(path)
+    if group.size() > 1 and adapter_path:
+        raise click.BadParameter("adapters are not applied under mlx.launch (sharded layers "
+                                 "take no LoRA)", param_hint="--adapter-path")
+    lm, tokenizer = (dist.sharded_load(path, group) if group.size() > 1
+                     else load_model(path, adapter_path))
     _check_kv_groups(lm, kv_bits, kv_group_size)
     try:
         cache_bytes = (kv_bytes(lm, max_context, max_concurrency, kv_bits, kv_group_size)
@@ -350,6 +364,32 @@ def _check_kv_groups(model, kv_bits, group_size):
     if kv_bits and dim and dim % group_size:
         raise TernaryError(f"--kv-group-size {group_size} does not divide this model's head "
                            f"size {dim}; pick 32, 64 or 128 dividing it")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+              add_help_option=False, epilog="""\b
+Examples:
+  mlx-ternary lm server --model DIR --port 8080      # mlx-lm's OpenAI-compatible server
+  mlx-ternary lm lora --model DIR --train --data DATA --iters 100
+  mlx-ternary lm chat --model DIR --adapter-path adapters
+  mlx-ternary lm TOOL --help                         # the tool's own flags
+""")
+@click.argument("tool", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def lm(ctx, tool, args):
+    """Run an mlx-lm command with ternary checkpoints loading like any model.
+
+    TOOL is one of mlx-lm's: server, chat, generate, lora, fuse, evaluate, cache_prompt,
+    benchmark, perplexity, ... with mlx-lm's own flags. Ternary checkpoints (native,
+    Hugging Face BitNet) load through mlx-ternary; other models through mlx-lm unchanged.
+    """
+    from .lm import run_tool
+
+    if tool is None or tool in ("-h", "--help"):
+        click.echo(ctx.get_help())
+        return
+    run_tool(tool, list(args), notify=lambda line: click.echo(line, err=True))
 
 
 @main.command(epilog="""\b

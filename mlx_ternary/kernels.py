@@ -109,12 +109,13 @@ class LayerPlan:
 
     def affine(self, dtype):
         """MLX affine (scales, biases, group) for the fast packing's reference path."""
-        if dtype not in self._affine:
+        affine = self._affine.get(dtype)
+        if affine is None:
             kp = self.packed.shape[1] * CODES_PER_WORD
-            self._affine[dtype] = reference.qmm_affine(self.scales, self.n, kp,
-                                                       self.group_size, dtype)
-            reference.materialize(*self._affine[dtype][:2])
-        return self._affine[dtype]
+            affine = reference.qmm_affine(self.scales, self.n, kp, self.group_size, dtype)
+            if reference.materialize(*affine[:2]):  # never keep arrays of a trace
+                self._affine[dtype] = affine
+        return affine
 
     def __call__(self, x: mx.array, training: bool = False) -> mx.array:
         fn = (self.train_calls if training else self.calls).get((x.shape, x.dtype))
@@ -139,9 +140,9 @@ class LayerPlan:
     def grad_x(self, g: mx.array) -> mx.array:
         """g @ W: the input gradient (the straight-through estimator's, with int8 x too)."""
         affine = self.affine(g.dtype) if self.packing == "fast" else None
-        return reference.transposed_matmul(g, self.packed, self.scales, packing=self.packing,
-                                           in_features=self.k, group_size=self.group_size,
-                                           affine=affine)
+        return reference.input_grad(g, self.packed, self.scales, packing=self.packing,
+                                    in_features=self.k, group_size=self.group_size,
+                                    affine=affine)
 
     def tune_key(self, dtype, m: int) -> str:
         spec = self.spec
@@ -176,6 +177,11 @@ class LayerPlan:
             raise ValueError(f"x must end in in_features = {self.k} columns, got shape {shape}")
         if x.size == 0:
             fn = partial(_empty, n=self.n)
+        elif not reference.materialize(self.packed, self.scales, self.bias):
+            # The layer's own arrays are being traced (mlx-lm compiles its training step with
+            # the parameters as inputs): what is derived from them now belongs to this trace.
+            # Run the host path, which autodiff and compile see through, and keep nothing.
+            return self.host_call(dtype)
         else:
             run = self._kernel_call(dtype, shape)
             if run is None:

@@ -11,7 +11,7 @@ from . import kernels
 from .errors import TernaryError
 from .format import PACKINGS, AffineTensor, PackedTernary
 from .nn import (HadamardTernaryLinear, QuantizedEmbedding, TernaryLinear, affine_layer,
-                 model_quantization, ternary_layers)
+                 model_quantization, replacement, ternary_layers)
 from .readers import gguf, open_source
 from .readers.arch import Checker, hadamard_paths
 from .readers.arch import get_classes, normalize_config, read_config  # noqa: F401 (re-exported)
@@ -95,6 +95,7 @@ def read_layers(source: Source, model: nn.Module, *, backend: Optional[str] = No
                                            backend=backend, **kw)
             if source.targets[name][2]:  # its bias arrives as its own tensor
                 layers[name].bias = mx.zeros((item.out_features,))
+            layers[name] = replacement(modules[name], layers[name])
         elif isinstance(item, AffineTensor):
             layers[name] = affine_layer(modules[name], item, f"{source.path}: {name}")
         else:
@@ -145,7 +146,8 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
 
 def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
          dtype=None, packing: Optional[str] = None, backend: Optional[str] = None,
-         lazy: bool = False, revision: Optional[str] = None, return_config: bool = False):
+         lazy: bool = False, revision: Optional[str] = None, return_config: bool = False,
+         adapter_path: Optional[str] = None):
     """Load a ternary model as an mlx-lm model plus mlx-lm's TokenizerWrapper.
 
     Reads every format `convert` reads (readers.READERS, in that order): the native
@@ -162,6 +164,8 @@ def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
         dtype, packing, backend, lazy: see `load_model`.
         revision: hub revision (branch, tag or commit).
         return_config: also return the config dict.
+        adapter_path: a directory with mlx-lm LoRA/DoRA adapters (adapters.safetensors,
+            adapter_config.json) to attach; the ternary base stays as it is.
 
     Returns:
         (model, tokenizer) or (model, tokenizer, config).
@@ -175,6 +179,11 @@ def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
     model_path = resolve_model_path(path_or_hf_repo, revision)
     model, config = load_model(model_path, dtype=dtype, packing=packing, backend=backend,
                                lazy=lazy)
+    if adapter_path is not None:
+        from .adapters import load_adapters
+
+        load_adapters(model, adapter_path)
+        model.eval()
     try:
         tokenizer = load_tokenizer(model_path, tokenizer_config,
                                    eos_token_ids=config.get("eos_token_id"))

@@ -1,6 +1,6 @@
 """TernaryLinear, and swapping it into an mlx-lm model in place of Linear layers."""
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -8,7 +8,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import format as fmt
-from . import kernels
+from . import kernels, reference
 
 # Settings a launch plan depends on besides the arrays; assigning one drops the plan.
 _PLAN_SETTINGS = ("packing", "in_features", "out_features", "group_size", "activation_bits",
@@ -94,6 +94,26 @@ class TernaryLinear(nn.Module):
     def scale(self) -> str:
         return fmt.scale_kind(tuple(self.scales.shape), self.out_features)
 
+    @property
+    def weight(self) -> mx.array:
+        """The float weight s * t (N, K), built lazily: nothing is computed unless used.
+
+        Lets code written for nn.Linear (mlx-lm's counters, LoRA fusing) read the layer;
+        assigning it is refused, since the parameters are `packed` and `scales`.
+        """
+        return self.dequantize()
+
+    @property
+    def bits(self) -> int:
+        # mlx-lm counts a leaf with `bits` as weight.size * 32 // bits parameters.
+        return 32
+
+    def to_lora(self, r: int = 8, dropout: float = 0.0, scale: float = 20.0):
+        """mlx-lm's LoRA hook (`linear_to_lora_layers`): the base stays packed and frozen."""
+        from .lora import TernaryLoRALinear  # mlx-lm's tuner imports transformers: only now
+
+        return TernaryLoRALinear.from_base(self, r=r, dropout=dropout, scale=scale)
+
     def trits(self) -> mx.array:
         return fmt.unpack_mx(self.packed, self.packing, self.in_features, self.group_size)
 
@@ -136,7 +156,11 @@ class TernaryLinear(nn.Module):
                                      packing=self.packing, in_features=self.in_features,
                                      group_size=self.group_size,
                                      activation_bits=self.activation_bits, backend=self.backend)
-            self.__dict__["_plan"] = plan
+            # Not kept when the arrays are a trace's placeholders (mlx-lm compiles its
+            # training step with the parameters as inputs, and MLX swaps them in and out
+            # of the module without __setitem__): a kept plan would outlive the trace.
+            if reference.materialize(plan.packed, plan.scales, plan.bias):
+                self.__dict__["_plan"] = plan
         return plan
 
     def _fast_affine(self, dtype):
@@ -222,9 +246,56 @@ def affine_layer(module: nn.Module, at: fmt.AffineTensor, name: str = "layer") -
     return layer
 
 
+class FusedTernaryLinear(TernaryLinear):
+    """A TernaryLinear whose output is split at `indices`, as afm7's FusedLinear (q, k, v)."""
+
+    @classmethod
+    def from_ternary(cls, layer: TernaryLinear, indices) -> "FusedTernaryLinear":
+        fused = cls(layer.in_features, layer.out_features, "bias" in layer,
+                    packing=layer.packing, scale=layer.scale, group_size=layer.group_size,
+                    scale_dtype=layer.scales.dtype, activation_bits=layer.activation_bits,
+                    backend=layer.backend)
+        fused.packed, fused.scales = layer.packed, layer.scales
+        if "bias" in layer:
+            fused.bias = layer.bias
+        fused.__dict__["indices"] = list(indices)  # ints, not parameters
+        return fused
+
+    @property
+    def input_dims(self) -> int:
+        return self.in_features
+
+    @property
+    def output_dims(self) -> List[int]:
+        ends = self.indices + [self.out_features]
+        return [b - a for a, b in zip([0] + self.indices, ends)]
+
+    def __call__(self, x: mx.array):
+        return super().__call__(x).split(self.indices, axis=-1)
+
+    def to_lora(self, r: int = 8, dropout: float = 0.0, scale: float = 20.0):
+        from .lora import FusedTernaryLoRALinear
+
+        return FusedTernaryLoRALinear.from_base(self, r=r, dropout=dropout, scale=scale)
+
+
+# MLX quantizes whole groups of K (32 at the least): mlx-lm never quantizes a narrower layer.
+MIN_QUANT_GROUP = 32
+
+
+def _split_indices(module: nn.Module) -> Optional[List[int]]:
+    # afm7's FusedLinear: an nn.Linear subclass whose output is split at `indices`.
+    indices = getattr(module, "indices", None) if isinstance(module, nn.Linear) else None
+    return list(indices) if isinstance(indices, (list, tuple)) else None
+
+
 def linear_dims(module: nn.Module):
-    """(in, out, has_bias) of an nn.Linear or mlx-lm BitLinear, else None."""
-    if isinstance(module, nn.Linear):
+    """(in, out, has_bias) of a Linear-like layer ternary weights can stand in for, else None.
+
+    nn.Linear, afm7's split-output FusedLinear and mlx-lm's BitLinear. Other nn.Linear
+    subclasses change what the layer computes in ways a TernaryLinear cannot know: None.
+    """
+    if type(module) is nn.Linear or _split_indices(module) is not None:
         out_f, in_f = module.weight.shape
         return in_f, out_f, "bias" in module
     if type(module).__name__ == "BitLinear" and hasattr(module, "in_features"):
@@ -233,22 +304,45 @@ def linear_dims(module: nn.Module):
 
 
 def linear_paths(model: nn.Module) -> Dict[str, tuple]:
-    """{module path: (in, out, has_bias)} for every Linear-like leaf of `model`."""
+    """{module path: (in, out, has_bias)} of the Linear-like leaves to hold ternary weights.
+
+    The layers mlx-lm's `quantize_model` would quantize: it skips those the model's
+    `quant_predicate` refuses (kimi_k3's residual projections) and those whose K is not a
+    whole number of groups. Ternary packings pad K, so of the latter only layers narrower
+    than MLX's smallest group stay float: gemma3n's AltUp coefficient layers (K = 4),
+    whose weights the model clips and reads itself.
+    """
+    predicate = getattr(model, "quant_predicate", None)
     out = {}
     for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
         dims = linear_dims(m)
-        if dims is not None:
-            out[path] = dims
+        if dims is None or dims[0] < MIN_QUANT_GROUP:
+            continue
+        if predicate is not None and not predicate(path, m):
+            continue
+        out[path] = dims
     return out
 
 
+def replacement(module: nn.Module, layer: nn.Module) -> nn.Module:
+    """`layer` as it must stand in for `module`: a TernaryLinear replacing a split-output
+    layer (afm7's FusedLinear) splits its output too."""
+    indices = _split_indices(module)
+    if indices is not None and type(layer) is TernaryLinear:
+        return FusedTernaryLinear.from_ternary(layer, indices)
+    return layer
+
+
 def swap_modules(model: nn.Module, make: Callable[[str, nn.Module], Optional[nn.Module]]):
-    """Replace each leaf module for which `make(path, module)` returns a module."""
+    """Replace each leaf module for which `make(path, module)` returns a module.
+
+    A TernaryLinear standing in for a split-output layer (afm7's FusedLinear) splits too.
+    """
     new = []
     for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
         repl = make(path, m)
         if repl is not None:
-            new.append((path, repl))
+            new.append((path, replacement(m, repl)))
     if new:
         model.update_modules(tree_unflatten(new))
     return model
@@ -257,9 +351,13 @@ def swap_modules(model: nn.Module, make: Callable[[str, nn.Module], Optional[nn.
 def ternarize_model(model: nn.Module, packing: str = "compact", scale: str = "tensor",
                     group_size: Optional[int] = None, activation_bits: Optional[int] = None,
                     skip=("lm_head",)) -> nn.Module:
-    """Swap every float nn.Linear (except `skip`) for an absmean-ternarized TernaryLinear."""
+    """Swap the float Linear layers of `linear_paths` (except `skip`) for absmean-ternarized
+    TernaryLinear layers; what mlx-lm's quantize_model leaves float stays float."""
+    paths = linear_paths(model)
+
     def make(path, m):
-        if isinstance(m, nn.Linear) and not any(path.split(".")[-1] == s for s in skip):
+        if (path in paths and isinstance(m, nn.Linear)
+                and not any(path.split(".")[-1] == s for s in skip)):
             return TernaryLinear.from_linear(m, packing, scale, group_size, activation_bits)
         return None
 

@@ -28,26 +28,39 @@ def quantize_activations(x: mx.array) -> Tuple[mx.array, mx.array]:
 
     scale = 127 / max(|x|, 1e-5) per token; xq = clamp(round(x * scale), -128, 127).
     The matmul of xq is exact in float32 (|sum| <= 128 K < 2**24 for K < 131072).
+
+    Gradients follow BitNet's straight-through estimator: the fake-quantized input
+    xq / scale passes the gradient to x unchanged, so a layer's input gradient is g @ W
+    (see `input_grad`). xq is written as xs + stop_gradient(xq - xs), which is bit-for-bit
+    xq (xq - xs is exact by Sterbenz's lemma: round(xs) lies within a factor 2 of xs, or is
+    0), and the scale is a constant to autodiff. Where xs is not finite (a float16 scale
+    overflows on rows below ~2e-3) xq is returned as it is.
     """
-    amax = mx.maximum(mx.abs(x).max(axis=-1, keepdims=True), ACT_EPS)
+    amax = mx.stop_gradient(mx.maximum(mx.abs(x).max(axis=-1, keepdims=True), ACT_EPS))
     scale = ACT_QMAX / amax
-    xq = mx.clip(mx.round(x * scale), ACT_QMIN, ACT_QMAX)
-    return xq, 1.0 / scale
+    xs = x * scale
+    xq = mx.clip(mx.round(xs), ACT_QMIN, ACT_QMAX)
+    return mx.where(mx.isfinite(xs), xs + mx.stop_gradient(xq - xs), xq), 1.0 / scale
 
 
-def materialize(*arrays) -> None:
-    """Evaluate arrays a layer keeps between calls, now, in this thread.
+def materialize(*arrays) -> bool:
+    """Evaluate arrays a layer keeps between calls, now, in this thread; False if they are
+    traced (inside mx.compile / mx.grad with them as inputs) and so cannot be kept at all.
 
     MLX ties an unevaluated array's graph to the stream of the thread that made it; used
     from another thread (serve's engine) it fails with "There is no Stream(cpu, 0) in
     current thread" -- through a compiled function that closes over it, even after a
-    first call was evaluated. Arrays derived from traced ones (a gradient taken with
-    respect to the scales) cannot be evaluated yet and stay lazy.
+    first call was evaluated.
     """
     try:
         mx.eval(*[a for a in arrays if isinstance(a, mx.array)])
-    except ValueError:  # inside a transformation, of traced arrays
-        pass
+    except ValueError:  # "[eval] ... during function transformations"
+        return False
+    except RuntimeError as e:  # a compile input's placeholder has no primitive
+        if "without a primitive" not in str(e):
+            raise
+        return False
+    return True
 
 
 def qmm_group(padded_k: int, group_size: Optional[int]) -> int:
@@ -123,26 +136,32 @@ def matmul_compact(x: mx.array, packed: mx.array, scales: mx.array, in_features:
     return y if s is None else y * s.astype(y.dtype)
 
 
-def transposed_matmul(g: mx.array, packed: mx.array, scales: mx.array, *, packing: str,
-                      in_features: int, group_size: Optional[int] = None,
-                      affine: Optional[Tuple[mx.array, mx.array, int]] = None) -> mx.array:
-    """g (..., N) @ W (N, K) for W = s * t: the ternary layer's gradient w.r.t. x.
+def input_grad(cotangent: mx.array, packed: mx.array, scales: mx.array, *, packing: str,
+               in_features: int, group_size: Optional[int] = None,
+               affine: Optional[Tuple[mx.array, mx.array, int]] = None) -> mx.array:
+    """The gradient of a ternary linear layer with respect to its input: g @ W, W = s * t.
 
-    BitNet's straight-through estimator passes gradients through the activation
-    quantization unchanged, so this is the input gradient with and without it.
-    `affine` is `qmm_affine(...)` for g's dtype (fast packing), built here when absent.
+    This is the rule for every backend, with or without activation quantization (BitNet's
+    straight-through estimator lets the gradient pass the int8 rounding unchanged). Metal
+    and native kernels have no autodiff of their own: their custom VJPs return this.
+
+    Args:
+        cotangent: g, (..., out_features).
+        packed, scales, packing, in_features, group_size: the layer, as in `ternary_matmul`.
+        affine: `qmm_affine(...)` of a fast-packed layer in g's dtype, if precomputed.
+
+    Returns:
+        (..., in_features) in g's dtype.
     """
-    row = _row_scale(scales)
-    if row is not None:
-        g = g * row.astype(g.dtype)
+    s = _row_scale(scales)
+    g = cotangent if s is None else cotangent * s.astype(cotangent.dtype)
     if packing == "fast":
         n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
-        qs, qb, gs = affine if affine is not None else qmm_affine(scales, n, kp, group_size,
-                                                                  g.dtype)
-        y = mx.quantized_matmul(g, packed, qs, qb, transpose=False, group_size=gs, bits=2)
-        return y[..., :in_features] if kp != in_features else y
+        qs, qb, gs = affine or qmm_affine(scales, n, kp, group_size, g.dtype)
+        x = mx.quantized_matmul(g, packed, qs, qb, transpose=False, group_size=gs, bits=2)
+        return x[..., :in_features] if kp != in_features else x
     t = unpack_mx(packed, "compact", in_features, group_size).astype(g.dtype)
-    if row is None:
+    if s is None:
         t = t * expand_scales(scales.astype(g.dtype), in_features, group_size)
     return g @ t
 

@@ -14,6 +14,7 @@ import select
 import socket
 import time
 import uuid
+from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import mlx.core as mx
@@ -322,11 +323,12 @@ def _grammars(model, tokenizer):
     return Grammars(tokenizer, vocab or len(tokenizer.get_vocab()))
 
 
-def load_model(path: str):
-    """(model, tokenizer) for `serve`, loaded lazily so the memory plan runs first."""
+def load_model(path: str, adapter_path: Optional[str] = None):
+    """(model, tokenizer) for `serve`, loaded lazily so the memory plan runs first; LoRA/DoRA
+    adapters (mlx-lm's format) applied when `adapter_path` is given."""
     from .load import load
 
-    return load(path, lazy=True)
+    return load(path, lazy=True, adapter_path=adapter_path)
 
 
 def materialize(model):

@@ -55,3 +55,19 @@ def test_cli_generate_from_gguf_says_it_converts_once(tmp_path, monkeypatch):
     assert second.exit_code == 0 and "converting" not in second.stderr
     assert second.stdout == first.stdout
     assert gguf_cache.cache_dir(path).parent == tmp_path / "xdg" / "mlx-ternary" / "gguf"
+
+
+def test_mlx_lm_tools_take_a_gguf_model(tmp_path, monkeypatch):
+    """`mlx-ternary lm generate --model X.gguf`: mlx-lm's own tool on the converted copy,
+    greedy text equal to `mlx-ternary generate` on the same file."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path, _, _ = gb.write(tmp_path / "m.gguf", "llama", output=None)
+    runner = CliRunner()
+    ours = runner.invoke(main, ["generate", "--model", str(path), "--prompt", "the", "-m", "6",
+                                "--ignore-chat-template"])
+    assert ours.exit_code == 0, ours.output
+    tool = runner.invoke(main, ["lm", "generate", f"--model={path}", "--prompt", "the",
+                                "-m", "6", "--ignore-chat-template"])
+    assert tool.exit_code == 0, tool.output
+    text = tool.stdout.split("==========")[1].strip()
+    assert text and text == ours.stdout.strip()
