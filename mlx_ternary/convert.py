@@ -19,7 +19,7 @@ import numpy as np
 from . import kernels
 from .errors import FormatError, TernaryError
 from .format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig
-from .load import resolve_model_path
+from .hub import model_dir
 from .readers import open_source as open_path
 from .readers import with_model
 from .readers.arch import Checker, is_hadamard
@@ -79,7 +79,7 @@ def open_source(hf_path: Union[str, Path], packing: str = DEFAULT_PACKING,
             raise TernaryError(f"{p}: a single file must be a .gguf; otherwise pass the "
                                "model directory")
         return open_path(p, packing)
-    return open_path(resolve_model_path(str(hf_path), revision), packing, group_size)
+    return open_path(model_dir(str(hf_path), revision), packing, group_size)
 
 
 # --------------------------------------------------------------------------- #

@@ -10,6 +10,7 @@ from mlx.utils import tree_unflatten
 from . import kernels
 from .errors import TernaryError
 from .format import PACKINGS, AffineTensor, PackedTernary
+from .hub import model_dir
 from .nn import (HadamardTernaryLinear, QuantizedEmbedding, TernaryLinear, affine_layer,
                  model_quantization, replacement, ternary_layers)
 from .readers import gguf, open_source
@@ -18,48 +19,15 @@ from .readers.arch import get_classes, normalize_config, read_config  # noqa: F4
 from .readers.common import Source
 from .shard import make_shardable
 
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
-
-
-def _download(repo: str, revision: Optional[str]) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
-    )
-
-    try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=HUB_PATTERNS))
-    except GatedRepoError:
-        raise TernaryError(f"{repo}: the repository is gated; accept its terms on the Hub "
-                           "and log in with `hf auth login`") from None
-    except RepositoryNotFoundError:
-        raise TernaryError(f"{repo}: no such model directory here and no such repository on the "
-                           "Hugging Face Hub (if private, log in with `hf auth login`)") from None
-    except RevisionNotFoundError:
-        raise TernaryError(f"{repo}: revision {revision!r} not found on the Hub") from None
-    except (LocalEntryNotFoundError, OSError) as e:
-        raise TernaryError(f"{repo}: not a local directory, and downloading it from the Hugging "
-                           f"Face Hub failed ({type(e).__name__}); check the path, or the "
-                           "network, or pass a local copy") from None
-
-
 def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
-    """A local model directory, downloading a hub repo id when it is not a local path."""
+    """A local model directory: the directory itself, a .gguf file's converted copy in the
+    cache, or a hub repo id downloaded."""
     p = Path(path_or_hf_repo).expanduser()
-    if p.is_dir():
-        return p
     if gguf.detect(p):  # converted once into the cache, then read from there
         from .gguf_cache import native_dir
 
         return native_dir(p)
-    if p.is_file():
-        raise TernaryError(f"{p}: is a file, not a model directory (or a .gguf file); other "
-                           "single files are not models mlx-ternary reads")
-    repo = str(path_or_hf_repo)
-    if repo.count("/") != 1 or repo.startswith((".", "/", "~")):
-        raise TernaryError(f"{path_or_hf_repo}: no such model directory (and not a Hugging Face "
-                           "repo id of the form owner/name)")
-    return _download(repo, revision)
+    return model_dir(path_or_hf_repo, revision)
 
 
 def default_dtype():
