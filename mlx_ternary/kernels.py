@@ -1,12 +1,15 @@
-"""Dispatch for the ternary matmul: Metal kernel, emulated Metal kernel, or reference twin.
+"""Dispatch for the ternary matmul: Metal kernel, emulated Metal kernel, native CPU kernel,
+or reference twin.
 
 Choice, first match wins: the `backend` keyword; MLX_TERNARY_EMULATE_METAL=1;
-MLX_TERNARY_BACKEND=metal|emulate|reference; Metal where `mx.metal.is_available()`;
-the reference twin elsewhere (CPU, CUDA).
+MLX_TERNARY_BACKEND=metal|emulate|native|reference; the native CPU kernel where the default
+device is the CPU and it builds; Metal where `mx.metal.is_available()`; the reference twin
+elsewhere (CUDA, or a CPU without a compiler).
 
 "metal" launches the project's kernels (metal/*.metal) through mx.fast.metal_kernel,
-"emulate" launches the same sources through the CPU emulator (mlx_ternary.emulator), and
-"reference" runs the pure-MLX twins (reference.py). Importing this module never needs Metal.
+"emulate" launches the same sources through the CPU emulator (mlx_ternary.emulator),
+"native" runs the C++ CPU primitive (mlx_ternary.native), and "reference" runs the pure-MLX
+twins (reference.py). Importing this module never needs Metal or a compiler.
 """
 
 import os
@@ -14,10 +17,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import metal_ops, reference
+from . import metal_ops, native, reference
 from .errors import TernaryError
 
-BACKENDS = ("metal", "emulate", "reference")
+BACKENDS = ("metal", "emulate", "native", "reference")
 ENV_BACKEND = "MLX_TERNARY_BACKEND"
 ENV_EMULATE = "MLX_TERNARY_EMULATE_METAL"
 # The packing `convert` writes by default. The cost model in docs/KERNELS.md predicts the
@@ -35,6 +38,8 @@ def resolve_backend(backend: Optional[str] = None) -> str:
         else:
             backend = os.environ.get(ENV_BACKEND) or None
     if backend is None:
+        if mx.default_device() == mx.cpu and native.available():
+            return "native"
         return "metal" if mx.metal.is_available() else "reference"
     if backend not in BACKENDS:
         raise TernaryError(
@@ -47,6 +52,10 @@ def resolve_backend(backend: Optional[str] = None) -> str:
             f"unset ${ENV_BACKEND} or use backend='reference' (or 'emulate' to run the "
             "Metal sources on the CPU)"
         )
+    if backend == "native" and not native.available():
+        raise TernaryError(f"the native CPU backend was requested but is unavailable: "
+                           f"{native.unavailable_reason()}; unset ${ENV_BACKEND} or use "
+                           "backend='reference'")
     return backend
 
 
@@ -65,7 +74,7 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
         in_features: K.
         group_size: the scale group along K, for group scales.
         activation_bits: 8 for BitNet int8 per-token activations, else None.
-        backend: force "metal", "emulate" or "reference".
+        backend: force "metal", "emulate", "native" or "reference".
         affine: the MLX affine arrays for the reference fast path, or a callable
             `affine(dtype)` that returns them (only called on that path).
 
@@ -77,6 +86,11 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
         ValueError: (Metal kernels) shapes or dtypes that break a kernel's rule.
     """
     backend = resolve_backend(backend)
+    if backend == "native":
+        return native.ternary_matmul(
+            x, packed, scales, bias, packing=packing, in_features=in_features,
+            group_size=group_size, activation_bits=activation_bits,
+        )
     if backend != "reference":
         return metal_ops.ternary_matmul(
             x, packed, scales, bias, packing=packing, in_features=in_features,

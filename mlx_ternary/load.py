@@ -12,6 +12,7 @@ from . import kernels
 from .errors import FormatError, TernaryError
 from .format import PACKINGS, scale_kind
 from .nn import TernaryLinear, linear_paths, swap_modules, ternary_layers
+from .native import layers as native_layers
 from .readers import hf_bitnet, mlx_affine, native
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -117,10 +118,12 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
 
     Args:
         model_path: a local model directory.
-        dtype: dtype of float parameters (default: float32 off the GPU, as stored on it).
-        packing: runtime packing; default keeps the stored one where the Metal kernels
-            run and uses "fast" (MLX's 2-bit layout, read in place) elsewhere.
-        backend: force "metal", "emulate" or "reference" for every ternary layer.
+        dtype: dtype of float parameters (default: float32 off the GPU, as stored on it;
+            with the native CPU backend, float16/bfloat16 embeddings and output layers
+            stay as stored).
+        packing: runtime packing; default keeps the stored one where the Metal or native
+            kernels run and uses "fast" (MLX's 2-bit layout, read in place) elsewhere.
+        backend: force "metal", "emulate", "native" or "reference" for every ternary layer.
         lazy: leave parameters unevaluated.
     """
     config = normalize_config(read_config(model_path))
@@ -173,10 +176,13 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
         mlx_affine.swap_hadamard(model, weights, config, quant, backend)
     else:
         swap_modules(model, make)
+    # Native CPU backend: embeddings / output layer keep their stored float16/bfloat16.
+    keep = (native_layers.keep_half_tables(model, weights)
+            if dtype is None and kernels.resolve_backend(backend) == "native" else set())
     dtype = dtype or default_dtype()
     if dtype is not None:
         weights = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                       and not k.endswith((".scales", ".biases")) else v)
+                       and not k.endswith((".scales", ".biases")) and k not in keep else v)
                    for k, v in weights.items()}
     _check_shapes(model, weights, model_path)
     model.load_weights(list(weights.items()), strict=True)
