@@ -183,12 +183,15 @@ def library_path(key: str, mlx: MlxBuild) -> Path:
     return cache_dir() / f"{MODULE}-{key}{suffix(mlx)}"
 
 
-def _run(cmd: List[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _start(cmd: List[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, what: str) -> None:
+    _, err = proc.communicate()
     if proc.returncode != 0:
-        lines = [l for l in proc.stderr.splitlines() if "error" in l.lower()] or \
-            proc.stderr.splitlines()
-        raise NativeBuildError(f"compiling {what} failed ({cmd[0]}): "
+        lines = [l for l in err.splitlines() if "error" in l.lower()] or err.splitlines()
+        raise NativeBuildError(f"compiling {what} failed ({proc.args[0]}): "
                                + " | ".join(lines[:6]))
 
 
@@ -208,31 +211,30 @@ def _locked(directory: Path):
 
 def compile_library(path: Path, mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str],
                     progress=lambda s: None) -> None:
-    """nanobind's runtime (cached apart: it does not change with our sources), then ours."""
-    cxx_id = compiler_id(cxx)
+    """nanobind's runtime (cached apart: it does not change with our sources) and our
+    kernels compile side by side, then link."""
+    compiler_id(cxx)  # a clear error when there is no compiler
     nb_flags = _COMMON + arch_flags() + python_flags(mlx) + [f"-I{nb.include}",
                                                              f"-I{nb.robin_map}", "-DNB_BUILD"]
-    nb_obj = cache_dir() / f"nanobind-{_digest(nb.version, cxx_id, nb_flags)}.o"
-    if not nb_obj.exists():
-        progress(f"compiling nanobind {nb.version} (once)")
-        fd, tmp = tempfile.mkstemp(suffix=".o", dir=cache_dir())
-        os.close(fd)
-        try:
-            _run([cxx, *nb_flags, "-c", str(nb.src / "nb_combined.cpp"), "-o", tmp], "nanobind")
-            os.replace(tmp, nb_obj)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    progress(f"compiling the native CPU kernel for mlx {mlx.version} (once)")
-    fd, tmp = tempfile.mkstemp(suffix=suffix(mlx), dir=cache_dir())
-    os.close(fd)
-    try:
-        _run([cxx, *flags, "-shared", str(CSRC / "ext.cpp"), str(nb_obj), "-o", tmp,
-              *link_flags(mlx)], "the native CPU kernel")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    nb_obj = cache_dir() / f"nanobind-{_digest(nb.version, cxx, nb_flags)}.o"
+    progress(f"compiling the native CPU kernel for mlx {mlx.version} (once, about a minute)")
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        jobs = []
+        if not nb_obj.exists():
+            nb_tmp = Path(tmp) / "nanobind.o"
+            jobs.append((_start([cxx, *nb_flags, "-c", str(nb.src / "nb_combined.cpp"), "-o",
+                                 str(nb_tmp)]), f"nanobind {nb.version}"))
+        ext_obj = Path(tmp) / "ext.o"
+        jobs.append((_start([cxx, *flags, "-c", str(CSRC / "ext.cpp"), "-o", str(ext_obj)]),
+                     "the native CPU kernel"))
+        for proc, what in jobs:
+            _finish(proc, what)
+        if not nb_obj.exists():
+            os.replace(nb_tmp, nb_obj)
+        lib = Path(tmp) / path.name
+        _finish(_start([cxx, "-shared", str(ext_obj), str(nb_obj), "-o", str(lib),
+                        *link_flags(mlx)]), "the native CPU kernel (link)")
+        os.replace(lib, path)
 
 
 def ext_flags(mlx: MlxBuild, nb: Nanobind) -> List[str]:

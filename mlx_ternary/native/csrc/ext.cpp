@@ -105,16 +105,11 @@ const void* row_major(const mx::array& a, std::vector<uint8_t>& keep) {
   return keep.data();
 }
 
-// Dynamic row chunks across the pool: noisy shared cores balance themselves.
+// Row chunks across the pool, claimed dynamically: noisy shared cores balance themselves.
 template <class F>
 void parallel_rows(int64_t n, int64_t chunk, const F& f) {
   const int64_t nchunks = tk::ceil_div(n, chunk);
-  std::atomic<int64_t> next{0};
-  std::function<void(int)> job = [&](int) {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < nchunks;)
-      f(c * chunk, std::min(n, (c + 1) * chunk));
-  };
-  pool().run((int)std::min<int64_t>(pool().size(), nchunks), job);
+  pool().parallel_for(nchunks, [&](int64_t c) { f(c * chunk, std::min(n, (c + 1) * chunk)); });
 }
 
 // ---------------------------------------------------------------------------------------------

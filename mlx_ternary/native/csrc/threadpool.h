@@ -1,11 +1,15 @@
-// A small fork-join pool for the kernels: the calling thread (MLX's CPU stream thread) works as
-// index 0 and `size() - 1` workers join it. Workers spin briefly after a job (a decode step
-// launches ~7 layers back to back) and then sleep on a futex (std::atomic::wait).
+// A small pool for the kernels: parallel_for(n, f) runs f(0..n-1) on the calling thread (MLX's
+// CPU stream thread) and any workers that wake in time. Chunks are claimed one at a time, and
+// the caller waits only for claimed chunks to finish, never for a worker to wake up: on shared
+// or oversubscribed cores a descheduled worker just claims nothing, instead of stalling every
+// layer (the failure mode of fork-join barriers there). Workers spin briefly after a job (a
+// decode step launches layers back to back), then sleep on a futex (std::atomic::wait).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -32,39 +36,54 @@ class Pool {
     std::lock_guard<std::mutex> lock(run_mu_);
     stop();
     stop_.store(false);
-    // Workers start from the current generation: one that starts late must still see the
-    // first job posted after this point.
     const uint32_t start = gen_.load(std::memory_order_acquire);
-    for (int i = 1; i < (n < 1 ? 1 : n); i++)
-      workers_.emplace_back([this, i, start] { loop(i, start); });
+    for (int i = 1; i < (n < 1 ? 1 : n); i++) workers_.emplace_back([this, start] { loop(start); });
   }
 
-  // fn(index) on min(n, size()) threads; returns when every thread is done.
-  void run(int n, const std::function<void(int)>& fn) {
+  // f(i) for i in [0, n); returns when all n calls have returned.
+  void parallel_for(int64_t n, const std::function<void(int64_t)>& f) {
+    if (n <= 0) return;
     std::lock_guard<std::mutex> lock(run_mu_);
-    if (n <= 1 || workers_.empty()) {
-      fn(0);
+    if (n == 1 || workers_.empty()) {
+      for (int64_t i = 0; i < n; i++) f(i);
       return;
     }
-    job_ = &fn;
-    active_ = n;
-    remaining_.store((int)workers_.size(), std::memory_order_relaxed);
+    auto job = std::make_shared<Job>(f, n);
+    {
+      std::lock_guard<std::mutex> jl(job_mu_);
+      job_ = job;
+    }
     gen_.fetch_add(1, std::memory_order_release);
     gen_.notify_all();
-    fn(0);
+    work(*job);
     for (int spins = 0;; spins++) {
-      int r = remaining_.load(std::memory_order_acquire);
-      if (r == 0) break;
+      int64_t d = job->done.load(std::memory_order_acquire);
+      if (d == n) break;
       if (spins < kSpin) TK_PAUSE();
-      else remaining_.wait(r, std::memory_order_acquire);
+      else job->done.wait(d, std::memory_order_acquire);
     }
-    job_ = nullptr;
+    std::lock_guard<std::mutex> jl(job_mu_);
+    job_.reset();
   }
 
  private:
-  static constexpr int kSpin = 20000;
+  static constexpr int kSpin = 4000;
 
-  void loop(int index, uint32_t seen) {
+  struct Job {
+    Job(const std::function<void(int64_t)>& f, int64_t n) : f(f), n(n) {}
+    std::function<void(int64_t)> f;  // called only for a claimed index: the caller still waits
+    const int64_t n;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+
+  static void work(Job& job) {
+    for (int64_t i; (i = job.next.fetch_add(1, std::memory_order_relaxed)) < job.n;) {
+      job.f(i);
+      if (job.done.fetch_add(1, std::memory_order_acq_rel) + 1 == job.n) job.done.notify_all();
+    }
+  }
+
+  void loop(uint32_t seen) {
     for (;;) {
       for (int spins = 0; gen_.load(std::memory_order_acquire) == seen; spins++) {
         if (spins < kSpin) TK_PAUSE();
@@ -72,8 +91,12 @@ class Pool {
       }
       seen = gen_.load(std::memory_order_acquire);
       if (stop_.load(std::memory_order_acquire)) return;
-      if (index < active_) (*job_)(index);
-      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) remaining_.notify_one();
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> jl(job_mu_);
+        job = job_;
+      }
+      if (job) work(*job);
     }
   }
 
@@ -88,11 +111,9 @@ class Pool {
 
   std::vector<std::thread> workers_;
   std::atomic<uint32_t> gen_{0};
-  std::atomic<int> remaining_{0};
   std::atomic<bool> stop_{false};
-  const std::function<void(int)>* job_ = nullptr;
-  int active_ = 0;
-  std::mutex run_mu_;
+  std::shared_ptr<Job> job_;
+  std::mutex job_mu_, run_mu_;
 };
 
 }  // namespace tk
