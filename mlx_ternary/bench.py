@@ -208,10 +208,11 @@ def _unique_bytes(arrays) -> int:
 
 
 def _layer_arrays(m: nn.Module, dtype) -> list:
-    """The arrays a layer holds: parameters, plus the fast path's unit scale/bias arrays."""
+    """The arrays a layer holds: parameters, plus the reference fast path's unit scale/bias
+    arrays (the native and Metal kernels need none)."""
     arrays = [a for _, a in tree_flatten(m.parameters())]
-    if isinstance(m, TernaryLinear) and m.packing == "fast":  # TernaryLinear builds them
-        arrays += list(m._fast_affine(dtype)[:2])
+    if isinstance(m, TernaryLinear) and m.packing == "fast" and m._backend() == "reference":
+        arrays += list(m._fast_affine(dtype)[:2])  # TernaryLinear builds them
     return arrays
 
 

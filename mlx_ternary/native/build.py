@@ -77,6 +77,19 @@ def arch_flags() -> List[str]:
     return []
 
 
+@lru_cache(maxsize=1)
+def cpu_fingerprint() -> str:
+    """The CPU features -march=native compiles for (a cache shared by several machines must
+    not hand one machine's library to another)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
 @dataclass(frozen=True)
 class MlxBuild:
     """What of the installed MLX the extension compiles and links against."""
@@ -171,12 +184,12 @@ def link_flags(mlx: MlxBuild) -> List[str]:
 
 
 def build_key(mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str]) -> str:
-    """Sources, flags, compiler command, the MLX (version, libmlx size and mtime), nanobind
-    and Python: a change of any of them is a new library. The compiler's own version is not
-    in it, so a cached library still loads where the compiler has since been removed."""
+    """Sources, flags, compiler command, the CPU, the MLX (version, libmlx size and mtime),
+    nanobind and Python: a change of any of them is a new library. The compiler's own version
+    is not in it, so a cached library still loads where the compiler has since been removed."""
     lib = mlx.library.stat()
-    return _digest(_sources(), flags, cxx, mlx.version, lib.st_size, lib.st_mtime_ns,
-                   nb.version, suffix(mlx), sys.version)
+    return _digest(_sources(), flags, cxx, cpu_fingerprint(), mlx.version, lib.st_size,
+                   lib.st_mtime_ns, nb.version, suffix(mlx), sys.version)
 
 
 def library_path(key: str, mlx: MlxBuild) -> Path:
