@@ -148,8 +148,8 @@ def check_nanobind_abi(mlx: MlxBuild, nb: Nanobind) -> None:
     if tag not in mlx.core.read_bytes():
         raise NativeBuildError(
             f"mlx {mlx.version} was built with a nanobind whose ABI differs from the installed "
-            f"nanobind {nb.version} (no {tag.decode()!r} in {mlx.core.name}); upgrade mlx "
-            "(>= 0.32.3) or install the nanobind it was built with")
+            f"nanobind {nb.version} (no {tag.decode()!r} in {mlx.core.name}); the native "
+            "kernel needs an mlx built with nanobind 3: upgrade mlx to 0.32.3 or later")
 
 
 def _digest(*parts) -> str:

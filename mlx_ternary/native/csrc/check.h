@@ -76,8 +76,7 @@ inline std::string check_case(int packing, int64_t M, int64_t N, int64_t K, int 
   for (auto& v : b) v = normal(rng);
   for (auto& v : x) v = normal(rng) * (1 + (rng() % 4));
   if (K > 3) x[1] = 0.f, x[2] = -x[0];  // zeros and ties
-  Layer L;
-  L.g = g;
+  Layer L(g);
   L.w = w.data();
   L.scales = s.data();
   L.scale_kind = scale_kind;

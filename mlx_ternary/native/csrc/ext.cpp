@@ -144,8 +144,7 @@ class TernaryMatmul : public mx::UnaryPrimitive {
                   bias = p_.has_bias ? std::optional<mx::array>(in[3]) : std::nullopt,
                   outp = out.data<void>(), out_dtype = tk_dtype(out.dtype(), "x")]() {
       std::vector<uint8_t> kx, kw, ks, kb;
-      tk::Layer L;
-      L.g = *g;
+      tk::Layer L(*g);
       L.w = (const uint8_t*)row_major(packed, kw);
       L.scales = row_major(scales, ks);
       L.scale_dtype = tk_dtype(scales.dtype(), "scales");
@@ -268,8 +267,7 @@ class TernaryWeight : public mx::UnaryPrimitive {
                   outp = out.data<float>()]() {
       std::vector<uint8_t> kw, ks;
       const float one = 1.f;
-      tk::Layer L;
-      L.g = *g;
+      tk::Layer L(*g);
       L.w = (const uint8_t*)row_major(packed, kw);
       L.scales = unit ? (const void*)&one : row_major(scales, ks);
       L.scale_dtype = unit ? tk::F32 : tk_dtype(scales.dtype(), "scales");

@@ -84,6 +84,13 @@ struct NeonOps {
     return F8{vfmaq_n_f32(acc.a, x.a, s), vfmaq_n_f32(acc.b, x.b, s)};
   }
   static float f8sum(F8 x) { return vaddvq_f32(vaddq_f32(x.a, x.b)); }
+  static F8 f8load(const float* p) { return F8{vld1q_f32(p), vld1q_f32(p + 4)}; }
+  static void f8store(float* p, F8 v) { vst1q_f32(p, v.a), vst1q_f32(p + 4, v.b); }
+  static F8 f8mul(F8 x, float s) { return F8{vmulq_n_f32(x.a, s), vmulq_n_f32(x.b, s)}; }
+  static F8 f8fma(F8 acc, F8 w, F8 x) {
+    return F8{vfmaq_f32(acc.a, w.a, x.a), vfmaq_f32(acc.b, w.b, x.b)};
+  }
+  static F8 f8set(float v) { return F8{vdupq_n_f32(v), vdupq_n_f32(v)}; }
   static F8 fma8(F8 acc, F8 w, const float* x) {
     return F8{vfmaq_f32(acc.a, w.a, vld1q_f32(x)), vfmaq_f32(acc.b, w.b, vld1q_f32(x + 4))};
   }

@@ -81,6 +81,27 @@ struct ScalarOps {
     for (int j = 0; j < 8; j++) s += a.l[j];
     return s;
   }
+  static F8 f8load(const float* p) {
+    F8 v;
+    for (int j = 0; j < 8; j++) v.l[j] = p[j];
+    return v;
+  }
+  static void f8store(float* p, const F8& v) {
+    for (int j = 0; j < 8; j++) p[j] = v.l[j];
+  }
+  static F8 f8mul(F8 a, float s) {
+    for (int j = 0; j < 8; j++) a.l[j] *= s;
+    return a;
+  }
+  static F8 f8fma(F8 acc, const F8& w, const F8& x) {
+    for (int j = 0; j < 8; j++) acc.l[j] += w.l[j] * x.l[j];
+    return acc;
+  }
+  static F8 f8set(float v) {
+    F8 r;
+    for (int j = 0; j < 8; j++) r.l[j] = v;
+    return r;
+  }
   static F8 fma8(F8 acc, const F8& w, const float* x) {
     for (int j = 0; j < 8; j++) acc.l[j] += w.l[j] * x[j];
     return acc;

@@ -99,6 +99,11 @@ struct Avx2Ops {
   static F8 f8add(F8 a, F8 b) { return _mm256_add_ps(a, b); }
   static F8 f8fmas(F8 acc, F8 a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
   static float f8sum(F8 a) { return fvsum(a); }
+  static F8 f8load(const float* p) { return _mm256_loadu_ps(p); }
+  static void f8store(float* p, F8 v) { _mm256_storeu_ps(p, v); }
+  static F8 f8mul(F8 a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
+  static F8 f8fma(F8 a, F8 w, F8 x) { return _mm256_fmadd_ps(w, x, a); }
+  static F8 f8set(float v) { return _mm256_set1_ps(v); }
   static F8 fma8(F8 a, F8 w, const float* x) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a); }
   // t = c - 1 as floats, from bytes 0-7, 8-15, 16-23, 24-31 of a code vector
   static void fexpand(V c, F8 w[4]) {

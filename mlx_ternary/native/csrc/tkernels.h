@@ -233,7 +233,8 @@ inline void permute_token(const Geometry& g, const void* x, int dtype, int64_t m
 // ----------------------------------------------------------------------------------------------
 
 struct Layer {
-  Geometry g;
+  explicit Layer(const Geometry& geometry) : g(geometry) {}
+  const Geometry& g;
   const uint8_t* w = nullptr;  // (N, row_bytes) packed
   const void* scales = nullptr;
   int scale_dtype = F32;
@@ -358,11 +359,99 @@ void rows_float(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m
   }
 }
 
-constexpr int TOKEN_TILE = 4;
+// Float activations, many tokens: each block of 16 rows is expanded once to float weights
+// (t, or s * t with group scales), stored column-major (16 rows per column, in the
+// activations' permuted column order), and multiplied with the tokens by a register-blocked
+// outer-product kernel: per column, two 8-row weight vectors times T broadcast activations
+// into 2 x T accumulators (an SGEMM micro-kernel; FMA-bound, everything streams from L1/L2).
+constexpr int GEMM_ROWS = 16, GEMM_TOKENS = 6;
 
-// All tokens for rows [n0, n1): token tiles of TOKEN_TILE, then the remainder.
+template <class O, int T, bool GROUPED>
+void float_panel(const Layer& L, const Acts& a, const float* wt, int64_t n, int rows, int64_t m0) {
+  using F8 = typename O::F8;
+  const int64_t xlen = L.g.xlen();
+  F8 acc[T][2];
+  for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = O::f8zero();
+  const float* x = a.f.data() + m0 * xlen;
+  for (int64_t k = 0; k < xlen; k++) {
+    F8 w0 = O::f8load(wt + k * GEMM_ROWS), w1 = O::f8load(wt + k * GEMM_ROWS + 8);
+    for (int t = 0; t < T; t++) {
+      F8 xb = O::f8set(x[t * xlen + k]);
+      acc[t][0] = O::f8fma(acc[t][0], w0, xb);
+      acc[t][1] = O::f8fma(acc[t][1], w1, xb);
+    }
+  }
+  float y[GEMM_ROWS];
+  for (int t = 0; t < T; t++) {
+    O::f8store(y, acc[t][0]);
+    O::f8store(y + 8, acc[t][1]);
+    for (int r = 0; r < rows; r++) {
+      float v = y[r];
+      if constexpr (!GROUPED) v *= L.scale(n + r, 0);
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.g.n + n + r, v + L.bias_at(n + r));
+    }
+  }
+}
+
+template <class O, int NV, bool GROUPED>
+void rows_float_gemm(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
+  using F8 = typename O::F8;
+  const Geometry& g = L.g;
+  const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size();
+  thread_local std::vector<float> wt, row;  // this thread's panel (xlen x 16) and one row
+  wt.resize(xlen * GEMM_ROWS);
+  row.resize(xlen);
+  for (int64_t r0 = n0; r0 < n1; r0 += GEMM_ROWS) {
+    const int rows = (int)std::min<int64_t>(GEMM_ROWS, n1 - r0);
+    for (int r = 0; r < GEMM_ROWS; r++) {
+      if (r >= rows) {
+        for (int64_t k = 0; k < xlen; k++) wt[k * GEMM_ROWS + r] = 0.f;
+        continue;
+      }
+      const int64_t n = r0 + r;
+      const uint8_t* w = L.w + n * g.row_bytes;
+      for (int64_t s = 0; s < nsteps; s++) {
+        const Step& st = g.steps[s];
+        typename O::V c[NV];
+        decode_step<O, NV>(w + st.off, st.valid, c);
+        float lo = 1.f, hi = 1.f;
+        if constexpr (GROUPED) lo = L.scale(n, st.glo), hi = L.scale(n, st.ghi);
+        for (int v = 0; v < NV; v++) {
+          F8 wf[4];
+          O::fexpand(c[v], wf);
+          float* o = row.data() + s * NV * 32 + 32 * v;
+          for (int j = 0; j < 4; j++)
+            O::f8store(o + 8 * j, GROUPED ? O::f8mul(wf[j], j < 2 ? lo : hi) : wf[j]);
+        }
+      }
+      for (int64_t k = 0; k < xlen; k++) wt[k * GEMM_ROWS + r] = row[k];
+    }
+    int64_t m = 0;
+    for (; m + GEMM_TOKENS <= M; m += GEMM_TOKENS)
+      float_panel<O, GEMM_TOKENS, GROUPED>(L, a, wt.data(), r0, rows, m);
+    switch (M - m) {
+      case 5: float_panel<O, 5, GROUPED>(L, a, wt.data(), r0, rows, m); break;
+      case 4: float_panel<O, 4, GROUPED>(L, a, wt.data(), r0, rows, m); break;
+      case 3: float_panel<O, 3, GROUPED>(L, a, wt.data(), r0, rows, m); break;
+      case 2: float_panel<O, 2, GROUPED>(L, a, wt.data(), r0, rows, m); break;
+      case 1: float_panel<O, 1, GROUPED>(L, a, wt.data(), r0, rows, m); break;
+      default: break;
+    }
+  }
+}
+
+// Tokens per tile of the row kernels: a decoded step is reused this many times. Compact steps
+// cost more to decode, so they are shared by more tokens.
+constexpr int TOKEN_TILE = 4;
+constexpr int COMPACT_INT_TILE = 8;
+// From this many tokens on, float activations go through rows_float_gemm.
+constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 6;
+
+
+// All tokens for rows [n0, n1): token tiles, then the remainder.
 template <class O, int NV, bool GROUPED>
 void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
+  if (!L.act_quant && M >= FLOAT_GEMM_MIN_TOKENS) return rows_float_gemm<O, NV, GROUPED>(L, a, M, n0, n1);
   int64_t m = 0;
   auto run = [&](auto tile) {
     constexpr int T = decltype(tile)::value;
@@ -370,6 +459,11 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
     else rows_float<O, NV, GROUPED, T>(L, a, n0, n1, m);
     m += T;
   };
+  if (NV == 5 && L.act_quant)
+    for (; m + COMPACT_INT_TILE <= M;) {
+      rows_int<O, NV, GROUPED, COMPACT_INT_TILE>(L, a, n0, n1, m);
+      m += COMPACT_INT_TILE;
+    }
   for (; m + TOKEN_TILE <= M;) run(std::integral_constant<int, TOKEN_TILE>{});
   switch (M - m) {
     case 3: run(std::integral_constant<int, 3>{}); break;
