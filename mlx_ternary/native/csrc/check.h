@@ -161,7 +161,7 @@ inline std::string check_dense(int wd, int64_t M, int64_t N, int64_t K, uint32_t
 // agree, else the first failing case.
 inline std::string selfcheck() {
   const int64_t Ks[] = {7, 33, 130, 301, 517};
-  const int64_t Ms[] = {1, 2, 3, 4, 5, 9};
+  const int64_t Ms[] = {1, 2, 3, 4, 5, 9, 13, 30};  // token tiles, remainders, the panel path
   uint32_t seed = 1;
   for (int packing : {FAST, COMPACT})
     for (int sk = 0; sk < 3; sk++)
@@ -169,7 +169,7 @@ inline std::string selfcheck() {
         for (int act = 0; act < 2; act++)
           for (int64_t K : Ks) {
             if (sk != 2 && group != 64) continue;
-            int64_t M = Ms[seed % 6], N = 3 + seed % 7;
+            int64_t M = Ms[seed % 8], N = 3 + seed % 7;
             std::string e = check_case(packing, M, N, K, group, sk, act, seed % 2, seed);
             seed++;
             if (!e.empty())

@@ -398,14 +398,15 @@ void rows_float_gemm(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
   using F8 = typename O::F8;
   const Geometry& g = L.g;
   const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size();
-  thread_local std::vector<float> wt, row;  // this thread's panel (xlen x 16) and one row
+  thread_local std::vector<float> wt, rows_buf;  // this thread's panel (xlen x 16), its rows
   wt.resize(xlen * GEMM_ROWS);
-  row.resize(xlen);
+  rows_buf.resize(xlen * GEMM_ROWS);
   for (int64_t r0 = n0; r0 < n1; r0 += GEMM_ROWS) {
     const int rows = (int)std::min<int64_t>(GEMM_ROWS, n1 - r0);
     for (int r = 0; r < GEMM_ROWS; r++) {
+      float* row = rows_buf.data() + r * xlen;
       if (r >= rows) {
-        for (int64_t k = 0; k < xlen; k++) wt[k * GEMM_ROWS + r] = 0.f;
+        std::fill(row, row + xlen, 0.f);
         continue;
       }
       const int64_t n = r0 + r;
@@ -419,13 +420,16 @@ void rows_float_gemm(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
         for (int v = 0; v < NV; v++) {
           F8 wf[4];
           O::fexpand(c[v], wf);
-          float* o = row.data() + s * NV * 32 + 32 * v;
+          float* o = row + s * NV * 32 + 32 * v;
           for (int j = 0; j < 4; j++)
             O::f8store(o + 8 * j, GROUPED ? O::f8mul(wf[j], j < 2 ? lo : hi) : wf[j]);
         }
       }
-      for (int64_t k = 0; k < xlen; k++) wt[k * GEMM_ROWS + r] = row[k];
     }
+    // Transpose 16 x xlen -> xlen x 16 in blocks of 8 columns (their 8 lines stay in L1).
+    for (int64_t k0 = 0; k0 < xlen; k0 += 8)
+      for (int r = 0; r < GEMM_ROWS; r++)
+        for (int j = 0; j < 8; j++) wt[(k0 + j) * GEMM_ROWS + r] = rows_buf[r * xlen + k0 + j];
     int64_t m = 0;
     for (; m + GEMM_TOKENS <= M; m += GEMM_TOKENS)
       float_panel<O, GEMM_TOKENS, GROUPED>(L, a, wt.data(), r0, rows, m);
@@ -444,8 +448,9 @@ void rows_float_gemm(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
 // cost more to decode, so they are shared by more tokens.
 constexpr int TOKEN_TILE = 4;
 constexpr int COMPACT_INT_TILE = 8;
-// From this many tokens on, float activations go through rows_float_gemm.
-constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 6;
+// From this many tokens on, float activations go through rows_float_gemm (its expansion and
+// transpose of the weights pay off over the tokens).
+constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 24;
 
 
 // All tokens for rows [n0, n1): token tiles, then the remainder.
