@@ -301,3 +301,68 @@ def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
     assert out.stdout.strip() == "ok"
     assert out.stderr.count("NativeBackendWarning") == 1, out.stderr
     assert "the native CPU kernel is unavailable" in out.stderr
+
+
+# --------------------------------------------------------------------------- llama.cpp row
+
+
+def test_llamacpp_find_and_gguf_bytes(tmp_path, monkeypatch):
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, quants
+
+    from mlx_ternary import llamacpp
+    from mlx_ternary.errors import TernaryError
+
+    monkeypatch.delenv(llamacpp.ENV, raising=False)
+    assert llamacpp.find(None) is None
+    with pytest.raises(TernaryError, match="no node-llama-cpp"):
+        llamacpp.find(str(tmp_path))
+    (tmp_path / "node_modules" / "node-llama-cpp" / "dist").mkdir(parents=True)
+    (tmp_path / "node_modules" / "node-llama-cpp" / "dist" / "index.js").write_text("")
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: "/bin/node")
+    monkeypatch.setenv(llamacpp.ENV, str(tmp_path))
+    assert llamacpp.find(None) == tmp_path / "node_modules"
+    t = np.random.default_rng(0).integers(-1, 2, (4, 256)).astype(np.float32) * 0.5
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("a.weight", quants.quantize(t, Q.TQ2_0), raw_dtype=Q.TQ2_0)
+    w.add_tensor("b.weight", np.ones(8, np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert llamacpp.gguf_bytes(tmp_path / "m.gguf") == (4 * 66 + 32, 4 * 66, 1024)
+
+
+@needs_native
+def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch):
+    """The row's runs come from llamacpp.run (faked: the suite never needs Node)."""
+    import importlib.util
+
+    from mlx_ternary import bench as B
+    from mlx_ternary import llamacpp
+
+    spec = importlib.util.spec_from_file_location(
+        "make_synthetic_model", os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                             "make_synthetic_model.py"))
+    syn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(syn)
+    model = syn.write(tmp_path / "tiny", "tiny", seed=1)
+    calls = []
+
+    def fake_run(node, gguf, **kw):
+        calls.append(kw)
+        return {"runs": [{"prefill_tps": 100.0 + len(calls), "decode_tps": 40.0, "tokens": 2}],
+                "peak_rss": 600_000_000, "threads": kw["threads"], "system": ""}
+
+    monkeypatch.setattr(llamacpp, "find", lambda d=None: tmp_path)
+    monkeypatch.setattr(llamacpp, "run", fake_run)
+    monkeypatch.setattr(llamacpp, "gguf_bytes", lambda p: (4_000_000, 1_000_000, 3_878_788))
+    r = B.run_bench(str(model), ("fast",), prompt_tokens=4, gen_tokens=2, repeats=2,
+                    llama_cpp="x", gguf=str(tmp_path / "m.gguf"), llama_threads=2)
+    row = r.formats[-1]
+    assert [f.name for f in r.formats] == ["fast", "llama.cpp"] and row.loads
+    assert [x.prefill_tps for x in row.runs] == [101.0, 102.0]
+    assert all(x.peak_bytes == 600_000_000 for x in row.runs)
+    assert calls[0] == dict(threads=2, prompt_tokens=4, gen_tokens=2, seed=0, vocab=256)
+    assert row.bits_per_weight == pytest.approx(8 * 1_000_000 / 3_878_788)
+    assert any(cells[0] == "llama.cpp" and "2 threads" in cells[2] for cells in B.table_rows(r))
+    r = B.run_bench(str(model), ("fast",), prompt_tokens=4, gen_tokens=2, repeats=1,
+                    llama_cpp="x")
+    assert not r.formats[-1].loads and "--gguf" in r.formats[-1].reason
