@@ -67,7 +67,7 @@ class Pool {
   }
 
  private:
-  static constexpr int kSpin = 1000;  // ~20-80 us: catches the next layer of a decode step
+  static constexpr int kSpin = 300;  // ~20-80 us: catches the next layer of a decode step
 
   struct Job {
     Job(const std::function<void(int64_t)>& f, int64_t n) : f(f), n(n) {}
