@@ -69,6 +69,7 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
     for (int t = 0; t < T; t++)
       for (int j = 0; j < NA; j++) acc[t][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < kv; i += 8 * NA) {
+      __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
       for (int j = 0; j < NA; j++) {
         __m256 w = load8<WD>(L.w, base + i + 8 * j);
         for (int t = 0; t < T; t++)
@@ -107,6 +108,7 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
     for (int t = 0; t < T; t++)
       for (int j = 0; j < NA; j++) acc[t][j] = vdupq_n_f32(0);
     for (int64_t i = 0; i < kv; i += 4 * NA) {
+      __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
       for (int j = 0; j < NA; j++) {
         float32x4_t w = load4<WD>(L.w, base + i + 4 * j);
         for (int t = 0; t < T; t++)
