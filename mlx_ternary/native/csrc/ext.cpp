@@ -116,6 +116,16 @@ void parallel_rows(int64_t n, int64_t chunk, const F& f) {
 // TernaryMatmul
 // ---------------------------------------------------------------------------------------------
 
+// The primitives run on the CPU only (the Metal and reference paths serve GPUs).
+class CpuPrimitive : public mx::UnaryPrimitive {
+ public:
+  using mx::UnaryPrimitive::UnaryPrimitive;
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error(std::string("[mlx_ternary.native] ") + name() +
+                             " runs on the CPU only");
+  }
+};
+
 struct TernaryParams {
   int packing, group, scale_kind;
   int64_t n, k;
@@ -129,9 +139,9 @@ struct TernaryParams {
 mx::array ternary_weight(const mx::array& packed, const mx::array& scales,
                          const TernaryParams& p, bool unit_scales, mx::Stream s);
 
-class TernaryMatmul : public mx::UnaryPrimitive {
+class TernaryMatmul : public CpuPrimitive {
  public:
-  TernaryMatmul(mx::Stream s, TernaryParams p) : mx::UnaryPrimitive(s), p_(p) {}
+  TernaryMatmul(mx::Stream s, TernaryParams p) : CpuPrimitive(s), p_(p) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -176,9 +186,6 @@ class TernaryMatmul : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("[mlx_ternary.native] TernaryMatmul runs on the CPU only");
-  }
 
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
@@ -252,9 +259,9 @@ class TernaryMatmul : public mx::UnaryPrimitive {
 // TernaryWeight: (N, K) float32 = s * t (or t with unit_scales)
 // ---------------------------------------------------------------------------------------------
 
-class TernaryWeight : public mx::UnaryPrimitive {
+class TernaryWeight : public CpuPrimitive {
  public:
-  TernaryWeight(mx::Stream s, TernaryParams p, bool unit) : mx::UnaryPrimitive(s), p_(p), unit_(unit) {}
+  TernaryWeight(mx::Stream s, TernaryParams p, bool unit) : CpuPrimitive(s), p_(p), unit_(unit) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -274,9 +281,6 @@ class TernaryWeight : public mx::UnaryPrimitive {
       L.scale_kind = unit ? 0 : p.scale_kind;
       parallel_rows(p.n, 64, [&](int64_t n0, int64_t n1) { tk::dequantize_rows(L, outp, n0, n1); });
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("[mlx_ternary.native] TernaryWeight runs on the CPU only");
   }
   const char* name() const override { return "TernaryWeight"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -299,9 +303,9 @@ mx::array ternary_weight(const mx::array& packed, const mx::array& scales,
 // DenseMatmul: y = x @ W.T, W (N, K) float16/bfloat16/float32, x float32
 // ---------------------------------------------------------------------------------------------
 
-class DenseMatmul : public mx::UnaryPrimitive {
+class DenseMatmul : public CpuPrimitive {
  public:
-  explicit DenseMatmul(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  explicit DenseMatmul(mx::Stream s) : CpuPrimitive(s) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -320,9 +324,6 @@ class DenseMatmul : public mx::UnaryPrimitive {
       const int64_t M = (int64_t)(x.size() / L.k);
       parallel_rows(L.n, 64, [&](int64_t n0, int64_t n1) { tk::dense_rows(L, M, n0, n1); });
     });
-  }
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("[mlx_ternary.native] DenseMatmul runs on the CPU only");
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
