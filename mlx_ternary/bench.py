@@ -31,7 +31,7 @@ from . import ceiling, kernels, llamacpp
 from . import format as fmt
 from .errors import TernaryError
 from .load import get_classes, load_model, resolve_model_path
-from .native.layers import HalfEmbedding, keep_half_tables
+from .native.layers import HalfEmbedding, adopt
 from .nn import TernaryLinear, swap_modules, ternary_layers
 
 FORMATS = ("compact", "fast", "q2", "q4", "bf16", "f32")
@@ -279,9 +279,9 @@ def _assemble(model: nn.Module, layers, rest, name: str, dtype, backend):
         new[path] = make_layer(m, name, backend)
         mx.eval(new[path].parameters())
     swap_modules(model, lambda p, _m: new.get(p))
-    # As load() holds them: with the native backend float16 tables stay float16.
+    # As load() builds them: on the native backend, native attention and float16 tables.
     native = name in ("compact", "fast") and kernels.resolve_backend(backend) == "native"
-    keep = keep_half_tables(model, dict(rest)) if native else set()
+    keep = adopt(model, dict(rest)) if native else set()
     model.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
                          and v.dtype != dtype and k not in keep else v) for k, v in rest],
                        strict=False)

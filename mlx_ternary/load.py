@@ -176,9 +176,9 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
         mlx_affine.swap_hadamard(model, weights, config, quant, backend)
     else:
         swap_modules(model, make)
-    # Native CPU backend: embeddings / output layer keep their stored float16/bfloat16.
-    keep = (native_layers.keep_half_tables(model, weights)
-            if dtype is None and kernels.resolve_backend(backend) == "native" else set())
+    # Native CPU backend: native attention; embeddings / output layer stay float16/bfloat16.
+    keep = (native_layers.adopt(model, weights, dtype)
+            if kernels.resolve_backend(backend) == "native" else set())
     dtype = dtype or default_dtype()
     if dtype is not None:
         weights = {k: (v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)

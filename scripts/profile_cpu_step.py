@@ -37,6 +37,7 @@ def main():
 
     from mlx_ternary import kernels, native
     from mlx_ternary.load import load_model
+    from mlx_ternary.native.attention import enabled
     from mlx_ternary.nn import TernaryLinear, ternary_layers
 
     model, config = load_model(a.model)
@@ -72,26 +73,32 @@ def main():
             mx.eval(free[key])
         return free[key] + x[..., :1]
 
+    inner = model.model  # the decoder without the output layer, as model() runs it
+    layer = inner.layers[0]
+    attn_in = mx.random.normal((1, a.prompt_tokens, hidden))
     original = TernaryLinear.__call__
-    TernaryLinear.__call__ = stand_in
-    try:
-        print("  rest (model.model, free ternary layers)",
-              timed(lambda: model.model(tok, cache=cache), a.repeats))
-        layer = model.model.layers[0]
-        attn_in = mx.random.normal((1, a.prompt_tokens, hidden))
+    with enabled():  # what model() turns on for its own attention calls on the native backend
+        TernaryLinear.__call__ = stand_in
+        try:
+            print("  rest (decoder with free ternary layers)",
+                  timed(lambda: inner(tok, cache=cache), a.repeats))
+        finally:
+            TernaryLinear.__call__ = original
         print(f"prefill ({a.prompt_tokens} tokens)")
-        TernaryLinear.__call__ = original
-        print("  whole (model.model)  ", timed(
-            lambda: model.model(prompt[None], cache=make_prompt_cache(model)), 3))
+        print("  whole decoder        ", timed(
+            lambda: inner(prompt[None], cache=make_prompt_cache(model)), 3))
         xm = {k: mx.random.normal((1, a.prompt_tokens, k)) for k in dims}
         print("  ternary layers only  ", timed(lambda: [m(xm[m.in_features]) for m in layers], 3))
         TernaryLinear.__call__ = stand_in
-        print("  rest (free ternary)  ", timed(
-            lambda: model.model(prompt[None], cache=make_prompt_cache(model)), 3))
-        print("  one layer's attention", timed(
-            lambda: layer.self_attn(attn_in, "causal", make_prompt_cache(model)[0]), 3))
-    finally:
-        TernaryLinear.__call__ = original
+        try:
+            print("  rest (free ternary)  ", timed(
+                lambda: inner(prompt[None], cache=make_prompt_cache(model)), 3))
+            print("  one layer's attention", timed(
+                lambda: layer.self_attn(attn_in, "causal", make_prompt_cache(model)[0]), 3))
+        finally:
+            TernaryLinear.__call__ = original
+    print("  one layer's attention, MLX's own", timed(
+        lambda: layer.self_attn(attn_in, "causal", make_prompt_cache(model)[0]), 3))
 
 
 if __name__ == "__main__":

@@ -366,3 +366,81 @@ def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch):
     r = B.run_bench(str(model), ("fast",), prompt_tokens=4, gen_tokens=2, repeats=1,
                     llama_cpp="x")
     assert not r.formats[-1].loads and "--gguf" in r.formats[-1].reason
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _qkv(b, hq, hkv, lq, lk, d, seed=0):
+    rng = np.random.default_rng(seed)
+    # queries as mlx-lm makes them: (B, L, H, D) transposed, a strided view
+    q = mx.array(rng.normal(size=(b, lq, hq, d)).astype(np.float32)).transpose(0, 2, 1, 3)
+    k = mx.array(rng.normal(size=(b, hkv, lk + 3, d)).astype(np.float32))[:, :, :lk]
+    v = mx.array(rng.normal(size=(b, hkv, lk, d)).astype(np.float32))
+    return q, k, v
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 8, 2, 7, 7, 64), (2, 4, 4, 3, 11, 40), (1, 6, 3, 1, 9, 128),
+                                   (1, 4, 1, 33, 40, 64)], ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_attention_matches_mlx_and_float64(shape, mask):
+    from mlx_ternary.native.attention import scaled_dot_product_attention as sdpa
+
+    b, hq, hkv, lq, lk, d = shape
+    q, k, v = _qkv(*shape)
+    y = sdpa(q, k, v, scale=d ** -0.5, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=mask)
+    qn, kn, vn = (np.array(a).astype(np.float64) for a in (q, k, v))
+    kn, vn = np.repeat(kn, hq // hkv, axis=1), np.repeat(vn, hq // hkv, axis=1)
+    s = qn @ kn.transpose(0, 1, 3, 2) * d ** -0.5
+    if mask == "causal":  # query i sees keys j <= i + lk - lq
+        s = np.where(np.arange(lk)[None] <= np.arange(lq)[:, None] + lk - lq, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ vn
+    assert np.abs(np.array(y) - want).max() < 1e-5
+    assert np.abs(np.array(y) - np.array(ref)).max() < 1e-5
+
+
+@needs_native
+def test_attention_gradient_is_mlx_own_and_arrays_masks_fall_back():
+    from mlx_ternary.native.attention import scaled_dot_product_attention as sdpa
+
+    q, k, v = _qkv(1, 4, 2, 5, 5, 64, seed=1)
+    g = mx.array(np.random.default_rng(2).normal(size=(1, 4, 5, 64)).astype(np.float32))
+
+    def loss(fn):
+        return lambda q_, k_, v_: (fn(q_, k_, v_) * g).sum()
+
+    ours = mx.grad(loss(lambda *a: sdpa(*a, scale=0.125, mask="causal")), argnums=(0, 1, 2))(q, k, v)
+    mlxs = mx.grad(loss(lambda *a: mx.fast.scaled_dot_product_attention(
+        *a, scale=0.125, mask="causal")), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ours, mlxs):
+        assert np.allclose(np.array(a), np.array(b), atol=1e-5)
+    assert sdpa(q, k, v, scale=0.125, mask=mx.zeros((5, 5))) is None  # array masks: MLX's
+
+
+@needs_native
+def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch):
+    """install(): the model's own calls use the native kernel; the same mlx-lm function called
+    outside the model (another model, user code) stays MLX's."""
+    import mlx_lm.models.llama as llama
+
+    from mlx_ternary.load import load_model
+    from mlx_ternary.native import attention
+    from tiny import ternary_checkpoint
+
+    path, _ = ternary_checkpoint(tmp_path, "llama", "fast", "row", activation_bits=8)
+    model, _ = load_model(path)
+    ref, _ = load_model(path, backend="reference")
+    calls = []
+    real = attention._attention
+    monkeypatch.setattr(attention, "_attention",
+                        lambda scale, causal: calls.append(causal) or real(scale, causal))
+    ids = mx.array([[1, 5, 9, 33, 70, 2, 4]])
+    a, r = np.array(model(ids)), np.array(ref(ids))
+    assert calls == [True, True]  # two layers, causal prefill
+    assert np.abs(a - r).max() < 1e-4 * np.abs(r).max()
+    q, k, v = _qkv(1, 4, 2, 3, 3, 16)
+    llama.scaled_dot_product_attention(q, k, v, cache=None, scale=0.25, mask="causal")
+    assert calls == [True, True]  # not routed outside the model's call

@@ -9,6 +9,9 @@ kernel; activations stay float32:
     HalfEmbedding  nn.Embedding: rows gathered then widened to float32; `as_linear` (tied
                    output layer) is the native x @ W.T
     HalfLinear     nn.Linear (the untied output layer, other float linears) the same way
+
+`adopt(model, weights, dtype)` is what `load()` does on the native backend: these tables, and
+the native attention (attention.py).
 """
 
 from typing import Dict, Optional, Set
@@ -17,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import dense_matmul
+from . import attention, dense_matmul
 
 HALF = (mx.float16, mx.bfloat16)
 
@@ -66,3 +69,11 @@ def keep_half_tables(model: nn.Module, weights: Dict[str, mx.array]) -> Set[str]
     if new:
         model.update_modules(tree_unflatten(new))
     return kept
+
+
+def adopt(model: nn.Module, weights: Dict[str, mx.array], dtype=None) -> Set[str]:
+    """Prepare a model built for the native backend: native attention, and (unless the caller
+    asked for a float dtype) its float16/bfloat16 tables as stored. Returns the weight names
+    that keep their stored dtype."""
+    attention.install(model)
+    return keep_half_tables(model, weights) if dtype is None else set()

@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "attention.h"
 #include "dense.h"
 #include "simd_scalar.h"
 #include "tkernels.h"
@@ -157,6 +159,51 @@ inline std::string check_dense(int wd, int64_t M, int64_t N, int64_t K, uint32_t
   return "";
 }
 
+template <class O>
+inline void run_attention(const AttnShape& sh, const float* q, const float* k, const float* v,
+                          float* out) {
+  std::vector<float> scores(sh.Lk);
+  for (int64_t b = 0; b < sh.B; b++)
+    for (int64_t h = 0; h < sh.Hq; h++) attention_rows<O>(sh, q, k, v, out, b, h, 0, sh.Lq, scores.data());
+}
+
+inline std::string check_attention(int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
+                                   bool causal, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const int64_t kpad = D + 3;  // keys and values with a row stride that is not D
+  AttnShape sh{1, Hq, Hkv, Lq, Lk, D, {Hq * Lq * D, Lq * D, D}, {Hkv * Lk * kpad, Lk * kpad, kpad},
+               {Hkv * Lk * kpad, Lk * kpad, kpad}, 1.f / std::sqrt((float)D), causal};
+  std::vector<float> q(Hq * Lq * D), k(Hkv * Lk * kpad), v(Hkv * Lk * kpad), y(Hq * Lq * D),
+      ys(Hq * Lq * D);
+  for (auto& x : q) x = normal(rng);
+  for (auto& x : k) x = normal(rng);
+  for (auto& x : v) x = normal(rng);
+  run_attention<NativeOps>(sh, q.data(), k.data(), v.data(), y.data());
+  run_attention<ScalarOps>(sh, q.data(), k.data(), v.data(), ys.data());
+  for (int64_t h = 0; h < Hq; h++)
+    for (int64_t i = 0; i < Lq; i++) {
+      const int64_t kh = h / (Hq / Hkv), n = causal ? std::min(Lk, i + Lk - Lq + 1) : Lk;
+      std::vector<double> p(n);
+      double mx = -1e300, sum = 0;
+      for (int64_t j = 0; j < n; j++) {
+        double dot = 0;
+        for (int64_t d = 0; d < D; d++) dot += (double)q[(h * Lq + i) * D + d] * k[(kh * Lk + j) * kpad + d];
+        p[j] = dot * sh.scale, mx = std::max(mx, p[j]);
+      }
+      for (auto& x : p) sum += (x = std::exp(x - mx));
+      for (int64_t d = 0; d < D; d++) {
+        double want = 0;
+        for (int64_t j = 0; j < n; j++) want += p[j] / sum * v[(kh * Lk + j) * kpad + d];
+        int64_t o = (h * Lq + i) * D + d;
+        if (std::fabs(y[o] - want) > 1e-5 || std::fabs(ys[o] - want) > 1e-5)
+          return "attention differs from the direct computation (D " + std::to_string(D) +
+                 ", Lq " + std::to_string(Lq) + ", Lk " + std::to_string(Lk) + ")";
+      }
+    }
+  return "";
+}
+
 // Every packing, scale kind, group size, activation mode, token tile and tail; "" when all
 // agree, else the first failing case.
 inline std::string selfcheck() {
@@ -178,6 +225,12 @@ inline std::string selfcheck() {
                      std::to_string(act) + ", M " + std::to_string(M) + ", K " +
                      std::to_string(K) + ")";
           }
+  for (auto [hq, hkv, lq, lk, d, causal] : {std::tuple{4, 2, 5, 9, 64, true},
+                                            std::tuple{2, 2, 1, 7, 40, false},
+                                            std::tuple{6, 3, 3, 3, 128, true}}) {
+    std::string e = check_attention(hq, hkv, lq, lk, d, causal, seed++);
+    if (!e.empty()) return e;
+  }
   for (int wd : {F32, F16, BF16})
     for (int64_t K : {5, 64, 77})
       for (int64_t M : {1, 2, 5}) {

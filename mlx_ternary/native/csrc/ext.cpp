@@ -4,6 +4,7 @@
 //   TernaryMatmul   y = act_quant(x) @ (s * t).T + b       (tkernels.h)
 //   DenseMatmul     y = x @ W.T, W float16/bfloat16/float32 (dense.h)
 //   TernaryWeight   W = s * t as float32 (N, K)            (the backward pass)
+//   Attention       softmax(scale q k^T [causal]) v        (attention.h)
 //
 // eval_cpu allocates the output and enqueues the work on the stream's CPU command encoder, as
 // MLX's own CPU primitives do; MLX keeps the inputs alive until the task has run. Inside the task
@@ -31,6 +32,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
+#include "attention.h"
 #include "check.h"
 #include "dense.h"
 #include "threadpool.h"
@@ -354,6 +356,62 @@ class DenseMatmul : public CpuPrimitive {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Attention: float32 q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D); gradients come from the Python
+// wrapper (the vjp of MLX's own attention), so this primitive has none.
+// ---------------------------------------------------------------------------------------------
+
+class Attention : public CpuPrimitive {
+ public:
+  Attention(mx::Stream s, float scale, bool causal) : CpuPrimitive(s), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([q = in[0], k = in[1], v = in[2], outp = out.data<float>(), scale = scale_,
+                  causal = causal_]() {
+      std::vector<uint8_t> kq, kk, kv;
+      tk::AttnShape sh{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
+                       {}, {}, {}, scale, causal};
+      auto view = [](const mx::array& a, std::vector<uint8_t>& keep, int64_t* st) {
+        const bool last = a.strides()[3] == 1;
+        const float* p = last ? a.data<float>() : (const float*)row_major(a, keep);
+        for (int d = 0; d < 3; d++) {
+          int64_t contiguous = 1;
+          for (int e = d + 1; e < 4; e++) contiguous *= a.shape(e);
+          st[d] = last ? a.strides()[d] : contiguous;
+        }
+        return p;
+      };
+      const float* qp = view(q, kq, sh.qs);
+      const float* kp = view(k, kk, sh.ks);
+      const float* vp = view(v, kv, sh.vs);
+      const int64_t qb = 8, blocks = tk::ceil_div(sh.Lq, qb);
+      pool().parallel_for(sh.B * sh.Hq * blocks, [&](int64_t t) {
+        thread_local std::vector<float> scores;
+        scores.resize(sh.Lk);
+        const int64_t bh = t / blocks, i0 = (t % blocks) * qb;
+        tk::attention_rows<tk::NativeOps>(sh, qp, kp, vp, outp, bh / sh.Hq, bh % sh.Hq, i0,
+                                          std::min(sh.Lq, i0 + qb), scores.data());
+      });
+    });
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+  const char* name() const override { return "NativeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+// ---------------------------------------------------------------------------------------------
 // Ops (validation happens here, once per call, where errors can name the argument)
 // ---------------------------------------------------------------------------------------------
 
@@ -439,6 +497,20 @@ mx::array dense_matmul(const mx::array& x, const mx::array& w) {
                    std::vector<mx::array>{xf, w});
 }
 
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal) {
+  for (auto* a : {&q, &k, &v})
+    if (a->ndim() != 4 || a->dtype() != mx::float32)
+      bad("attention takes float32 (B, H, L, D) arrays, got " + shape_str(*a));
+  if (k.shape() != v.shape() || q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) ||
+      k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
+    bad("attention: q " + shape_str(q) + " does not fit k/v " + shape_str(k) + ", " +
+        shape_str(v) + " (same batch and head size, query heads a multiple of kv heads)");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(q.shape(), mx::float32, std::make_shared<Attention>(s, scale, causal),
+                   std::vector<mx::array>{q, k, v});
+}
+
 mx::array ternary_weight_op(const mx::array& packed, const mx::array& scales, int packing,
                             int in_features, int group_size) {
   TernaryParams p = check_layer(packed, scales, packing, in_features, group_size);
@@ -459,6 +531,10 @@ NB_MODULE(_mlx_ternary_native, m) {
   m.def("ternary_weight", &ternary_weight_op, nb::arg("packed"), nb::arg("scales"),
         nb::arg("packing"), nb::arg("in_features"), nb::arg("group_size"),
         "The (N, K) float32 weight s * t of a packed ternary layer.");
+  m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
+        nb::arg("causal"),
+        "softmax(scale * q @ k.T [+ causal mask]) @ v for float32 (B, H, L, D) arrays; k/v may "
+        "have fewer heads (grouped-query attention).");
   m.def("set_num_threads", [](int n) { pool().resize(n < 1 ? default_threads() : n); },
         nb::arg("n"), "Threads the kernels use (n < 1: all the cores this process may use).");
   m.def("num_threads", []() { return pool().size(); });
