@@ -229,8 +229,8 @@ def compile_library(path: Path, mlx: MlxBuild, nb: Nanobind, cxx: str, flags: Li
     compiler_id(cxx)  # a clear error when there is no compiler
     nb_flags = _COMMON + arch_flags() + python_flags(mlx) + [f"-I{nb.include}",
                                                              f"-I{nb.robin_map}", "-DNB_BUILD"]
-    nb_obj = cache_dir() / f"nanobind-{_digest(nb.version, cxx, nb_flags)}.o"
-    progress(f"compiling the native CPU kernel for mlx {mlx.version} (once, about a minute)")
+    nb_obj = cache_dir() / f"nanobind-{_digest(nb.version, cxx, nb_flags, cpu_fingerprint())}.o"
+    progress(f"compiling the native CPU kernel for mlx {mlx.version} (once, about half a minute)")
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         jobs = []
         if not nb_obj.exists():
