@@ -18,6 +18,15 @@ from mlx_ternary.native import build
 needs_native = pytest.mark.skipif(not native.available(), reason="native kernel unavailable: "
                                   f"{native.unavailable_reason()}")
 
+@pytest.fixture
+def cpu_default():
+    """Tests of the automatic choice run with the CPU as default device (as on Linux)."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
+
+
 DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 TOL = {"f32": 2e-6, "f16": 2e-3, "bf16": 1.6e-2}  # vs float64, relative to max |y|
 
@@ -191,7 +200,7 @@ def test_ternary_weight_is_the_dequantized_matrix():
 
 
 @needs_native
-def test_backend_dispatch(monkeypatch):
+def test_backend_dispatch(monkeypatch, cpu_default):
     assert kernels.resolve_backend() == "native"  # CPU default device, extension built
     monkeypatch.setenv(kernels.ENV_BACKEND, "reference")
     assert kernels.resolve_backend() == "reference"
@@ -201,7 +210,7 @@ def test_backend_dispatch(monkeypatch):
 
 
 @needs_native
-def test_model_keeps_half_tables_and_matches_reference(tmp_path):
+def test_model_keeps_half_tables_and_matches_reference(tmp_path, cpu_default):
     """load() on the native backend: float16 embedding / lm_head stay float16 (half the
     bytes), the logits match the reference backend's float32 model."""
     from mlx.utils import tree_flatten
@@ -331,7 +340,7 @@ def test_llamacpp_find_and_gguf_bytes(tmp_path, monkeypatch):
 
 
 @needs_native
-def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch):
+def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch, cpu_default):
     """The row's runs come from llamacpp.run (faked: the suite never needs Node)."""
     import importlib.util
 
@@ -421,7 +430,7 @@ def test_attention_gradient_is_mlx_own_and_arrays_masks_fall_back():
 
 
 @needs_native
-def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch):
+def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cpu_default):
     """install(): the model's own calls use the native kernel; the same mlx-lm function called
     outside the model (another model, user code) stays MLX's."""
     import mlx_lm.models.llama as llama
