@@ -27,10 +27,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import ceiling, kernels
+from . import ceiling, kernels, llamacpp
 from . import format as fmt
 from .errors import TernaryError
 from .load import get_classes, load_model, resolve_model_path
+from .native.layers import HalfEmbedding, adopt
 from .nn import TernaryLinear, swap_modules, ternary_layers
 
 FORMATS = ("compact", "fast", "q2", "q4", "bf16", "f32")
@@ -207,10 +208,11 @@ def _unique_bytes(arrays) -> int:
 
 
 def _layer_arrays(m: nn.Module, dtype) -> list:
-    """The arrays a layer holds: parameters, plus the fast path's unit scale/bias arrays."""
+    """The arrays a layer holds: parameters, plus the reference fast path's unit scale/bias
+    arrays (the native and Metal kernels need none)."""
     arrays = [a for _, a in tree_flatten(m.parameters())]
-    if isinstance(m, TernaryLinear) and m.packing == "fast":  # TernaryLinear builds them
-        arrays += list(m._fast_affine(dtype)[:2])
+    if isinstance(m, TernaryLinear) and m.reads_affine():
+        arrays += list(m._fast_affine(dtype)[:2])  # TernaryLinear builds them
     return arrays
 
 
@@ -221,7 +223,7 @@ def _embedding_overcount(model: nn.Module, paths) -> int:
     if tied:
         return 0
     return sum(m.weight.nbytes - m.weight.nbytes // m.weight.shape[0]
-               for _, m in leaves if isinstance(m, nn.Embedding))
+               for _, m in leaves if isinstance(m, (nn.Embedding, HalfEmbedding)))
 
 
 def build_variants(base: nn.Module, config: dict, model_path: Path, formats: List[str],
@@ -234,8 +236,8 @@ def build_variants(base: nn.Module, config: dict, model_path: Path, formats: Lis
     paths = {p for p, _ in layers}
     rest = [(k, v) for k, v in tree_flatten(base.parameters())
             if k.rsplit(".", 1)[0] not in paths]
-    float_dtype = next((v.dtype for _, v in rest if mx.issubdtype(v.dtype, mx.floating)),
-                       mx.float32)
+    float_dtype = next((v.dtype for _, v in rest if mx.issubdtype(v.dtype, mx.floating)
+                        and v.ndim == 1), mx.float32)  # the norms' (tables may stay float16)
     out = {}
     for name in formats:
         res = FormatResult(name, loads=False)
@@ -277,8 +279,12 @@ def _assemble(model: nn.Module, layers, rest, name: str, dtype, backend):
         new[path] = make_layer(m, name, backend)
         mx.eval(new[path].parameters())
     swap_modules(model, lambda p, _m: new.get(p))
+    # As load() builds them: on the native backend, native attention and float16 tables.
+    native = name in ("compact", "fast") and kernels.resolve_backend(backend) == "native"
+    keep = adopt(model, dict(rest)) if native else set()
     model.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                         and v.dtype != dtype else v) for k, v in rest], strict=False)
+                         and v.dtype != dtype and k not in keep else v) for k, v in rest],
+                       strict=False)
     mx.eval(model.parameters())
     model.eval()
     return model, new
@@ -369,7 +375,9 @@ def _version(pkg: str) -> str:
 def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
               gen_tokens: int = 128, repeats: int = 3, context: Optional[int] = None,
               bandwidth_gbs: Optional[float] = None, seed: int = 0, backend=None,
-              progress: Callable[[str], None] = lambda s: None) -> BenchResult:
+              progress: Callable[[str], None] = lambda s: None,
+              llama_cpp: Optional[str] = None, gguf: Optional[str] = None,
+              llama_threads: Optional[int] = None) -> BenchResult:
     """Build each format of `model`, time interleaved generations, and compute ceilings.
 
     Args:
@@ -383,6 +391,10 @@ def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
         seed: seed for the prompt.
         backend: force a ternary backend.
         progress: called with a short message before each step.
+        llama_cpp: node_modules holding node-llama-cpp (default $MLX_TERNARY_LLAMA_CPP);
+            when found, llama.cpp on `gguf` (the same weights) is one more row.
+        gguf: the GGUF file llama.cpp runs.
+        llama_threads: llama.cpp's threads (default: as many as the native kernels use).
 
     Returns:
         A BenchResult; `.to_dict()` for JSON.
@@ -394,6 +406,8 @@ def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
     if prompt_tokens < 1 or gen_tokens < 2 or repeats < 1:
         raise TernaryError("bench needs --prompt-tokens >= 1, --gen-tokens >= 2 and "
                            "--repeats >= 1")
+    node = llamacpp.find(llama_cpp)
+    llama = _llama_row(gguf, llama_threads) if node else None
     model_path = resolve_model_path(model)
     progress(f"loading {model_path}")
     base, config = load_model(model_path, backend=backend)  # as load() holds it here
@@ -408,10 +422,18 @@ def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
     for f in live:
         progress(f"warming up {f}")
         measure(variants[f][0], prompt[:WARMUP_PROMPT], WARMUP_GEN)
+    order = live + ([LLAMA] if llama is not None and llama.loads else [])
     for r in range(repeats):
-        k = r % max(len(live), 1)
-        for f in live[k:] + live[:k]:
+        k = r % max(len(order), 1)
+        for f in order[k:] + order[:k]:
             progress(f"repeat {r + 1}/{repeats}: {f}")
+            if f == LLAMA:  # a fresh node process: peak = its RSS
+                out = llamacpp.run(node, Path(gguf), threads=llama_threads or _threads(),
+                                   prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
+                                   seed=seed, vocab=vocab)
+                llama.runs += [Run(x["prefill_tps"], x["decode_tps"], out["peak_rss"])
+                               for x in out["runs"]]
+                continue
             model_, res = variants[f]
             run, kv, state = measure(model_, prompt, gen_tokens)
             run.peak_bytes += res.weight_bytes
@@ -428,7 +450,7 @@ def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
     settings = {"formats": list(formats), "prompt_tokens": prompt_tokens,
                 "gen_tokens": gen_tokens, "repeats": repeats, "seed": seed,
                 "ceiling_context": context}
-    results = [variants[f][1] for f in formats]
+    results = [variants[f][1] for f in formats] + ([llama] if llama is not None else [])
     apple = []
     if live:  # KV elements per token and recurrent state from a measured run's cache
         r = variants[live[0]][1]
@@ -437,6 +459,30 @@ def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
                                     r.kv_bytes_per_token // size, r.state_bytes // size,
                                     context)
     return BenchResult(str(model), device, settings, results, bandwidth_gbs, source, apple)
+
+
+LLAMA = "llama.cpp"
+
+
+def _threads() -> int:
+    from . import native
+
+    return native.info().get("threads") or os.cpu_count() or 1
+
+
+def _llama_row(gguf: Optional[str], threads: Optional[int]) -> FormatResult:
+    """The llama.cpp row before it runs (or why it cannot)."""
+    res = FormatResult(LLAMA, loads=False)
+    if not gguf:
+        res.reason = "pass --gguf FILE (the same weights as a llama.cpp GGUF)"
+        return res
+    total, tern_bytes, tern_weights = llamacpp.gguf_bytes(Path(gguf))
+    res.loads, res.dtype = True, "float32"
+    res.runs_as = (f"llama.cpp via node-llama-cpp, {threads or _threads()} threads "
+                   "(peak: process RSS)")
+    res.weight_bytes = res.read_bytes = total
+    res.linear_bytes, res.linear_weights = tern_bytes, tern_weights
+    return res
 
 
 def _vocab_size(config: dict) -> int:

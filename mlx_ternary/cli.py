@@ -50,8 +50,23 @@ def _model(model: str) -> str:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mlx-ternary")
-def main():
+@click.pass_context
+def main(ctx):
     """Run ternary (1.58-bit) LLMs with MLX."""
+    if ctx.invoked_subcommand in ("generate", "bench", "perplexity", "serve"):
+        _build_native()
+
+
+def _build_native():
+    """On the CPU, say so when the native kernel is compiled (once, before the first model)."""
+    import os
+
+    import mlx.core as mx
+
+    if os.environ.get("MLX_TERNARY_BACKEND", "native") == "native" and mx.default_device() == mx.cpu:
+        from . import native
+
+        native.available(lambda s: click.echo(f"mlx-ternary: {s}", err=True))
 
 
 @main.command(epilog="""\b
@@ -445,6 +460,7 @@ Examples:
   mlx-ternary bench --kernels --json kernels.json     # on a Mac: every kernel vs stock MLX
   mlx-ternary bench --kernels --backend emulate --quick  # off a Mac: a smoke run, no timing
   mlx-ternary bench --host                            # host time per layer call and token
+  mlx-ternary bench --model DIR --formats fast --llama-cpp NODE_MODULES --gguf model.gguf
 """)
 @click.option("--model", default=None,
               help="Model directory or Hugging Face repo id (not for --kernels/--host).")
@@ -473,8 +489,16 @@ Examples:
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG of tokens/s and memory per format (needs matplotlib).")
 @click.option("--markdown", is_flag=True, help="Print the tables as Markdown.")
+@click.option("--llama-cpp", default=None, metavar="DIR",
+              help="node_modules with node-llama-cpp (or $MLX_TERNARY_LLAMA_CPP): adds a "
+                   "llama.cpp row on --gguf.")
+@click.option("--gguf", default=None, type=click.Path(dir_okay=False),
+              help="The same weights as a llama.cpp GGUF, for the llama.cpp row.")
+@click.option("--llama-threads", default=None, type=int,
+              help="llama.cpp threads (default: as many as the native kernels use).")
 def bench(model, kernels, host, backend, quick, formats, prompt_tokens, gen_tokens, repeats,
-          context, bandwidth, seed, json_path, plot_path, markdown):
+          context, bandwidth, seed, json_path, plot_path, markdown, llama_cpp, gguf,
+          llama_threads):
     """Measure each representation of a model: bytes, peak memory, prefill and decode speed."""
     import json as json_
 
@@ -500,7 +524,8 @@ def bench(model, kernels, host, backend, quick, formats, prompt_tokens, gen_toke
 
     names = [f.strip() for f in formats.split(",") if f.strip()]
     result = bench_.run_bench(model, names, prompt_tokens, gen_tokens, repeats, context,
-                              bandwidth, seed, progress=lambda s: click.echo(s, err=True))
+                              bandwidth, seed, progress=lambda s: click.echo(s, err=True),
+                              llama_cpp=llama_cpp, gguf=gguf, llama_threads=llama_threads)
     d = result.device
     click.echo(f"{result.model} on {d['device']} ({d['mlx_device']}, ternary backend "
                f"{d['ternary_backend']}, {d['cpu_count']} CPUs), MLX {d['mlx']}, "

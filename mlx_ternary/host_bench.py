@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import format as fmt
-from . import probe, tune
+from . import native, probe, tune
 from .nn import TernaryLinear
 
 ROUNDS = 40
@@ -59,15 +59,18 @@ def stubbed_metal():
     """Within the block the Metal path runs with stubbed launches: Metal reported present,
     kernels built by the stub, no first-use checks (the stub's output is not real), no tuning."""
     stub = _StubKernel()
-    saved = (mx.metal.is_available, mx.fast.metal_kernel, os.environ.get(tune.ENV_TUNE))
+    saved = (mx.metal.is_available, mx.fast.metal_kernel, os.environ.get(tune.ENV_TUNE),
+             native.available)
     mx.metal.is_available = lambda: True
     mx.fast.metal_kernel = lambda **kw: stub
+    native.available = lambda: False  # on a Mac the GPU is the default device
     os.environ[tune.ENV_TUNE] = "0"
     try:
         with probe.trusted():
             yield stub
     finally:
         mx.metal.is_available, mx.fast.metal_kernel = saved[0], saved[1]
+        native.available = saved[3]
         if saved[2] is None:
             os.environ.pop(tune.ENV_TUNE, None)
         else:
@@ -116,6 +119,12 @@ def layer_overhead(k: int = 2560, n: int = 2560, dtype=mx.float16, rounds: int =
     """
     x = mx.zeros((1, 1, k), dtype=dtype)
     stock = nn.QuantizedLinear(k, n, False, group_size=64, bits=2)
+    native_paths = {}
+    if native.available():  # planned before the stub, which hides the native backend
+        for act in (False, True):
+            layer = native_paths[("native CPU kernel", act)] = _ternary(k, n, act, "native")
+            layer.eval()
+            mx.eval(layer(x))
     with stubbed_metal() as stub:
         paths = {("nn.QuantizedLinear 2-bit g64", False): stock,
                  ("stub launch alone (one MLX op)", False): lambda x_: stub(
@@ -129,6 +138,7 @@ def layer_overhead(k: int = 2560, n: int = 2560, dtype=mx.float16, rounds: int =
         for layer in paths.values():
             if isinstance(layer, TernaryLinear) and not layer.training:
                 layer.eval()
+        paths.update(native_paths)  # already in eval mode and planned
         fns = {key: (lambda f=f: f(x)) for key, f in paths.items()}
         times = _interleaved(fns, rounds, calls)
     base = min(times[("nn.QuantizedLinear 2-bit g64", False)])
@@ -153,7 +163,8 @@ def _decode_model(layers: int, act: bool):
 
 
 def _variant(base, name: str):
-    """The model with its ternary layers as `name` ("metal", "reference", "q2", "q4")."""
+    """The model with its ternary layers as `name` ("metal", "native", "reference", "q2",
+    "q4")."""
     import copy
 
     from .bench import make_layer
@@ -161,7 +172,7 @@ def _variant(base, name: str):
 
     model = copy.deepcopy(base)
     layers = dict(ternary_layers(base))
-    if name in ("metal", "reference"):
+    if name in ("metal", "native", "reference"):
         for _, m in ternary_layers(model):
             m.backend = name
     else:
@@ -181,8 +192,15 @@ def decode_overhead(layers: int = 30, act: bool = True, steps: int = 8,
 
     base = _decode_model(layers, act)
     names = ("metal", "reference", "q2", "q4")
+    native_models = {}
+    if native.available():  # planned before the stub, which hides the native backend
+        native_models["native"] = _variant(base, "native")
+        mx.eval(native_models["native"](mx.array([[3]]),
+                                        cache=make_prompt_cache(native_models["native"])))
+        names = ("native", *names)
     with stubbed_metal():
-        models = {name: _variant(base, name) for name in names}
+        models = {**native_models, **{name: _variant(base, name) for name in names
+                                      if name not in native_models}}
         caches = {name: make_prompt_cache(m) for name, m in models.items()}
         tok = mx.array([[3]])
         for name, m in models.items():

@@ -1,12 +1,14 @@
 """Dispatch for the ternary matmul: per-layer launch plans over the backends.
 
 Backend choice, first match wins: the `backend` keyword; MLX_TERNARY_EMULATE_METAL=1;
-MLX_TERNARY_BACKEND=metal|emulate|reference; Metal where `mx.metal.is_available()`; the
-reference twin elsewhere (CPU, CUDA).
+MLX_TERNARY_BACKEND=metal|emulate|native|reference; the native CPU kernel where the default
+device is the CPU and it builds; Metal where `mx.metal.is_available()`; the reference twin
+elsewhere (CUDA, or a CPU without a compiler).
 
 "metal" launches the project's kernels (metal/*.metal) through mx.fast.metal_kernel,
-"emulate" launches the same sources through the CPU emulator (mlx_ternary.emulator), and
-"reference" runs the pure-MLX twins (reference.py). Importing this module never needs Metal.
+"emulate" launches the same sources through the CPU emulator (mlx_ternary.emulator),
+"native" runs the C++ CPU primitive (mlx_ternary.native), and "reference" runs the pure-MLX
+twins (reference.py). Importing this module never needs Metal or a compiler.
 
 A LayerPlan holds what one layer's calls need, decided once: the backend, the validated
 layer, and per (activation dtype, token count) the prepared launches (metal_ops.prepare),
@@ -20,11 +22,11 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from . import metal_ops, probe, reference, tune
+from . import metal_ops, native, probe, reference, tune
 from .errors import TernaryError
 from .format import CODES_PER_WORD
 
-BACKENDS = ("metal", "emulate", "reference")
+BACKENDS = ("metal", "emulate", "native", "reference")
 ENV_BACKEND = "MLX_TERNARY_BACKEND"
 ENV_EMULATE = "MLX_TERNARY_EMULATE_METAL"
 # The packing `convert` writes by default. The cost model in docs/KERNELS.md predicts the
@@ -42,6 +44,8 @@ def resolve_backend(backend: Optional[str] = None) -> str:
         else:
             backend = os.environ.get(ENV_BACKEND) or None
     if backend is None:
+        if mx.default_device() == mx.cpu and native.available():
+            return "native"
         return "metal" if mx.metal.is_available() else "reference"
     if backend not in BACKENDS:
         raise TernaryError(
@@ -54,6 +58,10 @@ def resolve_backend(backend: Optional[str] = None) -> str:
             f"unset ${ENV_BACKEND} or use backend='reference' (or 'emulate' to run the "
             "Metal sources on the CPU)"
         )
+    if backend == "native" and not native.available():
+        raise TernaryError(f"the native CPU backend was requested but is unavailable: "
+                           f"{native.unavailable_reason()}; unset ${ENV_BACKEND} or use "
+                           "backend='reference'")
     return backend
 
 
@@ -63,9 +71,12 @@ def host_matmul(backend: str) -> Callable:
     Returns a function with the signature of reference.ternary_matmul (x, packed, scales,
     bias, *, packing, in_features, group_size, activation_bits).
     """
+    if backend == "native":  # a C++ primitive with its own straight-through VJP
+        return native.ternary_matmul
     if backend == "reference":
         return reference.ternary_matmul
-    raise TernaryError(f"backend {backend!r} has no host matmul; expected 'reference'")
+    raise TernaryError(f"backend {backend!r} has no host matmul; expected 'native' or "
+                       "'reference'")
 
 
 def with_input_gradient(run: Callable, grad_x: Callable) -> Callable:
@@ -226,7 +237,7 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
         in_features: K.
         group_size: the scale group along K, for group scales.
         activation_bits: 8 for BitNet int8 per-token activations, else None.
-        backend: force "metal", "emulate" or "reference".
+        backend: force "metal", "emulate", "native" or "reference".
 
     Returns:
         (..., out_features) in x's dtype.

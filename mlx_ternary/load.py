@@ -11,6 +11,7 @@ from . import kernels
 from .errors import TernaryError
 from .format import PACKINGS, AffineTensor, PackedTernary
 from .hub import model_dir
+from .native import layers as native_layers
 from .nn import (HadamardTernaryLinear, QuantizedEmbedding, TernaryLinear, affine_layer,
                  model_quantization, replacement, ternary_layers)
 from .readers import gguf, open_source
@@ -78,11 +79,12 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
 
     Args:
         model_path: a local model directory.
-        dtype: dtype of float parameters (default: float32 off the GPU, as stored on it).
-            Scales of ternary and affine layers keep their stored dtype.
-        packing: runtime packing; default keeps the stored one where the Metal kernels
-            run and uses "fast" (MLX's 2-bit layout, read in place) elsewhere.
-        backend: force "metal", "emulate" or "reference" for every ternary layer.
+        dtype: dtype of float parameters (default: float32 off the GPU, as stored on it;
+            with the native CPU backend, float16/bfloat16 embeddings and output layers
+            stay as stored). Scales of ternary and affine layers keep their stored dtype.
+        packing: runtime packing; default keeps the stored one where the Metal or native
+            kernels run and uses "fast" (MLX's 2-bit layout, read in place) elsewhere.
+        backend: force "metal", "emulate", "native" or "reference" for every ternary layer.
         lazy: leave parameters unevaluated.
     """
     runtime = runtime_packing(packing, backend)
@@ -90,10 +92,13 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
     model = source.model  # the skeleton: its layers are replaced, its parameters loaded
     weights, layers = read_layers(source, model, backend=backend)
     model.update_modules(tree_unflatten(list(layers.items())))
+    # Native CPU backend: native attention; embeddings / output layer stay float16/bfloat16.
+    keep = (native_layers.adopt(model, weights, dtype)
+            if kernels.resolve_backend(backend) == "native" else set())
     dtype = dtype or default_dtype()
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                   and not k.endswith((".scales", ".biases")) else v
+                   and not k.endswith((".scales", ".biases")) and k not in keep else v
                    for k, v in weights.items()}
         for _, m in model.named_modules():  # quantized embeddings give rows in `dtype`
             if isinstance(m, QuantizedEmbedding):

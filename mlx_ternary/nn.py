@@ -163,6 +163,11 @@ class TernaryLinear(nn.Module):
                 self.__dict__["_plan"] = plan
         return plan
 
+    def reads_affine(self) -> bool:
+        """Whether this layer's calls read the reference path's MLX affine arrays
+        (`_fast_affine`): a fast-packed layer on the reference backend."""
+        return self.packing == "fast" and self.plan().backend == "reference"
+
     def _fast_affine(self, dtype):
         """The reference fast path's MLX affine (scales, biases, group) for `dtype`."""
         return self.plan().affine(dtype)

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .native.layers import HalfEmbedding, HalfLinear
 from .nn import TernaryLinear, ternary_layers
 
 GiB = 1024 ** 3
@@ -169,7 +170,7 @@ def weight_bytes(model: nn.Module) -> Dict[str, int]:
     dtype = activation_dtype(model)
     seen = set()
     for _, layer in ternary_layers(model):
-        if layer.packing == "fast":
+        if layer.reads_affine():
             # The reference fast path keeps per-layer (or shared) scale/bias tables.
             qs, qb, _ = layer._fast_affine(dtype)
             for a in (qs, qb):
@@ -184,10 +185,14 @@ def weight_bytes(model: nn.Module) -> Dict[str, int]:
 
 
 def activation_dtype(model: nn.Module):
-    """The float dtype activations (and the KV cache) run in: the embedding's."""
-    for _, a in tree_flatten(model.parameters()):
-        if mx.issubdtype(a.dtype, mx.floating) and a.ndim == 2:
-            return a.dtype
+    """The float dtype activations (and the KV cache) run in: the embedding's (float32
+    where the native backend keeps a float16 table and widens what it looks up)."""
+    for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(m, (HalfEmbedding, HalfLinear)):
+            return mx.float32
+        for _, a in tree_flatten(m.parameters()):
+            if mx.issubdtype(a.dtype, mx.floating) and a.ndim == 2:
+                return a.dtype
     return mx.float32
 
 
@@ -293,7 +298,7 @@ def measure(model: nn.Module, prompt_tokens: int, batch: int = 1, prefill_step_s
     mx.eval(model.parameters())
     # The fast path's affine tables are built on the first call: make them resident first.
     for _, layer in ternary_layers(model):
-        if layer.packing == "fast":
+        if layer.reads_affine():
             mx.eval(layer._fast_affine(activation_dtype(model))[:2])
     mx.clear_cache()
     baseline = mx.get_active_memory()

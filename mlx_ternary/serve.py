@@ -337,4 +337,4 @@ def materialize(model):
     mx.eval(model.parameters())
     dtype = activation_dtype(model)
     mx.eval([layer._fast_affine(dtype)[:2] for _, layer in ternary_layers(model)
-             if layer.packing == "fast"])
+             if layer.reads_affine()])

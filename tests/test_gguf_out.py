@@ -115,7 +115,9 @@ def test_narrow_layers_as_q8_0_codes_and_float(tmp_path, arch, monkeypatch):
                                           to_numpy(pt.scales).astype(np.float32))
     model, _ = mlx_ternary.load(str(out))
     ref, _ = mlx_ternary.load(str(ckpt))
-    np.testing.assert_allclose(np.array(model(TOKENS)), np.array(ref(TOKENS)), atol=1e-5)
+    # Same weights; the GGUF's float16 table may run through the native dense kernel and the
+    # source's float32 one through MLX's matmul: float32 sums in another order.
+    np.testing.assert_allclose(np.array(model(TOKENS)), np.array(ref(TOKENS)), atol=1e-4)
 
 
 def test_pre_tokenizer_detection():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_ternary import ceiling, host_bench, kernel_bench, probe
+from mlx_ternary import ceiling, host_bench, kernel_bench, native, probe
 from mlx_ternary.cli import main
 from mlx_ternary.nn import TernaryLinear
 
@@ -77,6 +77,7 @@ def test_host_bench_measures_every_path_with_stubbed_launches():
     for act in (False, True):
         for path in ("metal, launch stubbed", "reference", "metal, training mode (custom VJP)"):
             assert (path, act) in names
+        assert (("native CPU kernel", act) in names) == native.available()
     assert all(r.us_min > 0 and r.ratio > 0 for r in rows)
     # The stub restores Metal, the kernel factory and first-use checks afterwards.
     assert mx.fast.metal_kernel.__module__ != host_bench.__name__
@@ -100,5 +101,5 @@ def test_stubbed_launch_plan_builds_the_real_graph_shapes():
 
 def test_decode_overhead_runs_every_variant():
     result = host_bench.decode_overhead(layers=2, act=True, steps=1, rounds=1)
-    assert set(result) == {"metal", "reference", "q2", "q4"}
+    assert set(result) - {"native"} == {"metal", "reference", "q2", "q4"}
     assert all(v["ms_min"] > 0 for v in result.values())

@@ -81,6 +81,8 @@ class RaisingKernel:
 def fake_metal(monkeypatch, tmp_path):
     """Metal reported available, caches in tmp_path, fresh probe and tuning state."""
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    # On a Mac the GPU is the default device, so the native CPU kernel is not chosen.
+    monkeypatch.setattr(kernels.native, "available", lambda: False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(tune.ENV_TUNE, "0")
     monkeypatch.delenv(kernels.ENV_BACKEND, raising=False)

@@ -364,7 +364,8 @@ def test_afm7_fused_qkv_stays_split_when_ternarized_and_loaded(tmp_path):
     save_model(model, AFM7, tmp_path / "afm7")
     loaded, _ = load_model(tmp_path / "afm7")
     assert {type(m) for p, m in ternary_layers(loaded) if p in fused} == {FusedTernaryLinear}
-    assert mx.array_equal(loaded(ids), model(ids)).item()
+    # load() also routes attention to the native kernel on the CPU: float32 sums reordered
+    assert mx.allclose(loaded(ids), model(ids), rtol=1e-5, atol=1e-5).item()
     fused_layer = dict(ternary_layers(loaded))[fused[0]]
     lora = fused_layer.to_lora(r=4)  # afm7's per-part LoRA, zero-initialised B: no change
     x = mx.random.normal((2, AFM7["hidden_dim"]))

@@ -1,0 +1,104 @@
+"""The native attention for models that run on the native backend.
+
+MLX's CPU `scaled_dot_product_attention` falls back to matmuls on the reference BLAS the
+mlx[cpu] wheel links: about half of a prefill and a tenth of a decode step of a 12-layer
+model (docs/NATIVE.md). mlx-lm's attention modules call `scaled_dot_product_attention` from
+their own module's namespace; `install(model)` puts a pass-through there that, **only while
+this model runs** (a thread-local flag set around the model's `__call__`) and only for what
+the native kernel does exactly (float32 on the CPU, no mask or "causal", no attention sinks,
+no quantized KV cache), calls the native kernel; every other call - other models, masks as
+arrays, GPUs - goes to mlx-lm's own function unchanged. Gradients are the vjp of MLX's own
+attention (`mx.custom_function`), so training through it is unchanged too.
+"""
+
+import sys
+import threading
+from contextlib import contextmanager
+from functools import lru_cache
+
+import mlx.core as mx
+
+from . import _require
+
+_local = threading.local()
+
+
+@contextmanager
+def enabled():
+    """Use the native attention for mlx-lm attention calls made in this block (this thread)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+@lru_cache(maxsize=None)
+def _attention(scale: float, causal: bool):
+    mask = "causal" if causal else None
+
+    @mx.custom_function
+    def attention(q, k, v):
+        return _require().attention(q, k, v, scale, causal)
+
+    @attention.vjp
+    def attention_vjp(primals, cotangent, output):
+        def reference(q, k, v):
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+        return tuple(mx.vjp(reference, list(primals), [cotangent])[1])
+
+    return attention
+
+
+def scaled_dot_product_attention(queries, keys, values, *, scale: float, mask=None):
+    """The native attention, or None where it does not apply (the caller falls back)."""
+    if (mask is not None and not (isinstance(mask, str) and mask == "causal")) \
+            or mx.default_device() != mx.cpu \
+            or any(a.dtype != mx.float32 or a.ndim != 4 for a in (queries, keys, values)):
+        return None
+    return _attention(float(scale), mask is not None)(queries, keys, values)
+
+
+def _dispatcher(original):
+    def scaled_dot_product_attention_(queries, keys, values, cache, scale, mask, sinks=None):
+        if getattr(_local, "depth", 0) and sinks is None and not hasattr(cache, "bits"):
+            out = scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+            if out is not None:
+                return out
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention_.__wrapped__ = original
+    return scaled_dot_product_attention_
+
+
+@lru_cache(maxsize=None)
+def _enabled_class(cls):
+    def __call__(self, *args, **kwargs):
+        with enabled():
+            return cls.__call__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
+
+
+def install(model) -> bool:
+    """Route `model`'s mlx-lm attention to the native kernel; False if its modules call no
+    mlx-lm `scaled_dot_product_attention` (then nothing changes)."""
+    from mlx_lm.models import base
+
+    original = getattr(base.scaled_dot_product_attention, "__wrapped__",
+                       base.scaled_dot_product_attention)
+    found = False
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        fn = getattr(module, "scaled_dot_product_attention", None)
+        if fn is original:
+            module.scaled_dot_product_attention = _dispatcher(original)
+            found = True
+        elif getattr(fn, "__wrapped__", None) is original:
+            found = True
+    if found and not getattr(type(model), "_native_attention", False):
+        model.__class__ = _enabled_class(type(model))
+        model.__class__._native_attention = True
+    return found

@@ -1,0 +1,243 @@
+// The SIMD path this build selected (NativeOps), and a self-check of it against the portable
+// path and a direct computation from the format's definition. The extension runs the check
+// once when it is loaded and refuses to serve if it fails, so a SIMD path that could only be
+// compiled here (AVX-512 VNNI, NEON on an x86 build machine) never gives a wrong answer
+// silently; selftest.cpp runs the same check as a standalone program (cross-compiled + qemu).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "attention.h"
+#include "dense.h"
+#include "simd_scalar.h"
+#include "tkernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include "simd_x86.h"
+namespace tk { using NativeOps = Avx2Ops; }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "simd_neon.h"
+namespace tk { using NativeOps = NeonOps; }
+#else
+namespace tk { using NativeOps = ScalarOps; }
+#endif
+
+namespace tk {
+
+// Packing from FORMAT.md, written from the definition (not from the decoder).
+inline std::vector<uint8_t> pack_rows(const std::vector<int8_t>& t, const Geometry& g) {
+  std::vector<uint8_t> out(g.n * g.row_bytes, 0);
+  for (int64_t n = 0; n < g.n; n++) {
+    uint8_t* row = out.data() + n * g.row_bytes;
+    if (g.packing == FAST) {
+      for (int64_t col = 0; col < g.row_bytes * 4; col++) {
+        int code = col < g.k ? t[n * g.k + col] + 1 : 1;
+        row[col / 4] |= (uint8_t)(code << (2 * (col % 4)));
+      }
+    } else {
+      int64_t nblocks = ceil_div(g.k, g.block_len);
+      for (int64_t b = 0; b < nblocks; b++)
+        for (int64_t j = 0; j < g.block_bytes; j++) {
+          uint32_t v = 0;
+          for (int i = 0; i < 5; i++) {
+            int64_t local = 5 * j + i, col = b * g.block_len + local;
+            int d = (local < g.block_len && col < g.k) ? t[n * g.k + col] + 1 : 1;
+            v = v * 3 + d;
+          }
+          row[b * g.block_bytes + j] = (uint8_t)((v * 256 + 242) / 243);
+        }
+    }
+  }
+  return out;
+}
+
+template <class O>
+inline void run_rows(const Layer& L, const Acts& a, int64_t M) {
+  rows_dispatch<O>(L, a, M, 0, L.g.n);
+}
+
+// One random case; returns "" or what differed.
+inline std::string check_case(int packing, int64_t M, int64_t N, int64_t K, int group,
+                              int scale_kind, bool act, bool bias, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> trit(-1, 1);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> unif(0.5f, 1.5f);
+  Geometry g = make_geometry(packing, N, K, scale_kind == 2 ? group : 0);
+  std::vector<int8_t> t(N * K);
+  for (auto& v : t) v = (int8_t)trit(rng);
+  std::vector<uint8_t> w = pack_rows(t, g);
+  int64_t ns = scale_kind == 0 ? 1 : scale_kind == 1 ? N : N * g.ngroups;
+  std::vector<float> s(ns), b(N), x(M * K);
+  for (auto& v : s) v = unif(rng);
+  for (auto& v : b) v = normal(rng);
+  for (auto& v : x) v = normal(rng) * (1 + (rng() % 4));
+  if (K > 3) x[1] = 0.f, x[2] = -x[0];  // zeros and ties
+  Layer L(g);
+  L.w = w.data();
+  L.scales = s.data();
+  L.scale_kind = scale_kind;
+  L.bias = bias ? b.data() : nullptr;
+  L.act_quant = act;
+  Acts a;
+  std::vector<float> tmp(K);
+  if (act) {
+    a.q.assign(M * g.xlen(), 0), a.xs.assign(M, 0.f), a.gsum.assign(M * g.ngroups, 0);
+    for (int64_t m = 0; m < M; m++) quantize_token(g, x.data(), F32, m, a, tmp.data());
+  } else {
+    a.f.assign(M * g.xlen(), 0.f);
+    for (int64_t m = 0; m < M; m++) permute_token(g, x.data(), F32, m, a);
+  }
+  std::vector<float> y_native(M * N), y_scalar(M * N), wd(N * K);
+  L.out = y_native.data();
+  run_rows<NativeOps>(L, a, M);
+  L.out = y_scalar.data();
+  run_rows<ScalarOps>(L, a, M);
+  dequantize_rows(L, wd.data(), 0, N);
+  std::vector<double> xd(M * K);  // the activations the layer multiplies
+  for (int64_t m = 0; m < M; m++) {
+    float am = 0;
+    for (int64_t i = 0; i < K; i++) am = std::max(am, std::fabs(x[m * K + i]));
+    float sc = 127.f / std::max(am, 1e-5f);
+    for (int64_t i = 0; i < K; i++) {
+      float v = x[m * K + i];
+      xd[m * K + i] = act ? std::min(127.f, std::max(-128.f, std::nearbyint(v * sc))) / (double)sc : v;
+    }
+  }
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t n = 0; n < N; n++) {
+      // direct: the dequantized weight (from the format definition) times the activations
+      double want = 0, mag = 0;
+      for (int64_t col = 0; col < K; col++) {
+        double xv = xd[m * K + col];
+        int tv = t[n * K + col];
+        double sv = scale_kind == 0 ? s[0] : scale_kind == 1 ? s[n] : s[n * g.ngroups + col / group];
+        if ((double)wd[n * K + col] != tv * sv) return "dequantize_rows disagrees with the trits";
+        want += xv * tv * sv, mag += std::fabs(xv * sv);
+      }
+      want += bias ? b[n] : 0.0;
+      mag += std::fabs(bias ? b[n] : 0.0) + 1e-6;
+      double yn = y_native[m * N + n], ys = y_scalar[m * N + n];
+      bool exact = act && scale_kind != 2;  // integer accumulation: identical bits
+      if (exact ? yn != ys : std::fabs(yn - ys) > 1e-5 * mag)
+        return std::string(NativeOps::name) + " and scalar paths differ";
+      if (std::fabs(yn - want) > 1e-5 * mag) return "result differs from the direct computation";
+    }
+  }
+  return "";
+}
+
+inline std::string check_dense(int wd, int64_t M, int64_t N, int64_t K, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> wf(N * K), x(M * K), y(M * N);
+  std::vector<uint16_t> wh(N * K);
+  for (auto& v : wf) v = normal(rng);
+  for (auto& v : x) v = normal(rng);
+  for (int64_t i = 0; i < N * K; i++) {
+    if (wd == F16) wh[i] = f32_to_f16(wf[i]), wf[i] = f16_to_f32(wh[i]);
+    if (wd == BF16) wh[i] = f32_to_bf16(wf[i]), wf[i] = bf16_to_f32(wh[i]);
+  }
+  DenseLayer L;
+  L.w = wd == F32 ? (const void*)wf.data() : (const void*)wh.data();
+  L.w_dtype = wd, L.n = N, L.k = K, L.x = x.data(), L.out = y.data();
+  dense_rows(L, M, 0, N);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) {
+      double want = 0, mag = 1e-6;
+      for (int64_t i = 0; i < K; i++) {
+        want += (double)wf[n * K + i] * x[m * K + i];
+        mag += std::fabs((double)wf[n * K + i] * x[m * K + i]);
+      }
+      if (std::fabs(y[m * N + n] - want) > 1e-5 * mag) return "dense rows differ";
+    }
+  return "";
+}
+
+template <class O>
+inline void run_attention(const AttnShape& sh, const float* q, const float* k, const float* v,
+                          float* out) {
+  std::vector<float> scores(sh.Lk);
+  for (int64_t b = 0; b < sh.B; b++)
+    for (int64_t h = 0; h < sh.Hq; h++) attention_rows<O>(sh, q, k, v, out, b, h, 0, sh.Lq, scores.data());
+}
+
+inline std::string check_attention(int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
+                                   bool causal, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const int64_t kpad = D + 3;  // keys and values with a row stride that is not D
+  AttnShape sh{1, Hq, Hkv, Lq, Lk, D, {Hq * Lq * D, Lq * D, D}, {Hkv * Lk * kpad, Lk * kpad, kpad},
+               {Hkv * Lk * kpad, Lk * kpad, kpad}, 1.f / std::sqrt((float)D), causal};
+  std::vector<float> q(Hq * Lq * D), k(Hkv * Lk * kpad), v(Hkv * Lk * kpad), y(Hq * Lq * D),
+      ys(Hq * Lq * D);
+  for (auto& x : q) x = normal(rng);
+  for (auto& x : k) x = normal(rng);
+  for (auto& x : v) x = normal(rng);
+  run_attention<NativeOps>(sh, q.data(), k.data(), v.data(), y.data());
+  run_attention<ScalarOps>(sh, q.data(), k.data(), v.data(), ys.data());
+  for (int64_t h = 0; h < Hq; h++)
+    for (int64_t i = 0; i < Lq; i++) {
+      const int64_t kh = h / (Hq / Hkv), n = causal ? std::min(Lk, i + Lk - Lq + 1) : Lk;
+      std::vector<double> p(n);
+      double mx = -1e300, sum = 0;
+      for (int64_t j = 0; j < n; j++) {
+        double dot = 0;
+        for (int64_t d = 0; d < D; d++) dot += (double)q[(h * Lq + i) * D + d] * k[(kh * Lk + j) * kpad + d];
+        p[j] = dot * sh.scale, mx = std::max(mx, p[j]);
+      }
+      for (auto& x : p) sum += (x = std::exp(x - mx));
+      for (int64_t d = 0; d < D; d++) {
+        double want = 0;
+        for (int64_t j = 0; j < n; j++) want += p[j] / sum * v[(kh * Lk + j) * kpad + d];
+        int64_t o = (h * Lq + i) * D + d;
+        if (std::fabs(y[o] - want) > 1e-5 || std::fabs(ys[o] - want) > 1e-5)
+          return "attention differs from the direct computation (D " + std::to_string(D) +
+                 ", Lq " + std::to_string(Lq) + ", Lk " + std::to_string(Lk) + ")";
+      }
+    }
+  return "";
+}
+
+// Every packing, scale kind, group size, activation mode, token tile and tail; "" when all
+// agree, else the first failing case.
+inline std::string selfcheck() {
+  const int64_t Ks[] = {7, 33, 130, 301, 517};
+  const int64_t Ms[] = {1, 2, 3, 4, 5, 9, 13, 30};  // token tiles, remainders, the panel path
+  uint32_t seed = 1;
+  for (int packing : {FAST, COMPACT})
+    for (int sk = 0; sk < 3; sk++)
+      for (int group : {64, 128, 256})
+        for (int act = 0; act < 2; act++)
+          for (int64_t K : Ks) {
+            if (sk != 2 && group != 64) continue;
+            int64_t M = Ms[seed % 8], N = 3 + seed % 7;
+            std::string e = check_case(packing, M, N, K, group, sk, act, seed % 2, seed);
+            seed++;
+            if (!e.empty())
+              return e + " (packing " + std::to_string(packing) + ", scale kind " +
+                     std::to_string(sk) + ", group " + std::to_string(group) + ", act " +
+                     std::to_string(act) + ", M " + std::to_string(M) + ", K " +
+                     std::to_string(K) + ")";
+          }
+  for (auto [hq, hkv, lq, lk, d, causal] : {std::tuple{4, 2, 5, 9, 64, true},
+                                            std::tuple{2, 2, 1, 7, 40, false},
+                                            std::tuple{6, 3, 3, 3, 128, true}}) {
+    std::string e = check_attention(hq, hkv, lq, lk, d, causal, seed++);
+    if (!e.empty()) return e;
+  }
+  for (int wd : {F32, F16, BF16})
+    for (int64_t K : {5, 64, 77})
+      for (int64_t M : {1, 2, 5}) {
+        std::string e = check_dense(wd, M, 6, K, seed++);
+        if (!e.empty()) return e + " (dtype " + std::to_string(wd) + ", K " + std::to_string(K) + ")";
+      }
+  return "";
+}
+
+}  // namespace tk

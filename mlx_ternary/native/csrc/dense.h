@@ -1,0 +1,160 @@
+// Dense float rows on the CPU: y (M, N) = x (M, K) @ W (N, K).T with W kept in the dtype the
+// checkpoint stores (float16, bfloat16 or float32) and float32 accumulation. This is the
+// embedding-as-output-layer and lm_head matvec: MLX's CPU float16 matmul is many times slower
+// than float32, and a float32 copy would double the memory of those tables.
+// Each group of 8 weights is converted once and used for T tokens.
+#pragma once
+
+#include <cstdint>
+
+#include "tkernels.h"
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define TK_DENSE_AVX2 1
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#define TK_DENSE_NEON 1
+#endif
+
+namespace tk {
+
+struct DenseLayer {
+  const void* w = nullptr;  // (N, K)
+  int w_dtype = F32;
+  int64_t n = 0, k = 0;
+  const float* x = nullptr;  // (M, K) float32
+  void* out = nullptr;       // (M, N)
+  int out_dtype = F32;
+};
+
+inline const char* dense_isa() {
+#if defined(TK_DENSE_AVX2)
+  return "avx2-f16c";
+#elif defined(TK_DENSE_NEON)
+  return "neon";
+#else
+  return "scalar";
+#endif
+}
+
+#if defined(TK_DENSE_AVX2)
+template <int WD>
+inline __m256 load8(const void* w, int64_t i) {
+  if constexpr (WD == F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w + i)));
+  } else if constexpr (WD == BF16) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)w + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  } else {
+    return _mm256_loadu_ps((const float*)w + i);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows [n0, n1), tokens m0 .. m0 + T - 1. NA accumulators per token hide the FMA latency.
+template <int WD, int T>
+void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
+  constexpr int NA = T == 1 ? 4 : 2;
+  const int64_t k = L.k, kv = k / (8 * NA) * (8 * NA);
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t base = n * k;
+    __m256 acc[T][NA];
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < NA; j++) acc[t][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kv; i += 8 * NA) {
+      __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
+      for (int j = 0; j < NA; j++) {
+        __m256 w = load8<WD>(L.w, base + i + 8 * j);
+        for (int t = 0; t < T; t++)
+          acc[t][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(L.x + (m0 + t) * k + i + 8 * j),
+                                      acc[t][j]);
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      __m256 s = acc[t][0];
+      for (int j = 1; j < NA; j++) s = _mm256_add_ps(s, acc[t][j]);
+      float y = hsum8(s);
+      for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, base + i) * L.x[(m0 + t) * k + i];
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
+    }
+  }
+}
+#elif defined(TK_DENSE_NEON)
+template <int WD>
+inline float32x4_t load4(const void* w, int64_t i) {
+  if constexpr (WD == F16) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t*)w + i)));
+  } else if constexpr (WD == BF16) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t*)w + i), 16));
+  } else {
+    return vld1q_f32((const float*)w + i);
+  }
+}
+
+template <int WD, int T>
+void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
+  constexpr int NA = T == 1 ? 4 : 2;
+  const int64_t k = L.k, kv = k / (4 * NA) * (4 * NA);
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t base = n * k;
+    float32x4_t acc[T][NA];
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < NA; j++) acc[t][j] = vdupq_n_f32(0);
+    for (int64_t i = 0; i < kv; i += 4 * NA) {
+      __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
+      for (int j = 0; j < NA; j++) {
+        float32x4_t w = load4<WD>(L.w, base + i + 4 * j);
+        for (int t = 0; t < T; t++)
+          acc[t][j] = vfmaq_f32(acc[t][j], w, vld1q_f32(L.x + (m0 + t) * k + i + 4 * j));
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      float32x4_t s = acc[t][0];
+      for (int j = 1; j < NA; j++) s = vaddq_f32(s, acc[t][j]);
+      float y = vaddvq_f32(s);
+      for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, base + i) * L.x[(m0 + t) * k + i];
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
+    }
+  }
+}
+#else
+template <int WD, int T>
+void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
+  for (int64_t n = n0; n < n1; n++)
+    for (int t = 0; t < T; t++) {
+      float y = 0.f;
+      for (int64_t i = 0; i < L.k; i++)
+        y += load_as_f32(L.w, WD, n * L.k + i) * L.x[(m0 + t) * L.k + i];
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
+    }
+}
+#endif
+
+template <int WD>
+void dense_rows_w(const DenseLayer& L, int64_t M, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dense_rows_t<WD, 4>(L, n0, n1, m);
+  switch (M - m) {
+    case 3: dense_rows_t<WD, 3>(L, n0, n1, m); break;
+    case 2: dense_rows_t<WD, 2>(L, n0, n1, m); break;
+    case 1: dense_rows_t<WD, 1>(L, n0, n1, m); break;
+    default: break;
+  }
+}
+
+inline void dense_rows(const DenseLayer& L, int64_t M, int64_t n0, int64_t n1) {
+  switch (L.w_dtype) {
+    case F16: dense_rows_w<F16>(L, M, n0, n1); break;
+    case BF16: dense_rows_w<BF16>(L, M, n0, n1); break;
+    default: dense_rows_w<F32>(L, M, n0, n1);
+  }
+}
+
+}  // namespace tk

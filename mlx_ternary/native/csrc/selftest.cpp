@@ -1,0 +1,11 @@
+// Standalone self-check of the kernels this compiler selects (no MLX, no Python): used to run
+// the arm64 NEON path under qemu-user and to compile-check other ISAs. Exit status 0 = pass.
+#include <cstdio>
+
+#include "check.h"
+
+int main() {
+  std::string e = tk::selfcheck();
+  std::printf("%s / %s: %s\n", tk::NativeOps::name, tk::dense_isa(), e.empty() ? "ok" : e.c_str());
+  return e.empty() ? 0 : 1;
+}

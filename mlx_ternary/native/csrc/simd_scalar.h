@@ -1,0 +1,114 @@
+// Portable ternary inner operations: the definition every SIMD path is checked against
+// (selftest.cpp and the extension's load-time self-check) and the path on CPUs without one.
+//
+// A "step" is 32 packed bytes. Decoding gives NV vectors of 32 unsigned codes c = t + 1 in
+// {0, 1, 2}: 4 vectors for the fast packing (the 2-bit fields at bits 0, 2, 4, 6 of each byte),
+// 5 for compact (base-3 digits 0..4 of each byte). Activations are stored permuted to match
+// (tkernels.h), so code byte b of vector v multiplies activation x[32 v + b] of the step.
+// Integer accumulators keep 8 int32 lanes, lane j summing bytes 4j..4j+3 of every vector:
+// lanes 0-3 cover bytes 0-15 ("lo"), lanes 4-7 bytes 16-31 ("hi"), which is how a step of
+// the fast packing holds two groups of 64 columns.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace tk {
+
+struct ScalarOps {
+  static constexpr const char* name = "scalar";
+  struct V { uint8_t b[32]; };
+  struct IA { int32_t l[8]; };   // int32 lanes, lane j <- bytes 4j..4j+3
+  struct FV { float l[8]; };     // float lanes for group-scaled sums, same lane map
+
+  static V load(const uint8_t* p) { V v; std::memcpy(v.b, p, 32); return v; }
+  static V load_tail(const uint8_t* p, int n) {
+    V v{};
+    std::memcpy(v.b, p, n);
+    return v;
+  }
+  static void fast4(const V& w, V c[4]) {
+    for (int s = 0; s < 4; s++)
+      for (int b = 0; b < 32; b++) c[s].b[b] = (w.b[b] >> (2 * s)) & 3;
+  }
+  static void base3(const V& w, V c[5]) {
+    for (int b = 0; b < 32; b++) {
+      uint32_t q = w.b[b];
+      for (int i = 0; i < 5; i++) {
+        c[i].b[b] = (uint8_t)(((q & 0xFF) * 3) >> 8);
+        q *= 3;
+      }
+    }
+  }
+
+  static IA izero() { return IA{}; }
+  template <int NV>
+  static void idot(IA& a, const V* c, const int8_t* x) {
+    for (int v = 0; v < NV; v++)
+      for (int b = 0; b < 32; b++) a.l[b >> 2] += (int32_t)c[v].b[b] * x[32 * v + b];
+  }
+  static int32_t isum(const IA& a) {
+    int32_t s = 0;
+    for (int j = 0; j < 8; j++) s += a.l[j];
+    return s;
+  }
+  static FV fvzero() { return FV{}; }
+  static void iflush(IA& a, FV& f, float lo, float hi) {
+    for (int j = 0; j < 8; j++) {
+      f.l[j] += (float)a.l[j] * (j < 4 ? lo : hi);
+      a.l[j] = 0;
+    }
+  }
+  static float fvsum(const FV& f) {
+    float s = 0;
+    for (int j = 0; j < 8; j++) s += f.l[j];
+    return s;
+  }
+
+  // float path: F8 = 8 float lanes
+  struct F8 { float l[8]; };
+  static F8 f8zero() { return F8{}; }
+  static F8 f8add(F8 a, const F8& b) {
+    for (int j = 0; j < 8; j++) a.l[j] += b.l[j];
+    return a;
+  }
+  static F8 f8fmas(F8 acc, const F8& a, float s) {
+    for (int j = 0; j < 8; j++) acc.l[j] += a.l[j] * s;
+    return acc;
+  }
+  static float f8sum(const F8& a) {
+    float s = 0;
+    for (int j = 0; j < 8; j++) s += a.l[j];
+    return s;
+  }
+  static F8 f8load(const float* p) {
+    F8 v;
+    for (int j = 0; j < 8; j++) v.l[j] = p[j];
+    return v;
+  }
+  static void f8store(float* p, const F8& v) {
+    for (int j = 0; j < 8; j++) p[j] = v.l[j];
+  }
+  static F8 f8mul(F8 a, float s) {
+    for (int j = 0; j < 8; j++) a.l[j] *= s;
+    return a;
+  }
+  static F8 f8fma(F8 acc, const F8& w, const F8& x) {
+    for (int j = 0; j < 8; j++) acc.l[j] += w.l[j] * x.l[j];
+    return acc;
+  }
+  static F8 f8set(float v) {
+    F8 r;
+    for (int j = 0; j < 8; j++) r.l[j] = v;
+    return r;
+  }
+  static F8 fma8(F8 acc, const F8& w, const float* x) {
+    for (int j = 0; j < 8; j++) acc.l[j] += w.l[j] * x[j];
+    return acc;
+  }
+  static void fexpand(const V& c, F8 w[4]) {
+    for (int b = 0; b < 32; b++) w[b / 8].l[b % 8] = (float)((int)c.b[b] - 1);
+  }
+};
+
+}  // namespace tk

@@ -1,0 +1,119 @@
+// x86-64 ternary inner operations: AVX2 (+ FMA), with the VNNI dot product where the CPU has
+// it (AVX-VNNI, or AVX-512 VNNI on 256-bit vectors). Same contract as simd_scalar.h.
+//
+// Integer dot: unsigned codes c in {0,1,2} times signed int8 activations. AVX2 has no 8-bit
+// multiply-accumulate, so pmaddubsw (u8 x s8 -> pairwise s16; |sum| <= 2*2*128 per pair, no
+// saturation) feeds pmaddwd against ones (-> s32). VNNI does the same in one vpdpbusd.
+// The -1 of t = c - 1 is applied once per row/group as - sum(x) (tkernels.h).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace tk {
+
+struct Avx2Ops {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  static constexpr const char* name = "avx512vnni";
+#elif defined(__AVXVNNI__)
+  static constexpr const char* name = "avxvnni";
+#else
+  static constexpr const char* name = "avx2";
+#endif
+  using V = __m256i;
+  using IA = __m256i;
+  using FV = __m256;
+
+  static V load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static V load_tail(const uint8_t* p, int n) {
+    alignas(32) uint8_t buf[32] = {0};
+    std::memcpy(buf, p, n);
+    return _mm256_load_si256((const __m256i*)buf);
+  }
+  static void fast4(V w, V c[4]) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    c[0] = _mm256_and_si256(w, m3);
+    c[1] = _mm256_and_si256(_mm256_srli_epi16(w, 2), m3);
+    c[2] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m3);
+    c[3] = _mm256_and_si256(_mm256_srli_epi16(w, 6), m3);
+  }
+  // Digit i of byte q is ((q * 3^i mod 256) * 3) >> 8, i.e. [q_i >= 86] + [q_i >= 171] with
+  // q_i = q * 3^i mod 256: byte adds wrap mod 256, unsigned compares via the sign flip.
+  static void base3(V q, V c[5]) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const __m256i t1 = _mm256_set1_epi8((char)(85 ^ 0x80));
+    const __m256i t2 = _mm256_set1_epi8((char)(170 ^ 0x80));
+    const __m256i zero = _mm256_setzero_si256();
+    for (int i = 0; i < 5; i++) {
+      __m256i s = _mm256_xor_si256(q, flip);
+      __m256i m = _mm256_add_epi8(_mm256_cmpgt_epi8(s, t1), _mm256_cmpgt_epi8(s, t2));
+      c[i] = _mm256_sub_epi8(zero, m);
+      if (i < 4) q = _mm256_add_epi8(q, _mm256_add_epi8(q, q));
+    }
+  }
+
+  static IA izero() { return _mm256_setzero_si256(); }
+  template <int NV>
+  static void idot(IA& a, const V* c, const int8_t* x) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    for (int v = 0; v < NV; v++) {
+      __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 32 * v));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      a = _mm256_dpbusd_epi32(a, c[v], xv);
+#else
+      a = _mm256_dpbusd_avx_epi32(a, c[v], xv);
+#endif
+    }
+#else
+    __m256i s = _mm256_maddubs_epi16(c[0], _mm256_loadu_si256((const __m256i*)x));
+    for (int v = 1; v < NV; v++)
+      s = _mm256_add_epi16(
+          s, _mm256_maddubs_epi16(c[v], _mm256_loadu_si256((const __m256i*)(x + 32 * v))));
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+#endif
+  }
+  static int32_t isum(IA a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+  }
+  static FV fvzero() { return _mm256_setzero_ps(); }
+  static void iflush(IA& a, FV& f, float lo, float hi) {
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)),
+                        f);
+    a = _mm256_setzero_si256();
+  }
+  static float fvsum(FV f) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+
+  // float path: F8 = 8 float lanes
+  using F8 = __m256;
+  static F8 f8zero() { return _mm256_setzero_ps(); }
+  static F8 f8add(F8 a, F8 b) { return _mm256_add_ps(a, b); }
+  static F8 f8fmas(F8 acc, F8 a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
+  static float f8sum(F8 a) { return fvsum(a); }
+  static F8 f8load(const float* p) { return _mm256_loadu_ps(p); }
+  static void f8store(float* p, F8 v) { _mm256_storeu_ps(p, v); }
+  static F8 f8mul(F8 a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
+  static F8 f8fma(F8 a, F8 w, F8 x) { return _mm256_fmadd_ps(w, x, a); }
+  static F8 f8set(float v) { return _mm256_set1_ps(v); }
+  static F8 fma8(F8 a, F8 w, const float* x) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a); }
+  // t = c - 1 as floats, from bytes 0-7, 8-15, 16-23, 24-31 of a code vector
+  static void fexpand(V c, F8 w[4]) {
+    __m256i t = _mm256_sub_epi8(c, _mm256_set1_epi8(1));
+    __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+};
+
+}  // namespace tk

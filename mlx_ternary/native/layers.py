@@ -1,0 +1,79 @@
+"""Float tables kept in the dtype the checkpoint stores, off the GPU.
+
+On the CPU, `load()` used to widen every float parameter to float32 (MLX's CPU float16 and
+bfloat16 matmuls are many times slower): for a 32000 x 2048 embedding plus output layer that
+is 524 MB where the file (and llama.cpp) holds 262 MB. With the native backend the tables stay
+float16/bfloat16 - exact, they are what the file stores - and run through the native dense
+kernel; activations stay float32:
+
+    HalfEmbedding  nn.Embedding: rows gathered then widened to float32; `as_linear` (tied
+                   output layer) is the native x @ W.T
+    HalfLinear     nn.Linear (the untied output layer, other float linears) the same way
+
+`adopt(model, weights, dtype)` is what `load()` does on the native backend: these tables, and
+the native attention (attention.py).
+"""
+
+from typing import Dict, Optional, Set
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import attention, dense_matmul
+
+HALF = (mx.float16, mx.bfloat16)
+
+
+class HalfEmbedding(nn.Module):
+    """An embedding table kept float16/bfloat16; lookups and `as_linear` give float32."""
+
+    def __init__(self, num_embeddings: int, dims: int, dtype=mx.float16):
+        super().__init__()
+        self.weight = mx.zeros((num_embeddings, dims), dtype=dtype)  # (vocab, dims)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.weight[x].astype(mx.float32)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return dense_matmul(x, self.weight)
+
+
+class HalfLinear(nn.Module):
+    """A float linear layer whose weight stays float16/bfloat16 (bias in float32)."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool, dtype=mx.float16):
+        super().__init__()
+        self.weight = mx.zeros((output_dims, input_dims), dtype=dtype)  # (out, in)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = dense_matmul(x, self.weight)
+        return y + self.bias if "bias" in self else y
+
+
+def keep_half_tables(model: nn.Module, weights: Dict[str, mx.array]) -> Set[str]:
+    """Swap each nn.Embedding / float nn.Linear whose stored weight is float16/bfloat16 for
+    its Half twin; returns the weight names that must keep their stored dtype."""
+    kept, new = set(), []
+    for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        w: Optional[mx.array] = weights.get(f"{path}.weight")
+        if type(m) not in (nn.Embedding, nn.Linear) or w is None or w.dtype not in HALF:
+            continue
+        if isinstance(m, nn.Embedding):
+            new.append((path, HalfEmbedding(*w.shape, dtype=w.dtype)))
+        else:
+            new.append((path, HalfLinear(w.shape[1], w.shape[0], "bias" in m, dtype=w.dtype)))
+        kept.add(f"{path}.weight")
+    if new:
+        model.update_modules(tree_unflatten(new))
+    return kept
+
+
+def adopt(model: nn.Module, weights: Dict[str, mx.array], dtype=None) -> Set[str]:
+    """Prepare a model built for the native backend: native attention, and (unless the caller
+    asked for a float dtype) its float16/bfloat16 tables as stored. Returns the weight names
+    that keep their stored dtype."""
+    attention.install(model)
+    return keep_half_tables(model, weights) if dtype is None else set()

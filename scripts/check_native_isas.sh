@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Check the native kernels' SIMD paths beyond the one this machine runs (docs/NATIVE.md):
+#   - this CPU (-march=native): the self-check, run;
+#   - arm64 NEON without and with SDOT: cross-compiled and run under qemu-user, when
+#     aarch64-linux-gnu-g++ and qemu-aarch64(-static) are installed
+#     (Debian: apt-get install g++-aarch64-linux-gnu qemu-user-static);
+#   - AVX-VNNI / AVX-512 VNNI: compiled only, and the VNNI instruction must be emitted.
+# Exit status 0 when every check that could run passed.
+set -uo pipefail
+SRC="$(cd "$(dirname "$0")/../mlx_ternary/native/csrc" && pwd)"
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+CXX="${CXX:-g++}"
+FLAGS=(-std=c++17 -O2 -ffp-contract=off -I"$SRC")
+status=0
+
+echo "== this CPU"
+"$CXX" "${FLAGS[@]}" -march=native "$SRC/selftest.cpp" -o "$OUT/native" && "$OUT/native" || status=1
+
+QEMU="$(command -v qemu-aarch64-static || command -v qemu-aarch64 || true)"
+if command -v aarch64-linux-gnu-g++ >/dev/null && [ -n "$QEMU" ]; then
+  for arch in armv8-a armv8.2-a+dotprod; do
+    echo "== arm64 -march=$arch (run under $(basename "$QEMU"))"
+    aarch64-linux-gnu-g++ "${FLAGS[@]}" -march="$arch" -static "$SRC/selftest.cpp" -o "$OUT/arm" \
+      && "$QEMU" -cpu max "$OUT/arm" || status=1
+  done
+else
+  echo "== arm64: skipped (no aarch64-linux-gnu-g++ or qemu-aarch64)"
+fi
+
+for arch in alderlake icelake-server sapphirerapids; do
+  echo "== x86-64 -march=$arch: compile only"
+  if "$CXX" "${FLAGS[@]}" -march="$arch" -S "$SRC/selftest.cpp" -o "$OUT/$arch.s"; then
+    n=$(grep -c vpdpbusd "$OUT/$arch.s")
+    echo "vpdpbusd instructions: $n"
+    [ "$n" -gt 0 ] || status=1
+  else
+    status=1
+  fi
+done
+exit $status

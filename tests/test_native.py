@@ -1,0 +1,455 @@
+"""The native CPU kernel (mlx_ternary.native): a sweep against the reference twin and float64
+numpy, its gradient, the float16 tables, the dispatch, and the build's cache and fallbacks."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_ternary import format as fmt
+from mlx_ternary import kernels, native, reference
+from mlx_ternary.native import build
+
+# Only where no C++ compiler can build the extension (never on the project's machines).
+needs_native = pytest.mark.skipif(not native.available(), reason="native kernel unavailable: "
+                                  f"{native.unavailable_reason()}")
+
+@pytest.fixture
+def cpu_default():
+    """Tests of the automatic choice run with the CPU as default device (as on Linux)."""
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)
+
+
+DTYPES = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
+TOL = {"f32": 2e-6, "f16": 2e-3, "bf16": 1.6e-2}  # vs float64, relative to max |y|
+
+
+def make_case(m, n, k, packing, scale, group, dtype, act, bias, seed=0, lead=()):
+    """Random trits, scales, x (and bias) and the float64 answer computed in numpy."""
+    rng = np.random.default_rng(seed)
+    t = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
+    gs = group if scale == "group" else None
+    s = rng.uniform(0.5, 1.5, size=fmt.scales_shape(scale, n, k, gs)).astype(np.float32)
+    pt = fmt.PackedTernary.from_trits(t, s, packing, gs)
+    x32 = (rng.normal(size=(*lead, m, k)) * rng.uniform(0.5, 4, size=(*lead, m, 1)))
+    x = mx.array(x32.astype(np.float32)).astype(dtype)
+    b = mx.array(rng.normal(size=(n,)).astype(np.float32)) if bias else None
+    xf = np.array(x.astype(mx.float32))
+    if act:  # BitNet per-token int8, in float32 like the kernels
+        sc = np.float32(127) / np.maximum(np.abs(xf).max(-1, keepdims=True), np.float32(1e-5))
+        xf = np.clip(np.rint(xf * sc), -128, 127) / sc.astype(np.float64)
+    want = xf.astype(np.float64) @ pt.dequantize(np.float64).T
+    if bias:
+        want = want + np.array(b).astype(np.float64)
+    kw = dict(packing=packing, in_features=k, group_size=gs, activation_bits=8 if act else None)
+    return (x, mx.array(pt.packed), mx.array(s), b, kw), want
+
+
+def rel_err(y, want):
+    got = np.array(y.astype(mx.float32)).astype(np.float64)
+    assert got.shape == want.shape
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
+
+
+# (M, N, K, scale, group): M over the token tiles (1..4) and their remainders, K not a multiple
+# of 5, 32, 128 or the group, N not a multiple of the 16-row chunks.
+SHAPES = [
+    (1, 13, 77, "tensor", None), (2, 9, 130, "row", None), (3, 17, 200, "group", 64),
+    (7, 11, 333, "group", 128), (8, 20, 270, "group", 256), (9, 40, 601, "row", None),
+    (33, 5, 1030, "group", 64), (5, 33, 160, "tensor", None), (4, 19, 256, "group", 128),
+]
+
+
+@needs_native
+@pytest.mark.parametrize("packing", fmt.PACKINGS)
+@pytest.mark.parametrize("act", [True, False], ids=["act8", "float"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "-".join(map(str, c)))
+def test_sweep_against_reference_and_float64(shape, act, packing):
+    m, n, k, scale, g = shape
+    (x, p, s, b, kw), want = make_case(m, n, k, packing, scale, g, mx.float32, act,
+                                       bias=m % 2 == 1, seed=m * 7 + k)
+    y = native.ternary_matmul(x, p, s, b, **kw)
+    twin = reference.ternary_matmul(x, p, s, b, **kw)
+    assert y.shape == (m, n) and y.dtype == mx.float32
+    assert rel_err(y, want) < TOL["f32"]
+    if act and scale != "group":
+        # int8 activations: integer accumulation, then the twin's float32 epilogue: same bits
+        assert np.array_equal(np.array(y), np.array(twin))
+    else:
+        # float activations / group scales: float32 sums in another order than the twin's
+        assert rel_err(y, np.array(twin).astype(np.float64)) < TOL["f32"]
+
+
+@needs_native
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("packing", fmt.PACKINGS)
+@pytest.mark.parametrize("act", [True, False], ids=["act8", "float"])
+def test_half_activations(dt, packing, act):
+    (x, p, s, b, kw), want = make_case(6, 21, 300, packing, "group", 64, DTYPES[dt], act, True)
+    y = native.ternary_matmul(x, p, s, b, **kw)
+    assert y.dtype == DTYPES[dt]
+    assert rel_err(y, want) < TOL[dt]
+
+
+@needs_native
+def test_exact_epilogue_matches_float32_numpy():
+    """Row scales + int8 activations: ((sum(q t) * s) * (1 / scale)) + b in float32, exactly."""
+    (x, p, s, b, kw), _ = make_case(3, 24, 190, "fast", "row", None, mx.float32, True, True)
+    xf = np.array(x)
+    sc = np.float32(127) / np.maximum(np.abs(xf).max(-1, keepdims=True), np.float32(1e-5))
+    q = np.clip(np.rint(xf * sc), -128, 127).astype(np.int64)
+    t = fmt.unpack_fast(np.array(p), 190).astype(np.int64)
+    acc = (q @ t.T).astype(np.float32)
+    want = (acc * np.array(s).reshape(1, -1)) * (np.float32(1) / sc) + np.array(b)
+    assert np.array_equal(np.array(native.ternary_matmul(x, p, s, b, **kw)), want)
+
+
+@needs_native
+def test_negative_controls():
+    """The sweep's comparisons fail when the scale or the activation mode is wrong."""
+    (x, p, s, b, kw), want = make_case(3, 17, 200, "fast", "row", None, mx.float32, True, True)
+    assert rel_err(native.ternary_matmul(x, p, mx.ones_like(s), b, **kw), want) > 1e-2
+    off = dict(kw, activation_bits=None)
+    assert not np.array_equal(np.array(native.ternary_matmul(x, p, s, b, **off)),
+                              np.array(reference.ternary_matmul(x, p, s, b, **kw)))
+
+
+@needs_native
+def test_leading_dims_strided_input_and_threads():
+    (x, p, s, b, kw), want = make_case(5, 30, 150, "compact", "row", None, mx.float32, True, True,
+                                       lead=(2,))
+    y = native.ternary_matmul(x, p, s, b, **kw)
+    assert y.shape == (2, 5, 30) and rel_err(y, want) < TOL["f32"]
+    xt = mx.swapaxes(mx.swapaxes(x, 0, 1), 0, 1)  # same values through a strided view
+    strided = mx.transpose(mx.array(np.ascontiguousarray(np.array(x).transpose(2, 0, 1))),
+                           (1, 2, 0))
+    assert np.array_equal(np.array(native.ternary_matmul(strided, p, s, b, **kw)), np.array(y))
+    assert np.array_equal(np.array(native.ternary_matmul(xt, p, s, b, **kw)), np.array(y))
+    threads = native.info()["threads"]
+    try:
+        native.set_num_threads(1)
+        one = native.ternary_matmul(x, p, s, b, **kw)
+        native.set_num_threads(3)
+        three = native.ternary_matmul(x, p, s, b, **kw)
+        assert np.array_equal(np.array(one), np.array(y))
+        assert np.array_equal(np.array(three), np.array(y))
+    finally:
+        native.set_num_threads(threads)
+
+
+@needs_native
+def test_bad_arguments_name_the_tensor():
+    (x, p, s, b, kw), _ = make_case(2, 9, 130, "fast", "row", None, mx.float32, True, False)
+    with pytest.raises(ValueError, match="packed"):
+        native.ternary_matmul(x, p[:, :-1], s, b, **kw)
+    with pytest.raises(ValueError, match="in_features"):
+        native.ternary_matmul(x[:, :-1], p, s, b, **kw)
+    with pytest.raises(ValueError, match="group_size"):
+        native.ternary_matmul(x, p, mx.ones((9, 3)), b, **kw)
+
+
+@needs_native
+@pytest.mark.parametrize("act", [True, False], ids=["act8", "float"])
+@pytest.mark.parametrize("scale,group", [("row", None), ("group", 64), ("tensor", None)])
+def test_gradients(act, scale, group):
+    """dx = g @ (s t) (straight-through), db = sum g, ds = the twin's (same x_hat)."""
+    (x, p, s, b, kw), _ = make_case(4, 12, 150, "fast", scale, group, mx.float32, act, True)
+    g = mx.array(np.random.default_rng(1).normal(size=(4, 12)).astype(np.float32))
+    w = fmt.PackedTernary("fast", np.array(p), np.array(s), 12, 150, group).dequantize(np.float64)
+
+    def loss(fn):
+        return lambda x_, s_, b_: (fn(x_, p, s_, b_, **kw) * g).sum()
+
+    dx, ds, db = mx.grad(loss(native.ternary_matmul), argnums=(0, 1, 2))(x, s, b)
+    assert rel_err(dx, np.array(g).astype(np.float64) @ w) < 1e-6
+    assert np.allclose(np.array(db), np.array(g).sum(0), rtol=1e-6, atol=1e-6)
+    _, ds_ref, _ = mx.grad(loss(reference.ternary_matmul), argnums=(0, 1, 2))(x, s, b)
+    assert rel_err(ds, np.array(ds_ref).astype(np.float64)) < 1e-5
+    with pytest.raises(ValueError, match="packed trits"):
+        mx.grad(lambda p_: native.ternary_matmul(x, p_, s, b, **kw).sum())(p)
+
+
+@needs_native
+@pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
+def test_dense_matmul(wdt):
+    rng = np.random.default_rng(2)
+    for m, n, k in [(1, 37, 77), (2, 64, 256), (5, 19, 2050), (33, 8, 40)]:
+        w = mx.array(rng.normal(size=(n, k)).astype(np.float32)).astype(DTYPES[wdt])
+        x = mx.array(rng.normal(size=(m, k)).astype(np.float32))
+        want = np.array(x).astype(np.float64) @ np.array(w.astype(mx.float32)).astype(np.float64).T
+        y = native.dense_matmul(x, w)
+        assert y.dtype == mx.float32 and rel_err(y, want) < 2e-6
+    g = mx.ones((33, 8))
+    dx = mx.grad(lambda x_: (native.dense_matmul(x_, w) * g).sum())(x)
+    assert rel_err(dx, np.array(g) @ np.array(w.astype(mx.float32)).astype(np.float64)) < 1e-6
+
+
+@needs_native
+def test_ternary_weight_is_the_dequantized_matrix():
+    (x, p, s, b, kw), _ = make_case(1, 10, 333, "compact", "group", 128, mx.float32, False, False)
+    w = native.ternary_weight(p, s, packing="compact", in_features=333, group_size=128)
+    pt = fmt.PackedTernary("compact", np.array(p), np.array(s), 10, 333, 128)
+    assert np.array_equal(np.array(w), pt.dequantize(np.float32))
+
+
+@needs_native
+def test_backend_dispatch(monkeypatch, cpu_default):
+    assert kernels.resolve_backend() == "native"  # CPU default device, extension built
+    monkeypatch.setenv(kernels.ENV_BACKEND, "reference")
+    assert kernels.resolve_backend() == "reference"
+    monkeypatch.setenv(kernels.ENV_BACKEND, "native")
+    (x, p, s, b, kw), want = make_case(2, 9, 130, "compact", "row", None, mx.float32, True, True)
+    assert rel_err(kernels.ternary_matmul(x, p, s, b, **kw), want) < TOL["f32"]
+
+
+@needs_native
+def test_model_keeps_half_tables_and_matches_reference(tmp_path, cpu_default):
+    """load() on the native backend: float16 embedding / lm_head stay float16 (half the
+    bytes), the logits match the reference backend's float32 model."""
+    from mlx.utils import tree_flatten
+
+    from mlx_ternary.load import load_model
+    from mlx_ternary.native.layers import HalfEmbedding, HalfLinear
+    from mlx_ternary.nn import ternarize_model
+    from mlx_ternary.writers.native import save_model
+    from tiny import float_model
+
+    model, config = float_model("llama")
+    ternarize_model(model, "fast", "row", None, 8)
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight.astype(mx.float16)
+    model.lm_head.weight = model.lm_head.weight.astype(mx.float16)
+    path = tmp_path / "m"
+    save_model(model, config, path)
+    nat, _ = load_model(path)
+    ref, _ = load_model(path, backend="reference")
+    assert isinstance(nat.model.embed_tokens, HalfEmbedding) and isinstance(nat.lm_head, HalfLinear)
+    assert nat.lm_head.weight.dtype == mx.float16 and ref.lm_head.weight.dtype == mx.float32
+    nbytes = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))  # noqa: E731
+    assert nbytes(nat) < 0.75 * nbytes(ref)
+    tokens = mx.array([[1, 5, 9, 33, 70, 2]])
+    a, r = np.array(nat(tokens)), np.array(ref(tokens))
+    assert np.abs(a - r).max() < 1e-4 * np.abs(r).max()
+
+
+# --------------------------------------------------------------------------- build & cache
+
+
+def test_build_key_follows_mlx_version_and_sources(monkeypatch):
+    mlx, nb = build.mlx_build(), build.nanobind()
+    flags = build.ext_flags(mlx, nb)
+    key = build.build_key(mlx, nb, "c++", flags)
+    other = build.MlxBuild("0.0.1", mlx.include, mlx.libdir, mlx.library, mlx.core, False)
+    assert build.build_key(other, nb, "c++", flags) != key
+    assert build.build_key(mlx, nb, "g++", flags) != key
+    monkeypatch.setattr(build, "_sources", lambda: b"changed")
+    assert build.build_key(mlx, nb, "c++", flags) != key
+
+
+def test_changed_mlx_version_rebuilds_instead_of_loading(monkeypatch, tmp_path):
+    """A cached library of this MLX is never loaded for another version: the key differs,
+    so load() compiles (recorded here instead of run) a new one."""
+    real = build.mlx_build()
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
+    calls = []
+    monkeypatch.setattr(build, "compile_library", lambda path, *a, **k: calls.append(path))
+    monkeypatch.setattr(build, "mlx_build", lambda: build.MlxBuild(
+        "99.0.0", real.include, real.libdir, real.library, real.core, real.stable_abi))
+    with pytest.raises(ImportError):
+        build.load()  # the recorder wrote no library, so importing it fails
+    assert len(calls) == 1 and "99.0.0" not in calls[0].name
+    key_now = build.build_key(real, build.nanobind(), build.compiler(),
+                              build.ext_flags(real, build.nanobind()))
+    assert key_now not in calls[0].name
+
+
+@needs_native
+def test_verify_refuses_a_library_built_for_another_mlx():
+    module = native._state["module"]
+    build.verify(module, mx.__version__)  # the real one passes
+    with pytest.raises(build.NativeBuildError, match="built for mlx"):
+        build.verify(module, "99.0.0")
+
+
+def test_nanobind_abi_mismatch_is_refused(tmp_path):
+    mlx, nb = build.mlx_build(), build.nanobind()
+    build.check_nanobind_abi(mlx, nb)
+    fake = tmp_path / "core.so"
+    fake.write_bytes(b"nanobind_system_libstdcpp_a1_v21 built with nanobind 2")
+    old = build.MlxBuild(mlx.version, mlx.include, mlx.libdir, mlx.library, fake, False)
+    with pytest.raises(build.NativeBuildError, match="nanobind"):
+        build.check_nanobind_abi(old, nb)
+
+
+def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
+    """CXX naming a missing compiler and an empty cache: the pure-MLX path runs, one warning."""
+    code = textwrap.dedent("""
+        import warnings
+        warnings.simplefilter("always")
+        import mlx.core as mx
+        from mlx_ternary import kernels, native
+        from mlx_ternary.load import load
+        model, tok = load("mlx_ternary/assets/tiny-shakespeare")
+        assert kernels.resolve_backend() == "reference", kernels.resolve_backend()
+        mx.eval(model(mx.array([[1, 2, 3]])))
+        assert not native.available() and "compiler" in native.unavailable_reason()
+        print("ok")
+    """)
+    env = {**os.environ, build.ENV_CACHE: str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    env.pop(build.ENV_CXX, None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+    assert out.stderr.count("NativeBackendWarning") == 1, out.stderr
+    assert "the native CPU kernel is unavailable" in out.stderr
+
+
+# --------------------------------------------------------------------------- llama.cpp row
+
+
+def test_llamacpp_find_and_gguf_bytes(tmp_path, monkeypatch):
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, quants
+
+    from mlx_ternary import llamacpp
+    from mlx_ternary.errors import TernaryError
+
+    monkeypatch.delenv(llamacpp.ENV, raising=False)
+    assert llamacpp.find(None) is None
+    with pytest.raises(TernaryError, match="no node-llama-cpp"):
+        llamacpp.find(str(tmp_path))
+    (tmp_path / "node_modules" / "node-llama-cpp" / "dist").mkdir(parents=True)
+    (tmp_path / "node_modules" / "node-llama-cpp" / "dist" / "index.js").write_text("")
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: "/bin/node")
+    monkeypatch.setenv(llamacpp.ENV, str(tmp_path))
+    assert llamacpp.find(None) == tmp_path / "node_modules"
+    t = np.random.default_rng(0).integers(-1, 2, (4, 256)).astype(np.float32) * 0.5
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("a.weight", quants.quantize(t, Q.TQ2_0), raw_dtype=Q.TQ2_0)
+    w.add_tensor("b.weight", np.ones(8, np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert llamacpp.gguf_bytes(tmp_path / "m.gguf") == (4 * 66 + 32, 4 * 66, 1024)
+
+
+@needs_native
+def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch, cpu_default):
+    """The row's runs come from llamacpp.run (faked: the suite never needs Node)."""
+    import importlib.util
+
+    from mlx_ternary import bench as B
+    from mlx_ternary import llamacpp
+
+    spec = importlib.util.spec_from_file_location(
+        "make_synthetic_model", os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                             "make_synthetic_model.py"))
+    syn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(syn)
+    model = syn.write(tmp_path / "tiny", "tiny", seed=1)
+    calls = []
+
+    def fake_run(node, gguf, **kw):
+        calls.append(kw)
+        return {"runs": [{"prefill_tps": 100.0 + len(calls), "decode_tps": 40.0, "tokens": 2}],
+                "peak_rss": 600_000_000, "threads": kw["threads"], "system": ""}
+
+    monkeypatch.setattr(llamacpp, "find", lambda d=None: tmp_path)
+    monkeypatch.setattr(llamacpp, "run", fake_run)
+    monkeypatch.setattr(llamacpp, "gguf_bytes", lambda p: (4_000_000, 1_000_000, 3_878_788))
+    r = B.run_bench(str(model), ("fast",), prompt_tokens=4, gen_tokens=2, repeats=2,
+                    llama_cpp="x", gguf=str(tmp_path / "m.gguf"), llama_threads=2)
+    row = r.formats[-1]
+    assert [f.name for f in r.formats] == ["fast", "llama.cpp"] and row.loads
+    assert [x.prefill_tps for x in row.runs] == [101.0, 102.0]
+    assert all(x.peak_bytes == 600_000_000 for x in row.runs)
+    assert calls[0] == dict(threads=2, prompt_tokens=4, gen_tokens=2, seed=0, vocab=256)
+    assert row.bits_per_weight == pytest.approx(8 * 1_000_000 / 3_878_788)
+    assert any(cells[0] == "llama.cpp" and "2 threads" in cells[2] for cells in B.table_rows(r))
+    r = B.run_bench(str(model), ("fast",), prompt_tokens=4, gen_tokens=2, repeats=1,
+                    llama_cpp="x")
+    assert not r.formats[-1].loads and "--gguf" in r.formats[-1].reason
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _qkv(b, hq, hkv, lq, lk, d, seed=0):
+    rng = np.random.default_rng(seed)
+    # queries as mlx-lm makes them: (B, L, H, D) transposed, a strided view
+    q = mx.array(rng.normal(size=(b, lq, hq, d)).astype(np.float32)).transpose(0, 2, 1, 3)
+    k = mx.array(rng.normal(size=(b, hkv, lk + 3, d)).astype(np.float32))[:, :, :lk]
+    v = mx.array(rng.normal(size=(b, hkv, lk, d)).astype(np.float32))
+    return q, k, v
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 8, 2, 7, 7, 64), (2, 4, 4, 3, 11, 40), (1, 6, 3, 1, 9, 128),
+                                   (1, 4, 1, 33, 40, 64)], ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_attention_matches_mlx_and_float64(shape, mask):
+    from mlx_ternary.native.attention import scaled_dot_product_attention as sdpa
+
+    b, hq, hkv, lq, lk, d = shape
+    q, k, v = _qkv(*shape)
+    y = sdpa(q, k, v, scale=d ** -0.5, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=mask)
+    qn, kn, vn = (np.array(a).astype(np.float64) for a in (q, k, v))
+    kn, vn = np.repeat(kn, hq // hkv, axis=1), np.repeat(vn, hq // hkv, axis=1)
+    s = qn @ kn.transpose(0, 1, 3, 2) * d ** -0.5
+    if mask == "causal":  # query i sees keys j <= i + lk - lq
+        s = np.where(np.arange(lk)[None] <= np.arange(lq)[:, None] + lk - lq, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ vn
+    assert np.abs(np.array(y) - want).max() < 1e-5
+    assert np.abs(np.array(y) - np.array(ref)).max() < 1e-5
+
+
+@needs_native
+def test_attention_gradient_is_mlx_own_and_arrays_masks_fall_back():
+    from mlx_ternary.native.attention import scaled_dot_product_attention as sdpa
+
+    q, k, v = _qkv(1, 4, 2, 5, 5, 64, seed=1)
+    g = mx.array(np.random.default_rng(2).normal(size=(1, 4, 5, 64)).astype(np.float32))
+
+    def loss(fn):
+        return lambda q_, k_, v_: (fn(q_, k_, v_) * g).sum()
+
+    ours = mx.grad(loss(lambda *a: sdpa(*a, scale=0.125, mask="causal")), argnums=(0, 1, 2))(q, k, v)
+    mlxs = mx.grad(loss(lambda *a: mx.fast.scaled_dot_product_attention(
+        *a, scale=0.125, mask="causal")), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ours, mlxs):
+        assert np.allclose(np.array(a), np.array(b), atol=1e-5)
+    assert sdpa(q, k, v, scale=0.125, mask=mx.zeros((5, 5))) is None  # array masks: MLX's
+
+
+@needs_native
+def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cpu_default):
+    """install(): the model's own calls use the native kernel; the same mlx-lm function called
+    outside the model (another model, user code) stays MLX's."""
+    import mlx_lm.models.llama as llama
+
+    from mlx_ternary.load import load_model
+    from mlx_ternary.native import attention
+    from tiny import ternary_checkpoint
+
+    path, _ = ternary_checkpoint(tmp_path, "llama", "fast", "row", activation_bits=8)
+    model, _ = load_model(path)
+    ref, _ = load_model(path, backend="reference")
+    calls = []
+    real = attention._attention
+    monkeypatch.setattr(attention, "_attention",
+                        lambda scale, causal: calls.append(causal) or real(scale, causal))
+    ids = mx.array([[1, 5, 9, 33, 70, 2, 4]])
+    a, r = np.array(model(ids)), np.array(ref(ids))
+    assert calls == [True, True]  # two layers, causal prefill
+    assert np.abs(a - r).max() < 1e-4 * np.abs(r).max()
+    q, k, v = _qkv(1, 4, 2, 3, 3, 16)
+    llama.scaled_dot_product_attention(q, k, v, cache=None, scale=0.25, mask="causal")
+    assert calls == [True, True]  # not routed outside the model's call
