@@ -3,7 +3,7 @@
 `load()`, `generate`, `serve`, `plan` and `perplexity` take a GGUF path; the first time,
 it is converted to the native format into the cache, and later loads read that copy.
 
-Where: $XDG_CACHE_HOME/mlx-ternary/gguf (default ~/.cache/mlx-ternary/gguf), one
+Where: $XDG_CACHE_HOME/mlx_ternary/gguf (default ~/.cache/mlx_ternary/gguf), one
 directory per file version, `<name>-<path hash>-<content key>`. The content key hashes
 the file's size, modification time and its first and last MiB, so a replaced or
 re-exported file gets a new key and is converted again; the older conversions of the
@@ -12,19 +12,18 @@ place (convert's rule), so a directory in the cache is always complete.
 """
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import TernaryError
+from .hub import user_cache
 
 SAMPLE = 1 << 20  # bytes hashed at each end of the file
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "mlx-ternary" / "gguf"
+    return user_cache("gguf")
 
 
 def _path_key(path: Path) -> str:

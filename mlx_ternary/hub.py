@@ -1,5 +1,7 @@
-"""Where a model lives: a local directory, or a Hugging Face repo id downloaded on request."""
+"""Where things live: a model (a local directory, or a Hugging Face repo id downloaded on
+request), and what this package builds and caches (`user_cache`)."""
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -43,3 +45,10 @@ def model_dir(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
         raise TernaryError(f"{path_or_hf_repo}: no such model directory (and not a Hugging Face "
                            "repo id of the form owner/name)")
     return _download(repo, revision)
+
+
+def user_cache(*parts: str) -> Path:
+    """$XDG_CACHE_HOME/mlx_ternary/<parts> (~/.cache by default): compiled kernels, tuning,
+    GGUF conversions."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser().joinpath("mlx_ternary", *parts)

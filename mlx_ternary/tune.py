@@ -20,6 +20,8 @@ from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 
+from .hub import user_cache
+
 ENV_TUNE = "MLX_TERNARY_TUNE"
 TIME_BUDGET_S = 3.0      # per process, all shapes together
 CHAIN_SECONDS = 0.02     # one timed chain aims at this long
@@ -39,9 +41,8 @@ def cache_path() -> Path:
     """The tuning file of this chip and MLX version."""
     from .probe import chip
 
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{chip()}-mlx{mx.__version__}").strip("_")
-    return base / "mlx_ternary" / "tune" / f"{name}.json"
+    return user_cache("tune", f"{name}.json")
 
 
 def _load(path: Path) -> Dict[str, str]:

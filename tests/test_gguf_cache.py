@@ -20,7 +20,7 @@ def test_converted_once_reused_and_redone_when_the_file_changes(tmp_path, monkey
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path, _, _ = gb.write(tmp_path / "m.gguf", "llama", output=None)
     model, _ = mlx_ternary.load(str(path))
-    root = tmp_path / "xdg" / "mlx-ternary" / "gguf"
+    root = tmp_path / "xdg" / "mlx_ternary" / "gguf"
     [first] = list(root.iterdir())
     assert (first / "manifest.json").is_file()
     logits = np.array(model(TOKENS))
@@ -54,7 +54,7 @@ def test_cli_generate_from_gguf_says_it_converts_once(tmp_path, monkeypatch):
     second = runner.invoke(main, args)
     assert second.exit_code == 0 and "converting" not in second.stderr
     assert second.stdout == first.stdout
-    assert gguf_cache.cache_dir(path).parent == tmp_path / "xdg" / "mlx-ternary" / "gguf"
+    assert gguf_cache.cache_dir(path).parent == tmp_path / "xdg" / "mlx_ternary" / "gguf"
 
 
 def test_mlx_lm_tools_take_a_gguf_model(tmp_path, monkeypatch):

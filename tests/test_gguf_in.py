@@ -176,7 +176,7 @@ def test_i2s_model_generates(tmp_path, monkeypatch):
     from mlx_lm import generate
 
     assert isinstance(generate(model, tok, "the", max_tokens=4), str)
-    cfg = json.loads(next((tmp_path / "mlx-ternary" / "gguf").iterdir()).joinpath(
+    cfg = json.loads(next((tmp_path / "mlx_ternary" / "gguf").iterdir()).joinpath(
         "config.json").read_text())
     assert cfg["quantization"]["activation_bits"] == 8
 

@@ -54,8 +54,9 @@ def cache_dir() -> Path:
     env = os.environ.get("MLX_TERNARY_EMULATOR_CACHE")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mlx_ternary" / "emulator"
+    from ..hub import user_cache
+
+    return user_cache("emulator")
 
 
 def compiler() -> str:

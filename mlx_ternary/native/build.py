@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 CSRC = Path(__file__).parent / "csrc"
 MODULE = "_mlx_ternary_native"
@@ -45,8 +45,9 @@ def cache_dir() -> Path:
     env = os.environ.get(ENV_CACHE)
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mlx_ternary" / "native"
+    from ..hub import user_cache
+
+    return user_cache("native")
 
 
 def compiler() -> str:
