@@ -61,12 +61,15 @@ def scaled_dot_product_attention(queries, keys, values, *, scale: float, mask=No
 
 
 def _dispatcher(original):
-    def scaled_dot_product_attention_(queries, keys, values, cache, scale, mask, sinks=None):
-        if getattr(_local, "depth", 0) and sinks is None and not hasattr(cache, "bits"):
+    def scaled_dot_product_attention_(queries, keys, values, cache, scale, mask, **kwargs):
+        # Keywords are passed on as given (mlx-lm versions differ in them, e.g. `sinks`);
+        # any that is set, attention sinks included, keeps mlx-lm's own attention.
+        if (getattr(_local, "depth", 0) and all(v is None for v in kwargs.values())
+                and not hasattr(cache, "bits")):
             out = scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
             if out is not None:
                 return out
-        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
 
     scaled_dot_product_attention_.__wrapped__ = original
     return scaled_dot_product_attention_
