@@ -5,7 +5,6 @@ layer's `to_lora` hook; it asks no hook for DoRA, so `linear_to_lora_layers` her
 the ternary layers itself, by mlx-lm's key rules, and leaves the rest to mlx-lm.
 """
 
-import json
 from pathlib import Path
 from typing import Dict, Set
 
@@ -16,7 +15,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.tuner import utils as tuner
 from mlx_lm.utils import dequantize_model as mlx_dequantize_model
 
-from .errors import FormatError, TernaryError
+from .errors import FormatError, TernaryError, read_json
 from .nn import FusedTernaryLinear, TernaryLinear, ternary_layers
 
 ADAPTER_LEAVES = ("lora_a", "lora_b", "m")
@@ -94,10 +93,7 @@ def load_adapters(model: nn.Module, adapter_path) -> nn.Module:
         if not f.is_file():
             raise TernaryError(f"{f}: not found; --adapter-path takes the directory "
                                "`mlx_lm.lora` (or `mlx-ternary lm lora`) saved the adapter in")
-    try:
-        config = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise FormatError(f"{config_file}: not valid JSON ({e})") from None
+    config = read_json(config_file)
     kind = config.get("fine_tune_type", "lora")
     if kind not in ("lora", "dora"):
         raise TernaryError(f"{config_file}: fine_tune_type {kind!r}; a ternary base loads "

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import kernels
-from .errors import FormatError, TernaryError
+from .errors import FormatError, TernaryError, read_json
 from .format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig
 from .hub import model_dir
 from .readers import open_source as open_path
@@ -297,7 +297,7 @@ def _write_gguf(source: Source, tmp: Path, qtype: str, dtype, report: ConvertRep
         if (source.tokenizer_dir / "tokenizer.json").is_file():
             tok_json = (source.tokenizer_dir / "tokenizer.json").read_text()
         if (source.tokenizer_dir / "tokenizer_config.json").is_file():
-            tok_cfg = json.loads((source.tokenizer_dir / "tokenizer_config.json").read_text())
+            tok_cfg = read_json(source.tokenizer_dir / "tokenizer_config.json")
     check = Checker(source.model, source.targets, source.path)
     done = [0]
 

@@ -186,3 +186,12 @@ def test_refusals(tmp_path):
     with pytest.raises(TernaryError, match="no BPE merges"):
         convert(str(ckpt), to_gguf=tmp_path / "x.gguf")
     assert not list(tmp_path.glob("*x.gguf*"))
+
+
+def test_corrupt_tokenizer_config_is_named(tmp_path):
+    ckpt, _ = ternary_checkpoint(tmp_path, "llama", scale="row")
+    _bpe_tokenizer(ckpt)
+    (ckpt / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(TernaryError, match="tokenizer_config.json: not valid JSON"):
+        convert(str(ckpt), to_gguf=tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()  # nothing half-written

@@ -10,7 +10,6 @@ entries keyed by module path) decides which stored weights are MLX affine-quanti
 `affine_tensor` reads one, `stream` groups a checkpoint's tensors into items.
 """
 
-import json
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
@@ -19,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..errors import FormatError, TernaryError
+from ..errors import FormatError, TernaryError, read_json
 from ..format import AffineTensor, PackedTernary, affine_entry
 from ..nn import linear_paths
 from .common import read_sanitized, sanitized_index, shard_files
@@ -40,10 +39,7 @@ def read_config(model_path: Path) -> dict:
     if not path.exists():
         raise TernaryError(f"{model_path}: no config.json; a model directory needs config.json, "
                            "its safetensors weights and tokenizer files")
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as e:
-        raise FormatError(f"{path}: not valid JSON ({e})") from None
+    config = read_json(path)
     if "model_type" not in config:
         raise FormatError(f"{path}: no model_type field; cannot tell the architecture")
     return normalize_config(config)
