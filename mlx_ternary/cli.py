@@ -25,13 +25,13 @@ def _model(model: str) -> str:
     """--model: a GGUF file is converted once into the cache, saying so on stderr."""
     from pathlib import Path
 
-    from .readers.gguf import detect
+    from .checkpoint.readers.gguf import detect
 
     if not detect(Path(model).expanduser()):
         return model
     from tqdm import tqdm
 
-    from .gguf_cache import native_dir
+    from .checkpoint.gguf_cache import native_dir
 
     bar = None
 
@@ -64,9 +64,9 @@ def _build_native():
     import mlx.core as mx
 
     if os.environ.get("MLX_TERNARY_BACKEND", "native") == "native" and mx.default_device() == mx.cpu:
-        from . import native
+        from .runtime import cpu
 
-        native.available(lambda s: click.echo(f"mlx-ternary: {s}", err=True))
+        cpu.available(lambda s: click.echo(f"mlx-ternary: {s}", err=True))
 
 
 @main.command(epilog="""\b
@@ -103,7 +103,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
              system_prompt, ignore_chat_template, max_kv_size, kv_bits, adapter_path, verbose):
     """Generate text from a prompt, streaming tokens as they come."""
     from . import generate as gen
-    from .load import load
+    from .checkpoint.load import load
 
     if model is None:
         if not gen.EMBEDDED_MODEL.exists():
@@ -112,7 +112,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
         model = str(gen.EMBEDDED_MODEL)
     if max_tokens < 1:
         raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
-    from . import distributed as dist
+    from . import parallel as dist
 
     group = dist.world()  # under mlx.launch: tensor parallel, rank 0 prints
     rank0 = group.rank() == 0
@@ -131,7 +131,7 @@ def generate(model, prompt, max_tokens, temp, top_p, top_k, min_p, repetition_pe
         seed = dist.agree_seed(seed, group)
     else:
         lm, tokenizer = load(_model(model), lazy=True, adapter_path=adapter_path)
-    from .plan import plan as memory_plan
+    from .memory import plan as memory_plan
 
     n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
     mem = memory_plan(lm, n_prompt + max_tokens, prefill_step_size=2048, kv_bits=kv_bits,
@@ -185,7 +185,7 @@ def perplexity(model, data, context, batch_size, max_tokens, as_json):
 
     from . import generate as gen
     from . import perplexity as ppl
-    from .load import load
+    from .checkpoint.load import load
 
     if model is None:
         if not gen.EMBEDDED_MODEL.exists():
@@ -239,7 +239,7 @@ def convert(hf_path, mlx_path, packing, q_bits, q_group_size, dtype, dequantize,
     """Convert a ternary checkpoint to the native format, stock MLX or GGUF."""
     from tqdm import tqdm
 
-    from .convert import convert as run_convert
+    from .checkpoint.convert import convert as run_convert
 
     if mlx_path is None and to_gguf is None:
         raise click.UsageError("give --mlx-path DIR or --to-gguf FILE")
@@ -276,7 +276,7 @@ def convert(hf_path, mlx_path, packing, q_bits, q_group_size, dtype, dequantize,
 @click.argument("path")
 def verify(path):
     """Check a converted checkpoint: manifest hashes, shards, tensor shapes vs config."""
-    from .verify import verify as run_verify
+    from .checkpoint.verify import verify as run_verify
 
     report = run_verify(path)
     for problem in report.problems:
@@ -319,10 +319,10 @@ def serve(model, host, port, max_context, memory_limit, prefill_step_size, max_c
           kv_bits, kv_group_size, prompt_cache_bytes, adapter_path):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
-    from . import distributed as dist
+    from . import parallel as dist
     from . import generate as gen
-    from .plan import kv_bytes, parse_bytes, plan as memory_plan
-    from .serve import ServeConfig, Server, load_model, make_engine
+    from .memory import kv_bytes, parse_bytes, plan as memory_plan
+    from .serve.http import ServeConfig, Server, load_model, make_engine
 
     model = model or str(gen.EMBEDDED_MODEL)
     kv_bits = int(kv_bits) if kv_bits else None
@@ -434,8 +434,8 @@ def plan(model, max_context, batch, kv_bits, prefill_step_size, memory_limit,
     import json
 
     from . import generate as gen
-    from .load import load
-    from .plan import parse_bytes, plan as memory_plan
+    from .checkpoint.load import load
+    from .memory import parse_bytes, plan as memory_plan
 
     try:
         cache_bytes = parse_bytes(prompt_cache_bytes)
@@ -502,15 +502,15 @@ def bench(model, kernels, host, backend, quick, formats, prompt_tokens, gen_toke
     """Measure each representation of a model: bytes, peak memory, prefill and decode speed."""
     import json as json_
 
-    from . import bench as bench_
+    from .bench import formats as bench_
 
     if kernels or host:
         if kernels:
-            from . import kernel_bench as mod
+            from .bench import kernels as mod
 
             result = mod.run(backend, quick, bandwidth, progress=lambda s: click.echo(s, err=True))
         else:
-            from . import host_bench as mod
+            from .bench import host as mod
 
             result = mod.report()
         for line in mod.lines(result):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from .errors import TernaryError
-from .readers import hf_bitnet, native
+from .checkpoint.readers import hf_bitnet, native
 
 # mlx-lm 0.32's subcommands (mlx_lm/cli.py) and the module each runs.
 TOOLS: Dict[str, str] = {
@@ -64,7 +64,7 @@ def _routed_load_model(mlx_load_model, tool: str):
             raise TernaryError(f"{model_path}: {', '.join(overrides)} do not apply to ternary "
                                "checkpoints (mlx-ternary builds mlx-lm's class for the config "
                                "as it is); drop them")
-        from .load import load_model as ternary_load_model
+        from .checkpoint.load import load_model as ternary_load_model
 
         return ternary_load_model(Path(model_path), lazy=lazy)
 
@@ -80,7 +80,7 @@ def routed(tool: str = "python"):
     import mlx_lm.utils as mlx_utils
     from mlx_lm.tuner import utils as tuner
 
-    from . import adapters
+    from .runtime import adapters
 
     swaps = {id(old): (old, new) for old, new in (
         (mlx_utils.load_model, _routed_load_model(mlx_utils.load_model, tool)),
@@ -125,8 +125,8 @@ MODEL_FLAGS = ("--model", "--draft-model")
 def gguf_args(args: List[str], notify=None) -> List[str]:
     """`--model FILE.gguf` -> the native directory it is converted to once (gguf_cache), so
     mlx-lm finds a config, weights and tokenizer there."""
-    from .gguf_cache import native_dir
-    from .readers import gguf
+    from .checkpoint.gguf_cache import native_dir
+    from .checkpoint.readers import gguf
 
     out = list(args)
     for i, arg in enumerate(out):

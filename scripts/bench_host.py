@@ -13,17 +13,17 @@ with it. `mlx-ternary bench --host` prints the same tables.
 import argparse
 import json
 
-from mlx_ternary import host_bench
+from mlx_ternary.bench import host
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=host_bench.ROUNDS)
+    ap.add_argument("--rounds", type=int, default=host.ROUNDS)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    result = host_bench.report(layers=args.layers, rounds=args.rounds)
-    for line in host_bench.lines(result):
+    result = host.report(layers=args.layers, rounds=args.rounds)
+    for line in host.lines(result):
         print(line)
     if args.json:
         with open(args.json, "w") as f:

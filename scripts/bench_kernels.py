@@ -4,7 +4,7 @@ The same as `mlx-ternary bench --kernels`: every kernel variant, checked against
 reference twin before it is timed, in chains of >= 50 dependent calls per evaluation
 (no CPU-GPU round trip per call), weights rotated over copies, beside stock
 mx.quantized_matmul 2-bit on the very same words and 4-bit g64, with a copy bandwidth
-measured in the same run (mlx_ternary/kernel_bench.py has the details).
+measured in the same run (mlx_ternary/kernels.py has the details).
 
     python scripts/bench_kernels.py --json kernels.json      # on a Mac, ~5-10 minutes
     python scripts/bench_kernels.py --quick                  # one shape
@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from mlx_ternary import kernel_bench
+from mlx_ternary.bench import kernels
 from mlx_ternary.errors import TernaryError
 
 
@@ -27,11 +27,11 @@ def main():
     ap.add_argument("--json", default=None, help="write the full results here")
     args = ap.parse_args()
     try:
-        result = kernel_bench.run(args.backend, args.quick, args.bandwidth,
+        result = kernels.run(args.backend, args.quick, args.bandwidth,
                                   progress=lambda s: print(s, file=sys.stderr))
     except TernaryError as e:
         sys.exit(f"error: {e}")
-    print("\n".join(kernel_bench.lines(result)))
+    print("\n".join(kernels.lines(result)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

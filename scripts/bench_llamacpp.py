@@ -113,9 +113,9 @@ def worker(model_dir: str, prompt_tokens: int, gen_tokens: int, seed: int) -> di
     """One mlx-ternary measurement in this (fresh) process."""
     import mlx.core as mx
 
-    from mlx_ternary import kernels, native
-    from mlx_ternary.bench import measure
-    from mlx_ternary.load import load_model
+    from mlx_ternary.runtime import dispatch, cpu
+    from mlx_ternary.bench.formats import measure
+    from mlx_ternary.checkpoint.load import load_model
 
     model, config = load_model(Path(model_dir))
     rng = np.random.default_rng(seed)
@@ -125,7 +125,7 @@ def worker(model_dir: str, prompt_tokens: int, gen_tokens: int, seed: int) -> di
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss *= 1 if sys.platform == "darwin" else 1024
     return {"prefill_tps": run.prefill_tps, "decode_tps": run.decode_tps, "peak_rss": rss,
-            "backend": kernels.resolve_backend(), "isa": native.info().get("isa", "")}
+            "backend": dispatch.resolve_backend(), "isa": cpu.info().get("isa", "")}
 
 
 def run_mlx(model_dir: Path, threads: int, a) -> dict:
@@ -163,7 +163,7 @@ def main(argv=None):
         print(json.dumps(worker(a.worker, a.prompt_tokens, a.gen_tokens, a.seed)))
         return
 
-    from mlx_ternary import llamacpp
+    from mlx_ternary.bench import llamacpp
 
     node_modules = llamacpp.find(a.llama_cpp)
     if node_modules is None:

@@ -41,9 +41,9 @@ def build(model_name: str, kind: str):
     from mlx.utils import tree_map
 
     import mlx_ternary
-    from mlx_ternary.adapters import dequantize_model
+    from mlx_ternary.runtime.adapters import dequantize_model
     from mlx_ternary.generate import EMBEDDED_MODEL
-    from mlx_ternary.nn import ternarize_model
+    from mlx_ternary.runtime.layers import ternarize_model
 
     if model_name == "embedded":
         model, _ = mlx_ternary.load(str(EMBEDDED_MODEL))
@@ -75,7 +75,7 @@ def run_one(model_name: str, kind: str, batch: int, seq: int, steps: int) -> dic
     import mlx.optimizers as optim
     from mlx_lm.tuner.trainer import default_loss
 
-    from mlx_ternary.adapters import linear_to_lora_layers
+    from mlx_ternary.runtime.adapters import linear_to_lora_layers
 
     from mlx.utils import tree_flatten
 

@@ -63,7 +63,7 @@ def prompt_cache(args):
     import openai
 
     import mlx_ternary
-    from mlx_ternary.serve import ServeConfig, Server
+    from mlx_ternary.serve.http import ServeConfig, Server
 
     model, tokenizer = mlx_ternary.load(args.model)
     out = {"model": args.model, "runs": args.runs}
@@ -176,7 +176,7 @@ def grammar(args):
     from llguidance.hf import from_tokenizer
     from transformers import AutoTokenizer
 
-    from mlx_ternary.constrain import JSON_OPTIONS
+    from mlx_ternary.serve.constrain import JSON_OPTIONS
 
     out = []
     for path in args.tokenizer:

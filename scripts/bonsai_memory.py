@@ -60,7 +60,7 @@ def packed(n: int, k: int):
 def write(out: Path, cfg: dict) -> None:
     from mlx_lm.utils import _get_classes
 
-    from mlx_ternary.writers.native import ShardWriter
+    from mlx_ternary.checkpoint.writers.native import ShardWriter
 
     out.mkdir(parents=True, exist_ok=False)
     model_class, args_class = _get_classes(cfg)
@@ -78,8 +78,8 @@ def write(out: Path, cfg: dict) -> None:
 
 
 def measure(out: Path, cfg: dict) -> dict:
-    from mlx_ternary.load import load_model
-    from mlx_ternary.nn import TernaryLinear
+    from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.runtime.layers import TernaryLinear
 
     model, _ = load_model(out)
     sizes = {"ternary": 0, "affine": 0, "float": 0}

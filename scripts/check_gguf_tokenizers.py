@@ -20,8 +20,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from mlx_ternary.errors import FormatError
-from mlx_ternary.readers.gguf_file import GGUFFile
-from mlx_ternary.readers.gguf_tokenizer import tokenizer_files
+from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
+from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
 
 
 def rebuilt(path: Path) -> Tokenizer:

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_ternary import format as F
-from mlx_ternary import reference
+from mlx_ternary.runtime import reference
 
 SHAPES = [(6912, 2560), (2560, 6912)]  # BitNet-2B MLP (out, in)
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_ternary import format as fmt
-from mlx_ternary import metal_ops
+from mlx_ternary.runtime.metal import launch
 
 
 def launches(packing, act, m, k, n, dtype):
@@ -23,14 +23,14 @@ def launches(packing, act, m, k, n, dtype):
     t = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
     pt = fmt.PackedTernary.from_trits(t, np.ones((n, 1), np.float32), packing, None)
     x = mx.array(rng.normal(size=(m, k)).astype(np.float32)).astype(dtype)
-    metal_ops.ternary_matmul(x, mx.array(pt.packed), mx.ones((n, 1), dtype=mx.float16),
+    launch.ternary_matmul(x, mx.array(pt.packed), mx.ones((n, 1), dtype=mx.float16),
                              packing=packing, in_features=k, activation_bits=act,
                              backend="emulate")
-    kind = metal_ops.choose_kernel(m)
+    kind = launch.choose_kernel(m)
     names = (["prepass"] if act else []) + (["gemm"] if kind == "gemm" else [f"gemv_{packing}"])
     out = []
     for name in names:
-        stats = metal_ops.get_kernel(name, "emulate").last_stats
+        stats = launch.get_kernel(name, "emulate").last_stats
         out.append((name, {b: v["read"] for b, v in stats.items() if v["read"]},
                     sum(v["written"] for v in stats.values())))
     return out, pt.packed.nbytes

@@ -29,9 +29,9 @@ import numpy as np
 
 import mlx_ternary
 from mlx_ternary import generate as gen
-from mlx_ternary.convert import convert
-from mlx_ternary.readers.gguf import detect
-from mlx_ternary.readers.gguf_file import GGUFFile
+from mlx_ternary.checkpoint.convert import convert
+from mlx_ternary.checkpoint.readers.gguf import detect
+from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 
 HERE = Path(__file__).resolve().parent
 STRINGS = ["I'll", "What's", "don't", "ROMEO: I'll tell thee, my lord.",

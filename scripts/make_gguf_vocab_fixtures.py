@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-from mlx_ternary.gguf_tables import hf_pre_tokenizer, pre_tokenizer
-from mlx_ternary.readers.gguf_file import GGUFFile
+from mlx_ternary.checkpoint.gguf_tables import hf_pre_tokenizer, pre_tokenizer
+from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 
 NAMES = ("gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "falcon")
 

@@ -18,8 +18,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_ternary import format as fmt
-from mlx_ternary.nn import linear_paths
-from mlx_ternary.writers.native import ShardWriter, native_config
+from mlx_ternary.runtime.layers import linear_paths
+from mlx_ternary.checkpoint.writers.native import ShardWriter, native_config
 
 # Published shapes: BitNet b1.58 2B4T, Llama-3-8B (HF1BitLLM's ternary Llama3-8B-1.58),
 # Llama-3.2-1B, Qwen3.5-27B (Ternary-Bonsai / Bonsai-2 27B). `tiny` is a BitNet for tests.

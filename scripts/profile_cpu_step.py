@@ -35,13 +35,13 @@ def main():
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_ternary import kernels, native
-    from mlx_ternary.load import load_model
-    from mlx_ternary.native.attention import enabled
-    from mlx_ternary.nn import TernaryLinear, ternary_layers
+    from mlx_ternary.runtime import dispatch, cpu
+    from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.runtime.cpu.attention import enabled
+    from mlx_ternary.runtime.layers import TernaryLinear, ternary_layers
 
     model, config = load_model(a.model)
-    print(f"backend {kernels.resolve_backend()} {native.info()}; ms per call")
+    print(f"backend {dispatch.resolve_backend()} {cpu.info()}; ms per call")
     rng = np.random.default_rng(0)
     prompt = mx.array(rng.integers(3, config["vocab_size"], a.prompt_tokens), dtype=mx.uint32)
     cache = make_prompt_cache(model)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 import mlx_ternary  # noqa: E402
 from mlx_ternary import generate as gen  # noqa: E402
 from mlx_ternary import perplexity as ppl  # noqa: E402
-from mlx_ternary.nn import ternary_layers  # noqa: E402
-from mlx_ternary.writers.native import save_model  # noqa: E402
+from mlx_ternary.runtime.layers import ternary_layers  # noqa: E402
+from mlx_ternary.checkpoint.writers.native import save_model  # noqa: E402
 
 BUILD = ROOT / "build" / "tiny"  # where scripts/train_tiny.py writes by default
 ASSET = gen.EMBEDDED_MODEL

@@ -25,9 +25,9 @@ import mlx.core as mx
 def worker(args) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_ternary.distributed import sharded_load, world
-    from mlx_ternary.load import load
-    from mlx_ternary.shard import ternary_bytes
+    from mlx_ternary.parallel import sharded_load, world
+    from mlx_ternary.checkpoint.load import load
+    from mlx_ternary.runtime.shard import ternary_bytes
 
     group = world()
     t0 = time.perf_counter()
@@ -54,7 +54,7 @@ def worker(args) -> None:
 
 
 def run(args, ranks: int) -> list:
-    from mlx_ternary.distributed import local_launch
+    from mlx_ternary.parallel import local_launch
 
     me = [str(Path(__file__).resolve()), "--worker", "--model", args.model,
           "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]

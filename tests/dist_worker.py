@@ -4,7 +4,7 @@ It runs `mlx-ternary generate` with the JSON file's (argv[1]) "generate" argumen
 each rank's stdout in argv[2]/generate.rank<r>.txt; then for each of its "cases" it writes,
 per rank, into argv[2]:
 `<name>.rank<r>.npz` with the logits of
-  disk:    mlx_ternary.distributed.sharded_load (each rank reads its slices from disk),
+  disk:    mlx_ternary.parallel.sharded_load (each rank reads its slices from disk),
   memory:  mlx_ternary.load, then model.shard(group) (mlx-lm's call, slicing in memory),
   control: the memory model with per-rank activation absmax (the negative control),
 and `<name>.rank<r>.json` with the ternary bytes each rank holds and MLX's peak memory
@@ -18,9 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_ternary.distributed import sharded_load, world
-from mlx_ternary.load import load
-from mlx_ternary.shard import ShardedToAllTernaryLinear, ternary_bytes
+from mlx_ternary.parallel import sharded_load, world
+from mlx_ternary.checkpoint.load import load
+from mlx_ternary.runtime.shard import ShardedToAllTernaryLinear, ternary_bytes
 
 
 def per_rank_absmax(model) -> int:

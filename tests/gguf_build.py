@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mlx_ternary.gguf_tables import ARCHITECTURES, NameTable
+from mlx_ternary.checkpoint.gguf_tables import ARCHITECTURES, NameTable
 
 VOCAB = 128
 DIMS = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
@@ -154,7 +154,7 @@ def reference_logits(config: dict, weights: dict, tokens) -> np.ndarray:
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
-    from mlx_ternary.nn import linear_paths, swap_modules
+    from mlx_ternary.runtime.layers import linear_paths, swap_modules
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))

@@ -13,7 +13,7 @@ import pytest
 import mlx_ternary
 from mlx_ternary import format as F
 from mlx_ternary.errors import FormatError
-from mlx_ternary.nn import ternary_layers
+from mlx_ternary.runtime.layers import ternary_layers
 
 from tiny import ternary_checkpoint
 
@@ -60,7 +60,7 @@ def test_native_version_2_keeps_affine_layers(quantized, tmp_path, monkeypatch):
     cfg = json.loads((tmp_path / "n" / "config.json").read_text())["quantization"]
     assert cfg["format_version"] == 2 and cfg["lm_head"]["bits"] == 4
     np.testing.assert_array_equal(logits(mlx_ternary.load(str(tmp_path / "n"))[0]), want)
-    from mlx_ternary.verify import verify
+    from mlx_ternary.checkpoint.verify import verify
 
     assert verify(tmp_path / "n").ok
     # a reader that knows only version 1 refuses, naming the file and the versions it reads

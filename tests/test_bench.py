@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_ternary import bench as B
-from mlx_ternary import ceiling as C
+from mlx_ternary.bench import formats as B
+from mlx_ternary.bench import ceiling as C
 from mlx_ternary import format as F
-from mlx_ternary import kernels
+from mlx_ternary.runtime import dispatch
 from mlx_ternary.cli import main
-from mlx_ternary.load import load_model
-from mlx_ternary.nn import ternary_layers
-from mlx_ternary.reference import qmm_group
+from mlx_ternary.checkpoint.load import load_model
+from mlx_ternary.runtime.layers import ternary_layers
+from mlx_ternary.runtime.reference import qmm_group
 
 from tiny import quantize_act_np, ternary_checkpoint
 
@@ -103,7 +103,7 @@ def test_bytes_held_per_format(variants):
     assert built["f32"][1].bits_per_weight == 32
     # fast: 2-bit codes + one bf16 scale per tensor; on the reference backend also float32
     # unit scale/bias arrays (N, K/g), shared by every layer of one shape, counted once.
-    native = kernels.resolve_backend() == "native"
+    native = dispatch.resolve_backend() == "native"
     shapes = {(m.out_features, m.in_features) for _, m in layers}
     units = 0 if native else sum(2 * n * (k // qmm_group(k, None)) * 4 for n, k in shapes)
     want = n_weights // 4 + 2 * len(layers) + units

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 
 import mlx_ternary
 from mlx_ternary.cli import main
-from mlx_ternary.convert import convert
+from mlx_ternary.checkpoint.convert import convert
 from mlx_ternary.errors import FormatError, TernaryError
-from mlx_ternary.nn import ternary_layers
-from mlx_ternary.verify import verify
+from mlx_ternary.runtime.layers import ternary_layers
+from mlx_ternary.checkpoint.verify import verify
 
 from tiny import CONFIGS, float_model, ternary_checkpoint, write_tokenizer
 
@@ -126,7 +126,7 @@ def affine_pack(tmp: Path, group_size=64, hidden=128, hadamard=False):
     w, expected = {}, {}
     from mlx.utils import tree_flatten
 
-    from mlx_ternary.writers.mlx_affine import pack_codes
+    from mlx_ternary.checkpoint.writers.mlx_affine import pack_codes
 
     for name, v in tree_flatten(model.parameters()):
         path, _, leaf = name.rpartition(".")
@@ -282,7 +282,7 @@ def test_stock_mlx_outputs_load_in_plain_mlx_lm(tmp_path):
 def test_mx_quantize_is_lossy_on_ternary():
     """Why the affine writer builds codes itself."""
     from mlx_ternary.format import PackedTernary
-    from mlx_ternary.writers.mlx_affine import affine_tensors
+    from mlx_ternary.checkpoint.writers.mlx_affine import affine_tensors
 
     t = np.random.default_rng(0).integers(-1, 2, (8, 64)).astype(np.int8)
     pt = PackedTernary.from_trits(t, np.full((8, 1), 0.5, np.float32), "fast")
@@ -402,7 +402,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
                          if FIXTURES.is_dir() else [])
 def test_transformers_fixtures_convert(tmp_path, name):
     """transformers-made HF BitNet checkpoints: converting keeps load()'s logits exactly."""
-    from mlx_ternary.load import load_model
+    from mlx_ternary.checkpoint.load import load_model
 
     report = convert(str(FIXTURES / name), tmp_path / "out")
     assert report.max_error == 0.0

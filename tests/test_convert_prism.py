@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import mlx_ternary
-from mlx_ternary.convert import convert
-from mlx_ternary.nn import HadamardTernaryLinear
-from mlx_ternary.writers.mlx_affine import pack_codes
+from mlx_ternary.checkpoint.convert import convert
+from mlx_ternary.runtime.layers import HadamardTernaryLinear
+from mlx_ternary.checkpoint.writers.mlx_affine import pack_codes
 
 from tiny import write_tokenizer
 

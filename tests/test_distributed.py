@@ -20,9 +20,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_ternary
-from mlx_ternary.distributed import free_ports, local_launch
+from mlx_ternary.parallel import free_ports, local_launch
 from mlx_ternary.generate import EMBEDDED_MODEL
-from mlx_ternary.shard import ternary_bytes
+from mlx_ternary.runtime.shard import ternary_bytes
 from tiny import ternary_checkpoint
 
 HERE = Path(__file__).parent

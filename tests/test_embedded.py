@@ -24,7 +24,7 @@ import pytest
 
 import mlx_ternary
 from mlx_ternary import generate as gen
-from mlx_ternary.nn import TernaryLinear, swap_modules, ternary_layers
+from mlx_ternary.runtime.layers import TernaryLinear, swap_modules, ternary_layers
 from mlx_ternary.perplexity import default_context, file_perplexity, perplexity
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -13,13 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_ternary import emulator as emu
-from mlx_ternary.emulator import (
-    KernelCrashError,
-    KernelOutOfBoundsError,
-    MetalCompileError,
-    metal_kernel,
-    use_emulator,
-)
+from mlx_ternary.emulator import KernelCrashError, KernelOutOfBoundsError, MetalCompileError, metal_kernel, use_emulator
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ import pytest
 
 import mlx_ternary
 from mlx_ternary import format as F
-from mlx_ternary import kernels
+from mlx_ternary.runtime import dispatch
 from mlx_ternary.errors import FormatError, TernaryError
-from mlx_ternary.nn import TernaryLinear, ternary_layers
+from mlx_ternary.runtime.layers import TernaryLinear, ternary_layers
 
 from mlx.utils import tree_flatten
 
@@ -97,7 +97,7 @@ def test_model_with_activation_quant_matches_quantized_twin(tmp_path):
         def __call__(self, x):
             return self.lin(mx.array(quantize_act_np(np.array(x)).astype(np.float32)))
 
-    from mlx_ternary.nn import swap_modules
+    from mlx_ternary.runtime.layers import swap_modules
     swap_modules(twin, lambda p, m: ActQuant(m) if isinstance(m, nn.Linear)
                  and p != "lm_head" else None)
     ids = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
@@ -111,7 +111,7 @@ def test_runtime_packing_on_cpu_is_fast_and_compact_on_request(tmp_path):
     auto, _ = mlx_ternary.load(path)
     kept, _ = mlx_ternary.load(path, packing="compact")
     # the reference twin reads the fast layout in place; the native kernel runs either
-    runtime = "compact" if kernels.resolve_backend() == "native" else "fast"
+    runtime = "compact" if dispatch.resolve_backend() == "native" else "fast"
     assert {m.packing for _, m in ternary_layers(auto)} == {runtime}
     assert {m.packing for _, m in ternary_layers(kept)} == {"compact"}
     ids = mx.array([[1, 2, 3, 4]])
@@ -267,7 +267,7 @@ def test_hub_repo_offline_gives_one_clear_error(tmp_path, monkeypatch):
 
 
 def test_backend_env_is_validated(monkeypatch):
-    from mlx_ternary.kernels import resolve_backend
+    from mlx_ternary.runtime.dispatch import resolve_backend
 
     monkeypatch.setenv("MLX_TERNARY_BACKEND", "cuda-magic")
     with pytest.raises(TernaryError, match="unknown ternary backend 'cuda-magic'"):

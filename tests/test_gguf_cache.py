@@ -8,7 +8,7 @@ import numpy as np
 from click.testing import CliRunner
 
 import mlx_ternary
-from mlx_ternary import gguf_cache
+from mlx_ternary.checkpoint import gguf_cache
 from mlx_ternary.cli import main
 
 import gguf_build as gb

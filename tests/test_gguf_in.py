@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import mlx_ternary
-from mlx_ternary.convert import convert, convert_source
+from mlx_ternary.checkpoint.convert import convert, convert_source
 from mlx_ternary.errors import FormatError
 from mlx_ternary.format import AffineTensor, PackedTernary
-from mlx_ternary.readers import gguf as reader
-from mlx_ternary.readers.gguf_file import GGUFFile
-from mlx_ternary.readers.gguf_tokenizer import tokenizer_files
+from mlx_ternary.checkpoint.readers import gguf as reader
+from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
+from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
 
 import gguf_build as gb
 
@@ -113,7 +113,7 @@ def test_q8_0_ternary_codes_read_as_ternary(tmp_path):
     # stay affine; rewrite them as our writer does (codes t, d = s) and they are ternary
     items = _items(path)
     assert isinstance(items["model.layers.0.mlp.up_proj"], AffineTensor)
-    from mlx_ternary.writers.gguf_tensors import _q8_0_codes
+    from mlx_ternary.checkpoint.writers.gguf_tensors import _q8_0_codes
 
     t = np.sign(weights["model.layers.0.mlp.up_proj.weight"]).astype(np.int8)
     s = np.abs(weights["model.layers.0.mlp.up_proj.weight"]).max()
@@ -122,7 +122,7 @@ def test_q8_0_ternary_codes_read_as_ternary(tmp_path):
 
     np.testing.assert_array_equal(quants.dequantize(data, Q.Q8_0).reshape(t.shape),
                                   weights["model.layers.0.mlp.up_proj.weight"])
-    from mlx_ternary.readers import gguf_quants
+    from mlx_ternary.checkpoint.readers import gguf_quants
 
     found = gguf_quants.q8_0_trits(data, *t.shape)
     np.testing.assert_array_equal(found[0], t)
@@ -144,8 +144,8 @@ def test_i2s_fixture_reads_exactly():
     tiny model laid out as its BitNet b1.58 2B4T GGUF (architecture bitnet-b1.58,
     attn_sub_norm / ffn_sub_norm, F16 token_embd, tied output); the expected trits and
     scales are the ones given to the quantizer."""
-    from mlx_ternary.gguf_tables import ARCHITECTURES, NameTable
-    from mlx_ternary.readers import i2s
+    from mlx_ternary.checkpoint.gguf_tables import ARCHITECTURES, NameTable
+    from mlx_ternary.checkpoint.readers import i2s
 
     path = FIXTURES / "bitnet-i2s.gguf"
     expected = np.load(FIXTURES / "bitnet-i2s.expected.npz")

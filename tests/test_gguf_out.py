@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import mlx_ternary
-from mlx_ternary.convert import convert, open_source
+from mlx_ternary.checkpoint.convert import convert, open_source
 from mlx_ternary.errors import TernaryError
 from mlx_ternary.format import AffineTensor, PackedTernary, to_numpy
 from mlx_ternary.generate import EMBEDDED_MODEL
-from mlx_ternary.readers import gguf as reader
-from mlx_ternary.readers.gguf_file import GGUFFile
-from mlx_ternary.writers import gguf as writer
+from mlx_ternary.checkpoint.readers import gguf as reader
+from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
+from mlx_ternary.checkpoint.writers import gguf as writer
 
 import gguf_build as gb
 from tiny import ternary_checkpoint

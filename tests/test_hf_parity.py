@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_ternary.load import load_model
-from mlx_ternary.nn import ternary_layers
+from mlx_ternary.checkpoint.load import load_model
+from mlx_ternary.runtime.layers import ternary_layers
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.safetensors").exists())

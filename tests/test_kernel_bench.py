@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_ternary import ceiling, host_bench, kernel_bench, native, probe
+from mlx_ternary.bench import ceiling, host, kernels
+from mlx_ternary.runtime import cpu, probe
 from mlx_ternary.cli import main
-from mlx_ternary.nn import TernaryLinear
+from mlx_ternary.runtime.layers import TernaryLinear
 
 
 def test_kernel_bench_smoke_run_checks_every_variant(tmp_path):
@@ -41,7 +42,7 @@ def test_kernel_bench_smoke_run_checks_every_variant(tmp_path):
 
 
 def test_kernel_bench_reports_a_wrong_kernel_and_does_not_time_it(monkeypatch):
-    real = kernel_bench._variants
+    real = kernels._variants
 
     def with_broken(*args, **kw):
         out = real(*args, **kw)
@@ -50,7 +51,7 @@ def test_kernel_bench_reports_a_wrong_kernel_and_does_not_time_it(monkeypatch):
         return out
 
     monkeypatch.setattr(kernel_bench, "_variants", with_broken)
-    rows = kernel_bench.measure_point("smoke", 256, 96, 1, False, "row", mx.float32,
+    rows = kernels.measure_point("smoke", 256, 96, 1, False, "row", mx.float32,
                                       "emulate", None, None, False, 2, 1, 0)
     bad = [r for r in rows if r.variant == "fast/default"]
     assert bad[0].check.startswith("error") and bad[0].us_min is None
@@ -71,16 +72,16 @@ def test_bandwidth_table_has_the_chip_variants():
 
 
 def test_host_bench_measures_every_path_with_stubbed_launches():
-    rows = host_bench.layer_overhead(k=128, n=64, rounds=2, calls=5)
+    rows = host.layer_overhead(k=128, n=64, rounds=2, calls=5)
     names = {(r.name, r.act) for r in rows}
     assert ("nn.QuantizedLinear 2-bit g64", False) in names
     for act in (False, True):
         for path in ("metal, launch stubbed", "reference", "metal, training mode (custom VJP)"):
             assert (path, act) in names
-        assert (("native CPU kernel", act) in names) == native.available()
+        assert (("native CPU kernel", act) in names) == cpu.available()
     assert all(r.us_min > 0 and r.ratio > 0 for r in rows)
     # The stub restores Metal, the kernel factory and first-use checks afterwards.
-    assert mx.fast.metal_kernel.__module__ != host_bench.__name__
+    assert mx.fast.metal_kernel.__module__ != host.__name__
     assert not probe._trusted
 
 
@@ -91,7 +92,7 @@ def test_stubbed_launch_plan_builds_the_real_graph_shapes():
 
     t = rng.integers(-1, 2, size=(40, 128)).astype(np.int8)
     pt = fmt.PackedTernary.from_trits(t, np.ones((40, 1), np.float32), "fast", None)
-    with host_bench.stubbed_metal():
+    with host.stubbed_metal():
         layer = TernaryLinear.from_packed(pt, activation_bits=8)
         layer.eval()
         y = layer(mx.zeros((2, 3, 128), mx.float16))
@@ -100,6 +101,6 @@ def test_stubbed_launch_plan_builds_the_real_graph_shapes():
 
 
 def test_decode_overhead_runs_every_variant():
-    result = host_bench.decode_overhead(layers=2, act=True, steps=1, rounds=1)
+    result = host.decode_overhead(layers=2, act=True, steps=1, rounds=1)
     assert set(result) - {"native"} == {"metal", "reference", "q2", "q4"}
     assert all(v["ms_min"] > 0 for v in result.values())

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from mlx_ternary import format as fmt
-from mlx_ternary import kernels, metal_ops
-from mlx_ternary.metal_sources import metal_dir, read_source
+from mlx_ternary.runtime import dispatch
+from mlx_ternary.runtime.metal import launch
+from mlx_ternary.runtime.metal.sources import metal_dir, read_source
 
 emulator = pytest.importorskip("mlx_ternary.emulator")
 
@@ -69,12 +70,12 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("decode", metal_ops.FAST_DECODES)
+@pytest.mark.parametrize("decode", launch.FAST_DECODES)
 @pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_gemv_fast(case, decode):
     m, n, k, scale, g, dt, act, bias = case
     kw, want = make_case(m, n, k, "fast", scale, g, DTYPES[dt], act, bias)
-    y = metal_ops.ternary_matmul(**kw, backend="emulate", decode=decode)
+    y = launch.ternary_matmul(**kw, backend="emulate", decode=decode)
     tol = TOL[DTYPES[dt]] * (5 if decode == "offset" and dt == "f32" and not act else 1)
     assert rel_err(y, want) < tol
     assert y.dtype == DTYPES[dt] and y.shape == (m, n)
@@ -84,7 +85,7 @@ def test_gemv_fast(case, decode):
 def test_gemv_compact(case):
     m, n, k, scale, g, dt, act, bias = case
     kw, want = make_case(m, n, k, "compact", scale, g, DTYPES[dt], act, bias, seed=1)
-    y = metal_ops.ternary_matmul(**kw, backend="emulate")
+    y = launch.ternary_matmul(**kw, backend="emulate")
     assert rel_err(y, want) < TOL[DTYPES[dt]]
 
 
@@ -104,7 +105,7 @@ GEMM_CASES = [
 def test_gemm(case, packing, kernel):
     m, n, k, scale, g, dt, act, bias = case
     kw, want = make_case(m, n, k, packing, scale, g, DTYPES[dt], act, bias, seed=2)
-    y = metal_ops.ternary_matmul(**kw, backend="emulate", kernel=kernel)
+    y = launch.ternary_matmul(**kw, backend="emulate", kernel=kernel)
     assert rel_err(y, want) < TOL[DTYPES[dt]]
 
 
@@ -113,31 +114,31 @@ def test_gemm_half_tiles_with_fp16_group_scales(kernel):
     """float16 x and float16 group scales: t * s is exact in half, so the tiles are half."""
     kw, _ = make_case(40, 24, 256, "fast", "group", 64, mx.float16, False, True, seed=8)
     kw["scales"] = kw["scales"].astype(mx.float16)
-    spec = metal_ops.check_layer(kw["packed"], kw["scales"], kw["bias"], packing="fast",
+    spec = launch.check_layer(kw["packed"], kw["scales"], kw["bias"], packing="fast",
                                  in_features=256, group_size=64, activation_bits=None)
-    launch = metal_ops._gemm(spec, kw["packed"], kw["scales"], kw["bias"], mx.float16,
+    launch = launch._gemm(spec, kw["packed"], kw["scales"], kw["bias"], mx.float16,
                              mx.float16, 40, kernel == "gemm", "emulate", 1)
     assert ("TT", mx.float16) in launch.template
     t = fmt.unpack_fast(np.array(kw["packed"]), 256).astype(np.float64)
     w = t * np.repeat(np.array(kw["scales"].astype(mx.float32)), 64, axis=1)
     want = np.array(kw["x"].astype(mx.float32)).astype(np.float64) @ w.T + np.array(kw["bias"])
-    y = metal_ops.ternary_matmul(**kw, backend="emulate", kernel=kernel)
+    y = launch.ternary_matmul(**kw, backend="emulate", kernel=kernel)
     assert rel_err(y, want) < TOL[mx.float16]
 
 
 @pytest.mark.parametrize("packing", fmt.PACKINGS)
 def test_gemm_small_m_matches_gemv(packing):
     kw, want = make_case(3, 19, 150, packing, "group", 64, mx.float32, False, True, seed=3)
-    a = metal_ops.ternary_matmul(**kw, backend="emulate", kernel="gemm")
-    b = metal_ops.ternary_matmul(**kw, backend="emulate", kernel="gemv")
+    a = launch.ternary_matmul(**kw, backend="emulate", kernel="gemm")
+    b = launch.ternary_matmul(**kw, backend="emulate", kernel="gemv")
     assert rel_err(a, want) < 2e-4 and rel_err(b, want) < 2e-4
 
 
 @pytest.mark.parametrize("packing", fmt.PACKINGS)
 def test_kernel_matches_reference_twin(packing):
     kw, want = make_case(2, 24, 190, packing, "group", 128, mx.float32, True, True, seed=4)
-    y = kernels.ternary_matmul(**kw, backend="emulate")
-    twin = kernels.ternary_matmul(**kw, backend="reference")
+    y = dispatch.ternary_matmul(**kw, backend="emulate")
+    twin = dispatch.ternary_matmul(**kw, backend="reference")
     assert rel_err(twin, want) < 2e-4
     assert rel_err(y, np.array(twin).astype(np.float64)) < 2e-4
 
@@ -147,11 +148,11 @@ def test_negative_control_detects_a_wrong_weight():
     t = fmt.unpack_fast(np.array(kw["packed"]), 100)
     t[3, 7] = -1 if t[3, 7] != -1 else 1
     kw["packed"] = mx.array(fmt.pack_fast(t))
-    y = metal_ops.ternary_matmul(**kw, backend="emulate")
+    y = launch.ternary_matmul(**kw, backend="emulate")
     assert rel_err(y, want) > 1e-2
 
 
-@pytest.mark.parametrize("decode", metal_ops.FAST_DECODES)
+@pytest.mark.parametrize("decode", launch.FAST_DECODES)
 def test_int8_activations_are_exact(decode):
     # Integer activations and unit scales: every product and sum is an integer in float32,
     # with either decode (the offset decode's 2^(10-2p) terms cancel exactly).
@@ -162,7 +163,7 @@ def test_int8_activations_are_exact(decode):
     xq = np.clip(np.rint(x32 * sc), -128, 127)
     t = fmt.unpack_fast(np.array(kw["packed"]), 96).astype(np.float64)
     exact = (xq @ t.T) * (np.float32(1) / sc)
-    y = np.array(metal_ops.ternary_matmul(**kw, backend="emulate", decode=decode))
+    y = np.array(launch.ternary_matmul(**kw, backend="emulate", decode=decode))
     np.testing.assert_allclose(y, exact, rtol=1e-6)
 
 
@@ -173,10 +174,10 @@ def test_prepass_matches_numpy(dtype):
     rng = np.random.default_rng(9)
     x = mx.array(rng.normal(size=(m, k)).astype(np.float32) * 3).astype(DTYPES[dtype])
     kw, _ = make_case(m, 8, k, "fast", "row", None, DTYPES[dtype], True, False)
-    spec = metal_ops.check_layer(kw["packed"], kw["scales"], None, packing="fast",
+    spec = launch.check_layer(kw["packed"], kw["scales"], None, packing="fast",
                                  in_features=k, group_size=None, activation_bits=8)
-    pre = metal_ops._prepass(spec, x.dtype, m, 1, "emulate")
-    aw = metal_ops._aux_width(spec, 1)
+    pre = launch._prepass(spec, x.dtype, m, 1, "emulate")
+    aw = launch._aux_width(spec, 1)
     xq, aux = pre(x, [(m, k), (m, aw)])
     x32 = np.array(x.astype(mx.float32))
     sc = np.float32(127) / np.maximum(np.abs(x32).max(-1, keepdims=True), np.float32(1e-5))
@@ -199,34 +200,34 @@ def test_prepass_matches_numpy(dtype):
 def test_validation_names_the_rule():
     kw, _ = make_case(1, 8, 64, "fast", "row", None, mx.float32, False, False)
     with pytest.raises(ValueError, match="in_features"):
-        metal_ops.ternary_matmul(**{**kw, "x": mx.zeros((1, 63))}, backend="emulate")
+        launch.ternary_matmul(**{**kw, "x": mx.zeros((1, 63))}, backend="emulate")
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
-        metal_ops.ternary_matmul(**{**kw, "x": mx.zeros((1, 64), mx.int32)}, backend="emulate")
+        launch.ternary_matmul(**{**kw, "x": mx.zeros((1, 64), mx.int32)}, backend="emulate")
     with pytest.raises(ValueError, match="uint32 of shape"):
-        metal_ops.ternary_matmul(**{**kw, "packed": kw["packed"].astype(mx.uint8)},
+        launch.ternary_matmul(**{**kw, "packed": kw["packed"].astype(mx.uint8)},
                                  backend="emulate")
     with pytest.raises(ValueError, match="scales must be"):
-        metal_ops.ternary_matmul(**{**kw, "scales": mx.ones((8, 3))}, backend="emulate")
+        launch.ternary_matmul(**{**kw, "scales": mx.ones((8, 3))}, backend="emulate")
     with pytest.raises(ValueError, match="bias must be"):
-        metal_ops.ternary_matmul(**{**kw, "bias": mx.ones((7,))}, backend="emulate")
+        launch.ternary_matmul(**{**kw, "bias": mx.ones((7,))}, backend="emulate")
     with pytest.raises(ValueError, match="at most 16 tokens"):
-        metal_ops.ternary_matmul(**{**kw, "x": mx.zeros((17, 64))}, backend="emulate",
+        launch.ternary_matmul(**{**kw, "x": mx.zeros((17, 64))}, backend="emulate",
                                  kernel="gemv")
     with pytest.raises(ValueError, match="decode must be one of"):
-        metal_ops.ternary_matmul(**kw, backend="emulate", decode="table")
+        launch.ternary_matmul(**kw, backend="emulate", decode="table")
 
 
 def test_dispatch(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_BACKEND, raising=False)
-    monkeypatch.delenv(kernels.ENV_EMULATE, raising=False)
-    assert kernels.resolve_backend("emulate") == "emulate"
-    monkeypatch.setenv(kernels.ENV_BACKEND, "emulate")
-    assert kernels.resolve_backend() == "emulate"
-    assert kernels.resolve_backend("reference") == "reference"
-    monkeypatch.setenv(kernels.ENV_BACKEND, "reference")
-    monkeypatch.setenv(kernels.ENV_EMULATE, "1")
-    assert kernels.resolve_backend() == "emulate"
-    assert kernels.DEFAULT_PACKING in fmt.PACKINGS
+    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
+    monkeypatch.delenv(dispatch.ENV_EMULATE, raising=False)
+    assert dispatch.resolve_backend("emulate") == "emulate"
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "emulate")
+    assert dispatch.resolve_backend() == "emulate"
+    assert dispatch.resolve_backend("reference") == "reference"
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "reference")
+    monkeypatch.setenv(dispatch.ENV_EMULATE, "1")
+    assert dispatch.resolve_backend() == "emulate"
+    assert dispatch.DEFAULT_PACKING in fmt.PACKINGS
 
 
 def test_every_source_states_its_mapping_and_splits():
@@ -234,7 +235,7 @@ def test_every_source_states_its_mapping_and_splits():
     assert names == ["gemm.metal", "gemv_compact.metal", "gemv_fast.metal", "prepass.metal"]
     for name in names:
         text = read_source(name)
-        header, body = metal_ops.split_source(text)
+        header, body = launch.split_source(text)
         assert header.startswith("//") and "Thread mapping" in header
         assert "[[kernel]]" not in body and body.strip()
 
@@ -247,10 +248,10 @@ def test_every_source_states_its_mapping_and_splits():
 def weight_read_ratio(packing, m, decode=None, kernel=None, n=64, k=640):
     """Packed-weight bytes the kernel read / (tokens * packed bytes)."""
     kw, want = make_case(m, n, k, packing, "row", None, mx.float32, False, False, seed=7)
-    kernel = metal_ops.choose_kernel(m, kernel)
-    kernel_obj = metal_ops.get_kernel("gemm" if kernel.startswith("gemm") else f"gemv_{packing}",
+    kernel = launch.choose_kernel(m, kernel)
+    kernel_obj = launch.get_kernel("gemm" if kernel.startswith("gemm") else f"gemv_{packing}",
                                       "emulate")
-    y = metal_ops.ternary_matmul(**kw, backend="emulate", decode=decode, kernel=kernel)
+    y = launch.ternary_matmul(**kw, backend="emulate", decode=decode, kernel=kernel)
     assert rel_err(y, want) < 2e-4
     read = kernel_obj.last_stats["wq"]["read"]
     return read / (m * kw["packed"].nbytes)
@@ -277,11 +278,11 @@ def test_prefill_reads_weights_once_per_64_tokens(packing, kernel):
 def decode_call_bytes(x, packed, scales, act):
     """Device bytes all kernels of one decode call read, from the emulator's counters."""
     k = x.shape[-1]
-    y = metal_ops.ternary_matmul(x, packed, scales, packing="fast", in_features=k,
+    y = launch.ternary_matmul(x, packed, scales, packing="fast", in_features=k,
                                  activation_bits=act, backend="emulate")
     names = (["prepass"] if act else []) + ["gemv_fast"]
     total = sum(v["read"] for name in names
-                for v in metal_ops.get_kernel(name, "emulate").last_stats.values())
+                for v in launch.get_kernel(name, "emulate").last_stats.values())
     return y, total
 
 
@@ -309,11 +310,11 @@ def test_activation_quantization_reads_at_most_1_1x_the_bytes():
 
 def emulated_seconds(m, n=256, k=1024):
     kw, want = make_case(m, n, k, "fast", "row", None, mx.float16, True, False, seed=11)
-    name = "gemv_fast" if m <= metal_ops.MAX_GEMV_TOKENS else "gemm"
+    name = "gemv_fast" if m <= launch.MAX_GEMV_TOKENS else "gemm"
     best = math.inf
     for _ in range(3):
-        y = metal_ops.ternary_matmul(**kw, backend="emulate")
-        best = min(best, metal_ops.get_kernel(name, "emulate").last_launch.seconds)
+        y = launch.ternary_matmul(**kw, backend="emulate")
+        best = min(best, launch.get_kernel(name, "emulate").last_launch.seconds)
     assert rel_err(y, want) < 2e-3
     return best
 
@@ -342,7 +343,7 @@ def test_nine_tokens_cost_at_most_a_third_of_64():
 def test_tiny_model_greedy_tokens_match_reference(tmp_path, arch, packing, scale, group, act):
     from mlx_lm.generate import generate_step
 
-    from mlx_ternary.load import load_model
+    from mlx_ternary.checkpoint.load import load_model
     from tests.tiny import ternary_checkpoint
 
     path, _ = ternary_checkpoint(tmp_path, arch, packing, scale, group, act)

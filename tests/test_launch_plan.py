@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from mlx_ternary import format as fmt
-from mlx_ternary import kernels, metal_ops, probe, reference, tune
+from mlx_ternary.runtime import dispatch, probe, reference, tune
+from mlx_ternary.runtime.metal import launch
 from mlx_ternary.emulator import MetalCompileError, metal_kernel
-from mlx_ternary.nn import TernaryLinear
+from mlx_ternary.runtime.layers import TernaryLinear
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -82,11 +83,11 @@ def fake_metal(monkeypatch, tmp_path):
     """Metal reported available, caches in tmp_path, fresh probe and tuning state."""
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     # On a Mac the GPU is the default device, so the native CPU kernel is not chosen.
-    monkeypatch.setattr(kernels.native, "available", lambda: False)
+    monkeypatch.setattr(dispatch.native, "available", lambda: False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(tune.ENV_TUNE, "0")
-    monkeypatch.delenv(kernels.ENV_BACKEND, raising=False)
-    monkeypatch.delenv(kernels.ENV_EMULATE, raising=False)
+    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
+    monkeypatch.delenv(dispatch.ENV_EMULATE, raising=False)
     probe.reset()
     tune.reset()
     yield monkeypatch
@@ -332,7 +333,7 @@ def test_layers_under_8_packed_elements_run_the_reference_path(fake_metal):
     factory = Counting(metal_kernel)
     fake_metal.setattr(mx.fast, "metal_kernel", factory)
     small, w_small = make_layer(n=1, k=12, packing="compact", scale="row")
-    assert small.packed.size < metal_ops.MIN_DEVICE_ELEMENTS
+    assert small.packed.size < launch.MIN_DEVICE_ELEMENTS
     small.eval()
     x = mx.array(np.random.default_rng(10).normal(size=(2, 12)).astype(np.float32))
     assert rel_err(small(x), forward_np(x, w_small, None)) < 1e-5
@@ -340,7 +341,7 @@ def test_layers_under_8_packed_elements_run_the_reference_path(fake_metal):
     # Negative control: the kernel itself, given the 4-byte weight, does not compile (its
     # `(const device uint*)` cast of a `constant` buffer), as on Apple's compiler.
     with pytest.raises(MetalCompileError):
-        metal_ops.ternary_matmul(x, small.packed, small.scales, packing="compact",
+        launch.ternary_matmul(x, small.packed, small.scales, packing="compact",
                                  in_features=12, backend="emulate")
 
 
@@ -359,25 +360,25 @@ def greedy(model, prompt, n):
 @pytest.mark.parametrize("source", ["embedded", "hf bitnet"])
 def test_greedy_generation_under_emulate_equals_reference(monkeypatch, source):
     from mlx_ternary import generate as gen
-    from mlx_ternary.load import load_model
+    from mlx_ternary.checkpoint.load import load_model
 
     path = gen.EMBEDDED_MODEL if source == "embedded" else (
         FIXTURES / "hf" / "bitnet_offline_autobitlinear")
     prompt = [5, 17, 40, 3, 99, 12, 7, 64, 21]
-    monkeypatch.delenv(kernels.ENV_BACKEND, raising=False)
-    monkeypatch.setenv(kernels.ENV_EMULATE, "1")
+    monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
+    monkeypatch.setenv(dispatch.ENV_EMULATE, "1")
     emulated, config = load_model(path)
     packing = config["quantization"]["packing"]
     assert {m.plan().backend for m in _layers(emulated)} == {"emulate"}
     got = greedy(emulated, prompt, 5)
-    monkeypatch.delenv(kernels.ENV_EMULATE)
+    monkeypatch.delenv(dispatch.ENV_EMULATE)
     reference_model, _ = load_model(path, backend="reference")
     assert got == greedy(reference_model, prompt, 5)
     assert packing == "compact"  # both kept compact under emulation (fast on the reference)
 
 
 def _layers(model):
-    from mlx_ternary.nn import ternary_layers
+    from mlx_ternary.runtime.layers import ternary_layers
 
     return [m for _, m in ternary_layers(model)]
 
@@ -393,8 +394,8 @@ def test_a_host_backend_slots_in_through_host_matmul(monkeypatch):
                                         in_features=in_features, group_size=group_size,
                                         activation_bits=activation_bits)
 
-    real = kernels.host_matmul
-    monkeypatch.setattr(kernels, "BACKENDS", kernels.BACKENDS + ("native",))
+    real = dispatch.host_matmul
+    monkeypatch.setattr(kernels, "BACKENDS", dispatch.BACKENDS + ("native",))
     monkeypatch.setattr(kernels, "host_matmul",
                         lambda b: native if b == "native" else real(b))
     layer, w = make_layer(act=8, bias=True, backend="native")

@@ -15,12 +15,12 @@ from mlx_lm.tuner.lora import LoRALinear
 
 import mlx_ternary
 from mlx_ternary import format as F
-from mlx_ternary import reference
-from mlx_ternary.adapters import linear_to_lora_layers, load_adapters
+from mlx_ternary.runtime import reference
+from mlx_ternary.runtime.adapters import linear_to_lora_layers, load_adapters
 from mlx_ternary.errors import FormatError, TernaryError
 from mlx_ternary.generate import EMBEDDED_MODEL
-from mlx_ternary.lora import TernaryDoRALinear, TernaryLoRALinear
-from mlx_ternary.nn import TernaryLinear, ternary_layers
+from mlx_ternary.runtime.lora import TernaryDoRALinear, TernaryLoRALinear
+from mlx_ternary.runtime.layers import TernaryLinear, ternary_layers
 
 from tiny import quantize_act_np
 

@@ -19,14 +19,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, compute_bits_per_weight, get_total_parameters
 
 import mlx_ternary
-from mlx_ternary import nn as tnn
+from mlx_ternary.runtime import layers as tnn
 from mlx_ternary.cli import main
 from mlx_ternary.errors import TernaryError
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.lm import routed
-from mlx_ternary.load import load_model
-from mlx_ternary.nn import FusedTernaryLinear, TernaryLinear, ternarize_model, ternary_layers
-from mlx_ternary.writers.native import save_model
+from mlx_ternary.checkpoint.load import load_model
+from mlx_ternary.runtime.layers import FusedTernaryLinear, TernaryLinear, ternarize_model, ternary_layers
+from mlx_ternary.checkpoint.writers.native import save_model
 
 from tiny import float_model, ternary_checkpoint, write_tokenizer
 
@@ -231,7 +231,7 @@ def test_generate_with_adapter_path_changes_the_output(trained_adapter):
 
 
 def test_serve_with_adapter_path_serves_the_adapted_model(trained_adapter, monkeypatch):
-    import mlx_ternary.serve
+    import mlx_ternary.serve.http
 
     served = {}
 
@@ -245,7 +245,7 @@ def test_serve_with_adapter_path_serves_the_adapted_model(trained_adapter, monke
         def server_close(self):
             pass
 
-    monkeypatch.setattr(mlx_ternary.serve, "Server", Recorder)
+    monkeypatch.setattr(mlx_ternary.serve.http, "Server", Recorder)
     result = CliRunner().invoke(main, ["serve", "--adapter-path", str(trained_adapter)])
     assert result.exit_code == 0, result.output
     adapted, tokenizer = mlx_ternary.load(EMBEDDED, adapter_path=str(trained_adapter))

@@ -1,4 +1,4 @@
-"""The native CPU kernel (mlx_ternary.native): a sweep against the reference twin and float64
+"""The native CPU kernel (mlx_ternary.runtime.cpu): a sweep against the reference twin and float64
 numpy, its gradient, the float16 tables, the dispatch, and the build's cache and fallbacks."""
 
 import os
@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from mlx_ternary import format as fmt
-from mlx_ternary import kernels, native, reference
-from mlx_ternary.native import build
+from mlx_ternary.runtime import dispatch, cpu, reference
+from mlx_ternary.paths import CACHE_ENV
+from mlx_ternary.runtime.cpu import build
 
 # Only where no C++ compiler can build the extension (never on the project's machines).
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernel unavailable: "
-                                  f"{native.unavailable_reason()}")
+needs_native = pytest.mark.skipif(not cpu.available(), reason="native kernel unavailable: "
+                                  f"{cpu.unavailable_reason()}")
 
 @pytest.fixture
 def cpu_default():
@@ -75,7 +76,7 @@ def test_sweep_against_reference_and_float64(shape, act, packing):
     m, n, k, scale, g = shape
     (x, p, s, b, kw), want = make_case(m, n, k, packing, scale, g, mx.float32, act,
                                        bias=m % 2 == 1, seed=m * 7 + k)
-    y = native.ternary_matmul(x, p, s, b, **kw)
+    y = cpu.ternary_matmul(x, p, s, b, **kw)
     twin = reference.ternary_matmul(x, p, s, b, **kw)
     assert y.shape == (m, n) and y.dtype == mx.float32
     assert rel_err(y, want) < TOL["f32"]
@@ -93,7 +94,7 @@ def test_sweep_against_reference_and_float64(shape, act, packing):
 @pytest.mark.parametrize("act", [True, False], ids=["act8", "float"])
 def test_half_activations(dt, packing, act):
     (x, p, s, b, kw), want = make_case(6, 21, 300, packing, "group", 64, DTYPES[dt], act, True)
-    y = native.ternary_matmul(x, p, s, b, **kw)
+    y = cpu.ternary_matmul(x, p, s, b, **kw)
     assert y.dtype == DTYPES[dt]
     assert rel_err(y, want) < TOL[dt]
 
@@ -108,16 +109,16 @@ def test_exact_epilogue_matches_float32_numpy():
     t = fmt.unpack_fast(np.array(p), 190).astype(np.int64)
     acc = (q @ t.T).astype(np.float32)
     want = (acc * np.array(s).reshape(1, -1)) * (np.float32(1) / sc) + np.array(b)
-    assert np.array_equal(np.array(native.ternary_matmul(x, p, s, b, **kw)), want)
+    assert np.array_equal(np.array(cpu.ternary_matmul(x, p, s, b, **kw)), want)
 
 
 @needs_native
 def test_negative_controls():
     """The sweep's comparisons fail when the scale or the activation mode is wrong."""
     (x, p, s, b, kw), want = make_case(3, 17, 200, "fast", "row", None, mx.float32, True, True)
-    assert rel_err(native.ternary_matmul(x, p, mx.ones_like(s), b, **kw), want) > 1e-2
+    assert rel_err(cpu.ternary_matmul(x, p, mx.ones_like(s), b, **kw), want) > 1e-2
     off = dict(kw, activation_bits=None)
-    assert not np.array_equal(np.array(native.ternary_matmul(x, p, s, b, **off)),
+    assert not np.array_equal(np.array(cpu.ternary_matmul(x, p, s, b, **off)),
                               np.array(reference.ternary_matmul(x, p, s, b, **kw)))
 
 
@@ -125,34 +126,34 @@ def test_negative_controls():
 def test_leading_dims_strided_input_and_threads():
     (x, p, s, b, kw), want = make_case(5, 30, 150, "compact", "row", None, mx.float32, True, True,
                                        lead=(2,))
-    y = native.ternary_matmul(x, p, s, b, **kw)
+    y = cpu.ternary_matmul(x, p, s, b, **kw)
     assert y.shape == (2, 5, 30) and rel_err(y, want) < TOL["f32"]
     xt = mx.swapaxes(mx.swapaxes(x, 0, 1), 0, 1)  # same values through a strided view
     strided = mx.transpose(mx.array(np.ascontiguousarray(np.array(x).transpose(2, 0, 1))),
                            (1, 2, 0))
-    assert np.array_equal(np.array(native.ternary_matmul(strided, p, s, b, **kw)), np.array(y))
-    assert np.array_equal(np.array(native.ternary_matmul(xt, p, s, b, **kw)), np.array(y))
-    threads = native.info()["threads"]
+    assert np.array_equal(np.array(cpu.ternary_matmul(strided, p, s, b, **kw)), np.array(y))
+    assert np.array_equal(np.array(cpu.ternary_matmul(xt, p, s, b, **kw)), np.array(y))
+    threads = cpu.info()["threads"]
     try:
-        native.set_num_threads(1)
-        one = native.ternary_matmul(x, p, s, b, **kw)
-        native.set_num_threads(3)
-        three = native.ternary_matmul(x, p, s, b, **kw)
+        cpu.set_num_threads(1)
+        one = cpu.ternary_matmul(x, p, s, b, **kw)
+        cpu.set_num_threads(3)
+        three = cpu.ternary_matmul(x, p, s, b, **kw)
         assert np.array_equal(np.array(one), np.array(y))
         assert np.array_equal(np.array(three), np.array(y))
     finally:
-        native.set_num_threads(threads)
+        cpu.set_num_threads(threads)
 
 
 @needs_native
 def test_bad_arguments_name_the_tensor():
     (x, p, s, b, kw), _ = make_case(2, 9, 130, "fast", "row", None, mx.float32, True, False)
     with pytest.raises(ValueError, match="packed"):
-        native.ternary_matmul(x, p[:, :-1], s, b, **kw)
+        cpu.ternary_matmul(x, p[:, :-1], s, b, **kw)
     with pytest.raises(ValueError, match="in_features"):
-        native.ternary_matmul(x[:, :-1], p, s, b, **kw)
+        cpu.ternary_matmul(x[:, :-1], p, s, b, **kw)
     with pytest.raises(ValueError, match="group_size"):
-        native.ternary_matmul(x, p, mx.ones((9, 3)), b, **kw)
+        cpu.ternary_matmul(x, p, mx.ones((9, 3)), b, **kw)
 
 
 @needs_native
@@ -167,13 +168,13 @@ def test_gradients(act, scale, group):
     def loss(fn):
         return lambda x_, s_, b_: (fn(x_, p, s_, b_, **kw) * g).sum()
 
-    dx, ds, db = mx.grad(loss(native.ternary_matmul), argnums=(0, 1, 2))(x, s, b)
+    dx, ds, db = mx.grad(loss(cpu.ternary_matmul), argnums=(0, 1, 2))(x, s, b)
     assert rel_err(dx, np.array(g).astype(np.float64) @ w) < 1e-6
     assert np.allclose(np.array(db), np.array(g).sum(0), rtol=1e-6, atol=1e-6)
     _, ds_ref, _ = mx.grad(loss(reference.ternary_matmul), argnums=(0, 1, 2))(x, s, b)
     assert rel_err(ds, np.array(ds_ref).astype(np.float64)) < 1e-5
     with pytest.raises(ValueError, match="packed trits"):
-        mx.grad(lambda p_: native.ternary_matmul(x, p_, s, b, **kw).sum())(p)
+        mx.grad(lambda p_: cpu.ternary_matmul(x, p_, s, b, **kw).sum())(p)
 
 
 @needs_native
@@ -184,29 +185,29 @@ def test_dense_matmul(wdt):
         w = mx.array(rng.normal(size=(n, k)).astype(np.float32)).astype(DTYPES[wdt])
         x = mx.array(rng.normal(size=(m, k)).astype(np.float32))
         want = np.array(x).astype(np.float64) @ np.array(w.astype(mx.float32)).astype(np.float64).T
-        y = native.dense_matmul(x, w)
+        y = cpu.dense_matmul(x, w)
         assert y.dtype == mx.float32 and rel_err(y, want) < 2e-6
     g = mx.ones((33, 8))
-    dx = mx.grad(lambda x_: (native.dense_matmul(x_, w) * g).sum())(x)
+    dx = mx.grad(lambda x_: (cpu.dense_matmul(x_, w) * g).sum())(x)
     assert rel_err(dx, np.array(g) @ np.array(w.astype(mx.float32)).astype(np.float64)) < 1e-6
 
 
 @needs_native
 def test_ternary_weight_is_the_dequantized_matrix():
     (x, p, s, b, kw), _ = make_case(1, 10, 333, "compact", "group", 128, mx.float32, False, False)
-    w = native.ternary_weight(p, s, packing="compact", in_features=333, group_size=128)
+    w = cpu.ternary_weight(p, s, packing="compact", in_features=333, group_size=128)
     pt = fmt.PackedTernary("compact", np.array(p), np.array(s), 10, 333, 128)
     assert np.array_equal(np.array(w), pt.dequantize(np.float32))
 
 
 @needs_native
 def test_backend_dispatch(monkeypatch, cpu_default):
-    assert kernels.resolve_backend() == "native"  # CPU default device, extension built
-    monkeypatch.setenv(kernels.ENV_BACKEND, "reference")
-    assert kernels.resolve_backend() == "reference"
-    monkeypatch.setenv(kernels.ENV_BACKEND, "native")
+    assert dispatch.resolve_backend() == "native"  # CPU default device, extension built
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "reference")
+    assert dispatch.resolve_backend() == "reference"
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "native")
     (x, p, s, b, kw), want = make_case(2, 9, 130, "compact", "row", None, mx.float32, True, True)
-    assert rel_err(kernels.ternary_matmul(x, p, s, b, **kw), want) < TOL["f32"]
+    assert rel_err(dispatch.ternary_matmul(x, p, s, b, **kw), want) < TOL["f32"]
 
 
 @needs_native
@@ -215,10 +216,10 @@ def test_model_keeps_half_tables_and_matches_reference(tmp_path, cpu_default):
     bytes), the logits match the reference backend's float32 model."""
     from mlx.utils import tree_flatten
 
-    from mlx_ternary.load import load_model
-    from mlx_ternary.native.layers import HalfEmbedding, HalfLinear
-    from mlx_ternary.nn import ternarize_model
-    from mlx_ternary.writers.native import save_model
+    from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.runtime.cpu.layers import HalfEmbedding, HalfLinear
+    from mlx_ternary.runtime.layers import ternarize_model
+    from mlx_ternary.checkpoint.writers.native import save_model
     from tiny import float_model
 
     model, config = float_model("llama")
@@ -256,7 +257,7 @@ def test_changed_mlx_version_rebuilds_instead_of_loading(monkeypatch, tmp_path):
     """A cached library of this MLX is never loaded for another version: the key differs,
     so load() compiles (recorded here instead of run) a new one."""
     real = build.mlx_build()
-    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV["native"], str(tmp_path))
     calls = []
     monkeypatch.setattr(build, "compile_library", lambda path, *a, **k: calls.append(path))
     monkeypatch.setattr(build, "mlx_build", lambda: build.MlxBuild(
@@ -271,7 +272,7 @@ def test_changed_mlx_version_rebuilds_instead_of_loading(monkeypatch, tmp_path):
 
 @needs_native
 def test_verify_refuses_a_library_built_for_another_mlx():
-    module = native._state["module"]
+    module = cpu._state["module"]
     build.verify(module, mx.__version__)  # the real one passes
     with pytest.raises(build.NativeBuildError, match="built for mlx"):
         build.verify(module, "99.0.0")
@@ -296,12 +297,12 @@ def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
         from mlx_ternary import kernels, native
         from mlx_ternary.load import load
         model, tok = load("mlx_ternary/assets/tiny-shakespeare")
-        assert kernels.resolve_backend() == "reference", kernels.resolve_backend()
+        assert dispatch.resolve_backend() == "reference", dispatch.resolve_backend()
         mx.eval(model(mx.array([[1, 2, 3]])))
-        assert not native.available() and "compiler" in native.unavailable_reason()
+        assert not cpu.available() and "compiler" in cpu.unavailable_reason()
         print("ok")
     """)
-    env = {**os.environ, build.ENV_CACHE: str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    env = {**os.environ, CACHE_ENV["native"]: str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
     env.pop(build.ENV_CXX, None)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -319,7 +320,7 @@ def test_llamacpp_find_and_gguf_bytes(tmp_path, monkeypatch):
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFWriter, quants
 
-    from mlx_ternary import llamacpp
+    from mlx_ternary.bench import llamacpp
     from mlx_ternary.errors import TernaryError
 
     monkeypatch.delenv(llamacpp.ENV, raising=False)
@@ -344,8 +345,8 @@ def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch, cpu_default):
     """The row's runs come from llamacpp.run (faked: the suite never needs Node)."""
     import importlib.util
 
-    from mlx_ternary import bench as B
-    from mlx_ternary import llamacpp
+    from mlx_ternary.bench import formats as B
+    from mlx_ternary.bench import llamacpp
 
     spec = importlib.util.spec_from_file_location(
         "make_synthetic_model", os.path.join(os.path.dirname(__file__), "..", "scripts",
@@ -394,7 +395,7 @@ def _qkv(b, hq, hkv, lq, lk, d, seed=0):
                                    (1, 4, 1, 33, 40, 64)], ids=lambda s: "-".join(map(str, s)))
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_attention_matches_mlx_and_float64(shape, mask):
-    from mlx_ternary.native.attention import scaled_dot_product_attention as sdpa
+    from mlx_ternary.runtime.cpu.attention import scaled_dot_product_attention as sdpa
 
     b, hq, hkv, lq, lk, d = shape
     q, k, v = _qkv(*shape)
@@ -413,7 +414,7 @@ def test_attention_matches_mlx_and_float64(shape, mask):
 
 @needs_native
 def test_attention_gradient_is_mlx_own_and_arrays_masks_fall_back():
-    from mlx_ternary.native.attention import scaled_dot_product_attention as sdpa
+    from mlx_ternary.runtime.cpu.attention import scaled_dot_product_attention as sdpa
 
     q, k, v = _qkv(1, 4, 2, 5, 5, 64, seed=1)
     g = mx.array(np.random.default_rng(2).normal(size=(1, 4, 5, 64)).astype(np.float32))
@@ -435,8 +436,8 @@ def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cp
     outside the model (another model, user code) stays MLX's."""
     import mlx_lm.models.llama as llama
 
-    from mlx_ternary.load import load_model
-    from mlx_ternary.native import attention
+    from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.runtime.cpu import attention
     from tiny import ternary_checkpoint
 
     path, _ = ternary_checkpoint(tmp_path, "llama", "fast", "row", activation_bits=8)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_ternary.metal_sources import metal_dir, read_source
+from mlx_ternary.runtime.metal.sources import metal_dir, read_source
 
 ROOT = Path(__file__).resolve().parent.parent
 METAL_FILES = sorted(p.name for p in (ROOT / "metal").iterdir() if p.is_file())
@@ -48,7 +48,7 @@ def test_wheel_contains_metal_sources_and_assets(wheel):
 def test_installed_wheel_finds_its_metal_sources(wheel, tmp_path):
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)  # what a --no-deps install lays down
-    code = ("import json, mlx_ternary.metal_sources as m; d = m.metal_dir(); "
+    code = ("import json, mlx_ternary.runtime.metal.sources as m; d = m.metal_dir(); "
             "print(d); print(json.dumps(sorted(p.name for p in d.iterdir())))")
     env = dict(os.environ, PYTHONPATH=str(target))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

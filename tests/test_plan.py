@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 import mlx_ternary
-from mlx_ternary import kernels
-from mlx_ternary import plan as P
+from mlx_ternary.runtime import dispatch
+from mlx_ternary import memory as P
 from mlx_ternary.cli import main
 from tiny import CONFIGS, ternary_checkpoint
 
@@ -30,7 +30,7 @@ def test_weights_by_kind_match_hand_count(tiny):
     scales = 4 * len(shapes)                       # one float32 tensor scale per layer
     # unit scale/bias tables (N, K/g) float32, shared by layers of one shape, on the
     # reference backend: g = 64 for K = 64, g = 32 for K = 96 (the native kernel needs none)
-    native = kernels.resolve_backend() == "native"
+    native = dispatch.resolve_backend() == "native"
     tables = 0 if native else 2 * 4 * (h * 1 + kv * 1 + inter * 1 + h * 3)
     w = P.weight_bytes(model)
     assert w["ternary"] == layers * (packed + scales) + tables
@@ -42,8 +42,8 @@ def test_weights_equal_mlx_active_memory():
     # Built in memory: arrays read from a checkpoint may be file-backed and uncounted.
     import gc
 
-    from mlx_ternary.nn import ternarize_model, ternary_layers
-    from mlx_ternary.serve import materialize
+    from mlx_ternary.runtime.layers import ternarize_model, ternary_layers
+    from mlx_ternary.serve.http import materialize
     from tiny import float_model
 
     gc.collect()

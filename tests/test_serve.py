@@ -21,7 +21,7 @@ anthropic = pytest.importorskip("anthropic")
 
 import mlx_ternary  # noqa: E402
 from mlx_ternary.cli import main  # noqa: E402
-from mlx_ternary.serve import ServeConfig, Server  # noqa: E402
+from mlx_ternary.serve.http import ServeConfig, Server  # noqa: E402
 from tiny import ternary_checkpoint  # noqa: E402
 
 MAX_CONTEXT = 256
@@ -392,7 +392,7 @@ def test_completions_hit_the_cache_and_report_it(srv):
 def test_prompt_cache_is_bounded_in_bytes_lru():
     from mlx_lm.models.cache import KVCache
 
-    from mlx_ternary.prompt_cache import PromptCache
+    from mlx_ternary.serve.prompt_cache import PromptCache
 
     def entry(n):
         c = KVCache()
@@ -515,7 +515,7 @@ def test_anthropic_errors_have_anthropics_shape(srv):
 
 
 def test_sixteen_multi_turn_clients_get_their_answers_within_the_plan(srv):
-    from mlx_ternary.plan import plan
+    from mlx_ternary.memory import plan
 
     server, client, tok = srv["server"], srv["client"], srv["tokenizer"]
     cfg = server.config

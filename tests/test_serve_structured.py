@@ -17,7 +17,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 import mlx_ternary  # noqa: E402
 from mlx_ternary.generate import EMBEDDED_MODEL  # noqa: E402
-from mlx_ternary.serve import ServeConfig, Server  # noqa: E402
+from mlx_ternary.serve.http import ServeConfig, Server  # noqa: E402
 
 PERSON = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "mood", "tags", "alive"],
@@ -128,7 +128,7 @@ def test_batched_quantized_cache_equals_mlx_lm_single_caches():
     from mlx_lm.models.base import scaled_dot_product_attention
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from mlx_ternary.kv_quant import BatchQuantizedKV, QuantizedKV
+    from mlx_ternary.serve.kv_quant import BatchQuantizedKV, QuantizedKV
 
     rng = np.random.default_rng(0)
     H, D, lengths = 2, 64, [5, 9, 3]
@@ -216,7 +216,7 @@ def test_kv_bits_serve_batches_and_matches_mlx_lm_quantized_cache(srv):
 
 
 def test_plan_counts_the_prompt_cache_and_kv_bits():
-    from mlx_ternary.plan import kv_bytes, parse_bytes, plan
+    from mlx_ternary.memory import kv_bytes, parse_bytes, plan
 
     model, _ = mlx_ternary.load(str(EMBEDDED_MODEL), lazy=True)
     full = kv_bytes(model, 512, 4)

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
 import mlx_ternary  # noqa: E402
-from mlx_ternary.serve import ServeConfig, Server  # noqa: E402
+from mlx_ternary.serve.http import ServeConfig, Server  # noqa: E402
 from tiny import ternary_checkpoint  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_chat_template.json"
@@ -143,7 +143,7 @@ def test_tool_choice_errors(srv):
 def test_splitter_reads_calls_split_anywhere():
     from mlx_lm.tool_parsers import json_tools
 
-    from mlx_ternary.serve_protocol import ToolSplitter
+    from mlx_ternary.serve.openai import ToolSplitter
 
     text = ('Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
             '</tool_call> done <tool')

@@ -11,13 +11,11 @@ import pytest
 
 import mlx_ternary
 from mlx_ternary import format as fmt
-from mlx_ternary.distributed import DiskTensor
+from mlx_ternary.parallel import DiskTensor
 from mlx_ternary.errors import TernaryError
-from mlx_ternary.readers.common import shard_files, tensor_index
-from mlx_ternary.reference import quantize_activations
-from mlx_ternary.shard import (AllToShardedTernaryLinear, ShardedRMSNorm,
-                               ShardedToAllTernaryLinear, TernaryParts, local_parts,
-                               quantize_shared, rank_ranges, ternary_bytes)
+from mlx_ternary.checkpoint.readers.common import shard_files, tensor_index
+from mlx_ternary.runtime.reference import quantize_activations
+from mlx_ternary.runtime.shard import AllToShardedTernaryLinear, ShardedRMSNorm, ShardedToAllTernaryLinear, TernaryParts, local_parts, quantize_shared, rank_ranges, ternary_bytes
 from tiny import ternary_checkpoint
 
 
@@ -186,7 +184,7 @@ def test_groups_that_a_rank_would_cut_are_refused(models):
 def test_in_place_sharding_of_a_ternary_layer_is_refused():
     from mlx.nn.layers.distributed import shard_inplace
 
-    from mlx_ternary.shard import _ternary_aware
+    from mlx_ternary.runtime.shard import _ternary_aware
 
     layer = mlx_ternary.TernaryLinear(64, 32)
     holder = nn.Module()
@@ -211,7 +209,7 @@ def test_bitnet_has_shard_after_load(models):
 
 
 def test_ternary_subclasses_are_refused_not_split_as_plain_layers():
-    from mlx_ternary.shard import shard_linear
+    from mlx_ternary.runtime.shard import shard_linear
 
     layer = AllToShardedTernaryLinear(64, 32)  # already sharded; a rotation subclass alike
     with pytest.raises(TernaryError, match="q_proj: AllToShardedTernaryLinear layers cannot"):

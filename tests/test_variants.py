@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mlx_ternary
-from mlx_ternary.nn import ternary_layers
+from mlx_ternary.runtime.layers import ternary_layers
 
 from tiny import write_tokenizer
 
@@ -345,7 +345,7 @@ def bonsai(tmp: Path, tied: bool, seed=9):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from mlx_ternary.writers.mlx_affine import pack_codes
+    from mlx_ternary.checkpoint.writers.mlx_affine import pack_codes
 
     cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256,
                intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

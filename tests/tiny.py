@@ -8,8 +8,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from mlx_ternary.nn import ternarize_model
-from mlx_ternary.writers.native import save_model
+from mlx_ternary.runtime.layers import ternarize_model
+from mlx_ternary.checkpoint.writers.native import save_model
 
 VOCAB = 128
 
@@ -58,7 +58,7 @@ def float_model(arch: str, seed: int = 0, **overrides):
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     if arch == "bitnet":  # its class builds Metal-only BitLinear layers: use plain Linear
-        from mlx_ternary.nn import linear_paths, swap_modules
+        from mlx_ternary.runtime.layers import linear_paths, swap_modules
 
         dims = linear_paths(model)
         swap_modules(model, lambda p, m: nn.Linear(*dims[p][:2], bias=dims[p][2])
@@ -85,7 +85,7 @@ def ternary_checkpoint(tmp: Path, arch: str, packing="compact", scale="tensor",
     save_model(model, config, out)
     write_tokenizer(out)
     twin, _ = float_model(arch, seed, **overrides)
-    from mlx_ternary.nn import ternary_layers
+    from mlx_ternary.runtime.layers import ternary_layers
 
     deq = {f"{p}.weight": m.dequantize() for p, m in ternary_layers(model)}
     twin.load_weights(list(deq.items()), strict=False)

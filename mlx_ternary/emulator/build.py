@@ -49,14 +49,10 @@ _kernels: dict[str, ctypes.CDLL] = {}
 
 
 def cache_dir() -> Path:
-    """Where compiled libraries live: $MLX_TERNARY_EMULATOR_CACHE, else
-    $XDG_CACHE_HOME/mlx_ternary/emulator (~/.cache by default)."""
-    env = os.environ.get("MLX_TERNARY_EMULATOR_CACHE")
-    if env:
-        return Path(env)
-    from ..hub import user_cache
+    """Where compiled libraries live (paths.CACHE_ENV["emulator"] moves it)."""
+    from ..paths import cache_dir as kind_dir
 
-    return user_cache("emulator")
+    return kind_dir("emulator")
 
 
 def compiler() -> str:

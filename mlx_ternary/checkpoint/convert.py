@@ -1,0 +1,385 @@
+"""convert(): any ternary checkpoint in, the native format or a stock MLX / GGUF file out.
+
+Data path: a reader yields (name, tensor | PackedTernary) one at a time -> the writer
+streams it into a temporary directory beside the destination -> manifest -> rename.
+Peak memory stays a small multiple of the largest tensor. Each tensor's round trip is
+checked as it is written; the report carries the largest error (0 for ternary data).
+"""
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Union
+
+import mlx.core as mx
+import numpy as np
+
+from ..runtime import dispatch
+from ..errors import FormatError, TernaryError, read_json
+from ..format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig
+from .hub import model_dir
+from .readers import open_source as open_path
+from .readers import with_model
+from .readers.arch import Checker, is_hadamard
+from .readers.common import TOKENIZER_FILES, Source
+from .writers import gguf as gguf_writer
+from .writers import mlx_affine as affine_writer
+from .writers.native import MAX_SHARD_BYTES, ShardWriter, native_config, write_manifest
+
+DEFAULT_PACKING = getattr(kernels, "DEFAULT_PACKING", "compact")
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
+
+
+@dataclass
+class TensorReport:
+    name: str
+    kind: str
+    max_error: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class ConvertReport:
+    """What convert did: source kind, output, per-tensor round-trip errors."""
+
+    source: str
+    source_kind: str
+    output: Path
+    target: str
+    tensors: List[TensorReport] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    ternary_weights: int = 0
+    ternary_bytes: int = 0
+
+    @property
+    def max_error(self) -> float:
+        return max((t.max_error for t in self.tensors), default=0.0)
+
+    @property
+    def bits_per_weight(self) -> Optional[float]:
+        """Stored bits per ternary weight (packed trits plus scales), if any."""
+        return 8 * self.ternary_bytes / self.ternary_weights if self.ternary_weights else None
+
+
+def open_source(hf_path: Union[str, Path], packing: str = DEFAULT_PACKING,
+                revision: Optional[str] = None, group_size: int = 128) -> Source:
+    """The Source of a directory, hub repo id or .gguf file (readers.READERS decides).
+
+    Args:
+        group_size: the column group TriLM-style weights are read at when one scale
+            per row does not fit.
+    """
+    p = Path(str(hf_path)).expanduser()
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise TernaryError(f"{p}: a single file must be a .gguf; otherwise pass the "
+                               "model directory")
+        return open_path(p, packing)
+    return open_path(model_dir(str(hf_path), revision), packing, group_size)
+
+
+# --------------------------------------------------------------------------- #
+# Writing
+# --------------------------------------------------------------------------- #
+
+
+def _max_err(a, b) -> float:
+    a = np.asarray(a, dtype=np.float32)
+    b = np.asarray(b, dtype=np.float32)
+    return float(np.abs(a - b).max(initial=0.0))
+
+
+def _float(arr: mx.array, dtype) -> mx.array:
+    if dtype is not None and mx.issubdtype(arr.dtype, mx.floating):
+        return arr.astype(dtype)
+    return arr
+
+
+def _ternary_tensors(name: str, item: PackedTernary, report: ConvertReport, written: dict,
+                     *, packing, q_bits, q_group_size, dequantize, dtype):
+    """The tensors one ternary layer becomes, with its round-trip error recorded."""
+    ref = item.dequantize(np.float32)
+    if q_bits or dequantize:
+        tensors = (affine_writer.affine_tensors(name, item, q_bits, q_group_size, dtype)
+                   if q_bits else affine_writer.dequantized(name, item, dtype))
+        back = (mx.dequantize(*(t for _, t in tensors), group_size=q_group_size,
+                              bits=q_bits) if q_bits else tensors[0][1])
+        back = np.array(back.astype(mx.float32))
+        kind = f"affine {q_bits}-bit g{q_group_size}" if q_bits else "float"
+    else:
+        pt = item.repack(packing)
+        tensors = [(f"{name}.packed", _mx(pt.packed)), (f"{name}.scales", _mx(pt.scales))]
+        back = pt.dequantize(np.float32)
+        kind = f"ternary {pt.packing} {pt.scale}"
+        written.setdefault("groups", set()).add(pt.group_size)
+        report.ternary_bytes += pt.nbytes
+    report.ternary_weights += item.out_features * item.in_features
+    report.tensors.append(TensorReport(name, kind, _max_err(back, ref),
+                                       getattr(item, "note", "")))
+    return tensors
+
+
+def _affine_tensors(name: str, at: AffineTensor, report: ConvertReport, written: dict,
+                    *, dequantize, dtype):
+    """An affine layer stays quantized (its three arrays as stored), or becomes floats
+    with -d; the layer is recorded for the quantization block."""
+    if dequantize:
+        report.tensors.append(TensorReport(name, "float (from affine)", 0.0))
+        return [(f"{name}.weight", at.dequantize(dtype or at.scales.dtype))]
+    written.setdefault("affine", {})[name] = at.entry
+    report.tensors.append(TensorReport(name, f"affine {at.bits}-bit g{at.group_size} (kept)"))
+    return [(f"{name}.weight", at.weight), (f"{name}.scales", at.scales),
+            (f"{name}.biases", at.biases)]
+
+
+def _write_tensors(source: Source, out: Path, report: ConvertReport, *, packing: str,
+                   q_bits: Optional[int], q_group_size: int, dequantize: bool, dtype,
+                   max_shard_bytes: int, progress: Optional[Progress]) -> dict:
+    """Stream every item of `source` into shards in `out`.
+
+    Returns {"groups": ternary scale groups written, "affine": {path: entry} kept}.
+    """
+    check = Checker(source.model, source.targets, source.path)
+    writer = ShardWriter(out, max_shard_bytes)
+    written, done = {}, 0
+    for name, item in source.items():
+        check.item(name, item)
+        if isinstance(item, PackedTernary):
+            tensors = _ternary_tensors(name, item, report, written, packing=packing,
+                                       q_bits=q_bits, q_group_size=q_group_size,
+                                       dequantize=dequantize, dtype=dtype)
+        elif isinstance(item, AffineTensor):
+            tensors = _affine_tensors(name, item, report, written, dequantize=dequantize,
+                                      dtype=dtype)
+        else:
+            arr = _float(item, dtype)
+            err = _max_err(arr, item) if arr.dtype != item.dtype else 0.0
+            tensors = [(name, arr)]
+            report.tensors.append(TensorReport(name, str(arr.dtype).split(".")[-1], err))
+        for n, t in tensors:
+            writer.add(n, t)
+        done += 1
+        if progress:
+            progress(name, done, source.count)
+    check.finish()
+    writer.close()
+    return written
+
+
+def _quantization(source: Source, packing: str, written: dict) -> QuantizationConfig:
+    groups = written.get("groups", set()) - {None}
+    if len(groups) > 1:
+        raise FormatError(f"{source.path}: layers use scale groups of {sorted(groups)} "
+                          "columns; the native format holds one group size per model")
+    g = groups.pop() if groups else None
+    return QuantizationConfig(packing=packing, scale="group" if g else "row", group_size=g,
+                              activation_bits=source.activation_bits,
+                              layers=written.get("affine", {}))
+
+
+def _mx(a) -> mx.array:
+    return a if isinstance(a, mx.array) else mx.array(a)
+
+
+def _copy_tokenizer(source: Source, out: Path) -> None:
+    if source.tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            f = source.tokenizer_dir / name
+            if f.is_file():
+                shutil.copyfile(f, out / name)
+    for name, text in source.tokenizer_files.items():
+        (out / name).write_text(text)
+
+
+def _partial(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.partial-{os.getpid()}"
+
+
+def _publish(tmp: Path, dst: Path, force: bool) -> None:
+    """Rename the finished temporary output onto dst (replacing it only with force)."""
+    old = None
+    if dst.exists() or dst.is_symlink():
+        if not force:
+            raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
+def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = None,
+                   q_group_size: int = 64, packing: str = DEFAULT_PACKING,
+                   dtype: Optional[str] = None, dequantize: bool = False,
+                   to_gguf=None, gguf_type: str = "TQ2_0", force: bool = False,
+                   max_shard_bytes: int = MAX_SHARD_BYTES,
+                   progress: Optional[Progress] = None) -> ConvertReport:
+    """Write an opened Source (see `convert` for the arguments)."""
+    source = with_model(source)
+    if packing not in PACKINGS:
+        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise TernaryError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if (mlx_path is None) == (to_gguf is None):
+        raise TernaryError("give exactly one destination: mlx_path (--mlx-path) or to_gguf "
+                           "(--to-gguf)")
+    if q_bits and dequantize:
+        raise TernaryError("-q/--q-bits and -d/--dequantize exclude each other")
+    if q_bits:
+        affine_writer.check_args(q_bits, q_group_size)
+        if source.config.get("model_type") == "bitnet" or is_hadamard(source.config):
+            raise TernaryError(f"{source.path}: mlx-lm's {source.config['model_type']} class "
+                               "has no stock quantized layers to load an affine checkpoint "
+                               "into; convert to the native format instead")
+    mx_dtype = DTYPES.get(dtype)
+    dst = Path(to_gguf if to_gguf is not None else mlx_path).expanduser()
+    if (dst.exists() or dst.is_symlink()) and not force:
+        raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
+    if to_gguf is not None:
+        target = f"GGUF {gguf_type}"
+    elif q_bits:
+        target = f"MLX affine {q_bits}-bit, group size {q_group_size}"
+    else:
+        target = "float (dequantized)" if dequantize else f"mlx-ternary native ({packing})"
+    report = ConvertReport(str(source.path), source.kind, dst, target, notes=list(source.notes))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _partial(dst)
+    _remove(tmp)
+    try:
+        if to_gguf is not None:
+            _write_gguf(source, tmp, gguf_type, mx_dtype, report, progress)
+        else:
+            tmp.mkdir()
+            written = _write_tensors(source, tmp, report, packing=packing, q_bits=q_bits,
+                                     q_group_size=q_group_size, dequantize=dequantize,
+                                     dtype=mx_dtype, max_shard_bytes=max_shard_bytes,
+                                     progress=progress)
+            if q_bits or dequantize:
+                config = (affine_writer.affine_config(source.config, q_bits, q_group_size,
+                                                      written.get("affine", {}))
+                          if q_bits else dict(source.config))
+                (tmp / "README.md").write_text(affine_writer.model_card(
+                    source.path.name, source.kind, q_bits, q_group_size,
+                    source.activation_bits))
+                if source.activation_bits:
+                    report.notes.append(
+                        f"the source quantizes activations to int{source.activation_bits}; "
+                        "stock mlx-lm does not, so this checkpoint matches the ternary model "
+                        "with activation quantization off (stated in its README.md)")
+            else:
+                config = native_config(source.config, _quantization(source, packing, written))
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            _copy_tokenizer(source, tmp)
+            write_manifest(tmp)
+        _publish(tmp, dst, force)
+    except BaseException:  # also Ctrl-C: never leave a partial destination behind
+        _remove(tmp)
+        raise
+    return report
+
+
+def _write_gguf(source: Source, tmp: Path, qtype: str, dtype, report: ConvertReport,
+                progress: Optional[Progress]) -> None:
+    gguf_writer.check_config(source.config)
+    tok_json, tok_cfg = source.tokenizer_files.get("tokenizer.json"), {}
+    if source.tokenizer_dir is not None:
+        if (source.tokenizer_dir / "tokenizer.json").is_file():
+            tok_json = (source.tokenizer_dir / "tokenizer.json").read_text()
+        if (source.tokenizer_dir / "tokenizer_config.json").is_file():
+            tok_cfg = read_json(source.tokenizer_dir / "tokenizer_config.json")
+    check = Checker(source.model, source.targets, source.path)
+    done = [0]
+
+    def items():
+        for name, item in source.items():
+            check.item(name, item)
+            if isinstance(item, PackedTernary):
+                report.ternary_weights += item.out_features * item.in_features
+            elif isinstance(item, AffineTensor):  # the GGUF writer takes floats
+                name, item = f"{name}.weight", _float(item.dequantize(), dtype)
+            else:
+                item = _float(item, dtype)
+            yield name, item
+
+    def on_tensor(name, kind, err):
+        report.tensors.append(TensorReport(name, kind, err))
+        done[0] += 1
+        if progress:
+            progress(name, done[0], source.count)
+
+    gguf_writer.write(tmp, source.config, items(), qtype, tok_json, tok_cfg, on_tensor,
+                      activation_bits=source.activation_bits)
+    check.finish()
+
+
+def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: int = 64, *,
+            packing: Optional[str] = None, dtype: Optional[str] = None,
+            dequantize: bool = False, to_gguf=None, gguf_type: str = "TQ2_0",
+            force: bool = False, revision: Optional[str] = None, group_size: int = 128,
+            activation_bits: Optional[int] = None,
+            max_shard_bytes: int = MAX_SHARD_BYTES,
+            progress: Optional[Progress] = None) -> ConvertReport:
+    """Convert a ternary checkpoint to the native format, stock MLX, or GGUF.
+
+    Reads the native format, Hugging Face BitNet (packed, both scale semantics, or float
+    latent), TriLM-style unpacked floats, MLX 2-bit affine ternary packs (Ternary-Bonsai,
+    prism_hadamard_qwen35 with the rotation kept) and llama.cpp GGUF TQ1_0/TQ2_0.
+
+    Args:
+        hf_path: a local model directory, a Hugging Face repo id, or a .gguf file.
+        mlx_path: the output directory (refused if it exists, unless force).
+        q_bits: write a stock MLX affine checkpoint at this many bits (2, 3, 4, 5, 6, 8),
+            ternary values exact, loadable by plain `mlx_lm.load`.
+        q_group_size: its group size (32, 64, 128).
+        packing: native packing, "compact" or "fast" (default: dispatch.DEFAULT_PACKING).
+        dtype: "float16", "bfloat16" or "float32" for float tensors.
+        dequantize: write a float checkpoint (ternary weights as s * t).
+        to_gguf: write a llama.cpp GGUF file here instead of a directory.
+        gguf_type: "TQ1_0" or "TQ2_0" for the GGUF ternary tensors.
+        force: replace an existing destination.
+        revision: hub revision when hf_path is a repo id.
+        group_size: column group for TriLM-style weights whose scales vary along a row.
+        activation_bits: 8 or 0 to override the source's activation quantization (e.g. a
+            float checkpoint of a BitNet-trained model whose config does not say so);
+            None keeps what the source's config says.
+        max_shard_bytes: largest safetensors shard (default 5 GB).
+        progress: called as (tensor name, done, total) after each tensor.
+
+    Returns:
+        A ConvertReport (per-tensor round-trip errors, bits per weight, notes).
+
+    Raises:
+        TernaryError: bad arguments, an existing destination, an unknown or corrupt
+            checkpoint (FormatError names the file and tensor). Nothing is left at the
+            destination on any error or interrupt.
+    """
+    packing = packing or DEFAULT_PACKING
+    if packing not in PACKINGS:
+        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    dst = to_gguf if to_gguf is not None else mlx_path
+    if dst is not None and Path(dst).expanduser().exists() and not force:
+        raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
+    if activation_bits not in (None, 0, 8):
+        raise TernaryError(f"activation_bits must be 8, 0 (none) or None (as the source says), "
+                           f"got {activation_bits!r}")
+    source = open_source(hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing,
+                         revision, group_size)
+    if activation_bits is not None:
+        source.activation_bits = activation_bits or None
+        source.notes.append(f"activation quantization set by the caller: "
+                            f"{'int8' if activation_bits else 'none'}")
+    return convert_source(source, mlx_path, q_bits=q_bits, q_group_size=q_group_size,
+                          packing=packing, dtype=dtype, dequantize=dequantize,
+                          to_gguf=to_gguf, gguf_type=gguf_type, force=force,
+                          max_shard_bytes=max_shard_bytes, progress=progress)

@@ -1,0 +1,76 @@
+"""A .gguf file where a model directory is expected: converted once, then reused.
+
+`load()`, `generate`, `serve`, `plan` and `perplexity` take a GGUF path; the first time,
+it is converted to the native format into the cache, and later loads read that copy.
+
+Where: $XDG_CACHE_HOME/mlx_ternary/gguf (default ~/.cache/mlx_ternary/gguf), one
+directory per file version, `<name>-<path hash>-<content key>`. The content key hashes
+the file's size, modification time and its first and last MiB, so a replaced or
+re-exported file gets a new key and is converted again; the older conversions of the
+same path are then removed. Conversion writes beside the destination and renames into
+place (convert's rule), so a directory in the cache is always complete.
+"""
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import TernaryError
+from ..paths import cache_dir as kind_dir
+
+SAMPLE = 1 << 20  # bytes hashed at each end of the file
+
+
+def cache_root() -> Path:
+    return kind_dir("gguf")
+
+
+def _path_key(path: Path) -> str:
+    return hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
+
+
+def _content_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(SAMPLE))
+        if st.st_size > SAMPLE:
+            f.seek(max(SAMPLE, st.st_size - SAMPLE))
+            h.update(f.read(SAMPLE))
+    return h.hexdigest()[:16]
+
+
+def cache_dir(path: Path) -> Path:
+    """Where the conversion of this version of `path` lives."""
+    path = Path(path).expanduser()
+    return cache_root() / f"{path.stem}-{_path_key(path)}-{_content_key(path)}"
+
+
+def native_dir(path: Path, notify: Optional[Callable[[str], None]] = None,
+               progress: Optional[Callable[[str, int, int], None]] = None) -> Path:
+    """The native-format directory for a GGUF file, converting it on first use.
+
+    Args:
+        notify: called with one line when a conversion starts (the CLI prints it).
+        progress: convert's (tensor name, done, total) callback.
+    """
+    from .convert import convert
+
+    path = Path(path).expanduser()
+    out = cache_dir(path)
+    if (out / "config.json").is_file():
+        return out
+    if notify:
+        notify(f"{path}: converting the GGUF file to mlx-ternary's format once, into {out} "
+               "(later runs load it from there)")
+    try:
+        convert(str(path), out, progress=progress)
+    except TernaryError:
+        if not (out / "config.json").is_file():  # else another process just finished it
+            raise
+    prefix = out.name.rsplit("-", 1)[0] + "-"
+    for old in out.parent.glob(prefix + "*"):
+        if old != out and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    return out

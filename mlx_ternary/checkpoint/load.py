@@ -1,0 +1,165 @@
+"""load(): a path or hub id -> (mlx-lm model with TernaryLinear layers, tokenizer)."""
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from ..runtime import dispatch
+from ..errors import TernaryError
+from ..format import PACKINGS, AffineTensor, PackedTernary
+from .hub import model_dir
+from ..runtime.cpu import layers as native_layers
+from ..runtime.layers import HadamardTernaryLinear, QuantizedEmbedding, TernaryLinear, affine_layer, model_quantization, replacement, ternary_layers
+from .readers import gguf, open_source
+from .readers.arch import Checker, hadamard_paths
+from .readers.arch import get_classes, normalize_config, read_config  # noqa: F401 (re-exported)
+from .readers.common import Source
+from ..runtime.shard import make_shardable
+
+def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
+    """A local model directory: the directory itself, a .gguf file's converted copy in the
+    cache, or a hub repo id downloaded."""
+    p = Path(path_or_hf_repo).expanduser()
+    if gguf.detect(p):  # converted once into the cache, then read from there
+        from .gguf_cache import native_dir
+
+        return native_dir(p)
+    return model_dir(path_or_hf_repo, revision)
+
+
+def default_dtype():
+    # Off the GPU, MLX's float16 and bfloat16 matmuls are many times slower than float32.
+    return None if mx.default_device() == mx.gpu else mx.float32
+
+
+def runtime_packing(packing: Optional[str], backend: Optional[str]) -> Optional[str]:
+    """The packing ternary layers run in: `packing`, else "fast" where the reference path
+    runs (it reads MLX's 2-bit layout in place), else None (keep what is stored)."""
+    if packing is not None and packing not in PACKINGS:
+        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    return packing or ("fast" if dispatch.resolve_backend(backend) == "reference" else None)
+
+
+def read_layers(source: Source, model: nn.Module, *, backend: Optional[str] = None):
+    """Consume the source's stream: (float tensors {name: array}, layers {path: module}).
+
+    Ternary items become TernaryLinear (HadamardTernaryLinear where the config rotates),
+    affine items nn.QuantizedLinear / nn.QuantizedEmbedding; each item is checked
+    against the model its config describes as it arrives.
+    """
+    check = Checker(model, source.targets, source.path)
+    modules = dict(model.named_modules())
+    blocks, _ = hadamard_paths(source.config)
+    weights, layers = {}, {}
+    for name, item in source.items():
+        check.item(name, item)
+        if isinstance(item, PackedTernary):
+            kw = dict(block=blocks[name]) if name in blocks else {}
+            cls = HadamardTernaryLinear if name in blocks else TernaryLinear
+            layers[name] = cls.from_packed(item, activation_bits=source.activation_bits,
+                                           backend=backend, **kw)
+            if source.targets[name][2]:  # its bias arrives as its own tensor
+                layers[name].bias = mx.zeros((item.out_features,))
+            layers[name] = replacement(modules[name], layers[name])
+        elif isinstance(item, AffineTensor):
+            layers[name] = affine_layer(modules[name], item, f"{source.path}: {name}")
+        else:
+            weights[name] = item
+    check.finish()
+    return weights, layers
+
+
+def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
+               backend: Optional[str] = None, lazy: bool = False) -> Tuple[nn.Module, dict]:
+    """Build mlx-lm's model class for the checkpoint with ternary layers swapped in.
+
+    Args:
+        model_path: a local model directory.
+        dtype: dtype of float parameters (default: float32 off the GPU, as stored on it;
+            with the native CPU backend, float16/bfloat16 embeddings and output layers
+            stay as stored). Scales of ternary and affine layers keep their stored dtype.
+        packing: runtime packing; default keeps the stored one where the Metal or native
+            kernels run and uses "fast" (MLX's 2-bit layout, read in place) elsewhere.
+        backend: force "metal", "emulate", "native" or "reference" for every ternary layer.
+        lazy: leave parameters unevaluated.
+    """
+    runtime = runtime_packing(packing, backend)
+    source = open_source(model_path, runtime or "compact")
+    model = source.model  # the skeleton: its layers are replaced, its parameters loaded
+    weights, layers = read_layers(source, model, backend=backend)
+    model.update_modules(tree_unflatten(list(layers.items())))
+    # Native CPU backend: native attention; embeddings / output layer stay float16/bfloat16.
+    keep = (native_layers.adopt(model, weights, dtype)
+            if dispatch.resolve_backend(backend) == "native" else set())
+    dtype = dtype or default_dtype()
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
+                   and not k.endswith((".scales", ".biases")) and k not in keep else v
+                   for k, v in weights.items()}
+        for _, m in model.named_modules():  # quantized embeddings give rows in `dtype`
+            if isinstance(m, QuantizedEmbedding):
+                m.out_dtype = dtype
+    model.load_weights(list(weights.items()), strict=False)
+    model.eval()
+    if runtime:
+        for _, layer in ternary_layers(model):
+            layer.repack(runtime)
+            if not lazy:  # one layer at a time keeps the unpacked trits' peak small
+                mx.eval(layer.packed)
+    if not lazy:
+        mx.eval(model.parameters())
+    config = dict(source.config)
+    config["quantization"] = model_quantization(model).to_dict()
+    return make_shardable(model), config  # model.shard(group) knows TernaryLinear
+
+
+def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
+         dtype=None, packing: Optional[str] = None, backend: Optional[str] = None,
+         lazy: bool = False, revision: Optional[str] = None, return_config: bool = False,
+         adapter_path: Optional[str] = None):
+    """Load a ternary model as an mlx-lm model plus mlx-lm's TokenizerWrapper.
+
+    Reads every format `convert` reads (readers.READERS, in that order): the native
+    format, Hugging Face BitNet (packed or latent, every published config revision),
+    mlx-lm quantized BitNet conversions, MLX affine ternary packs (Ternary-Bonsai,
+    Bonsai-2) and TriLM-style float checkpoints. Layers stored MLX affine-quantized
+    (embeddings, lm_head) stay quantized. A .gguf file is converted once into the cache
+    (gguf_cache.py) and loaded from there.
+
+    Args:
+        path_or_hf_repo: a local directory, a .gguf file or a Hugging Face repo id
+            (downloaded).
+        tokenizer_config: extra keyword arguments for the tokenizer.
+        dtype, packing, backend, lazy: see `load_model`.
+        revision: hub revision (branch, tag or commit).
+        return_config: also return the config dict.
+        adapter_path: a directory with mlx-lm LoRA/DoRA adapters (adapters.safetensors,
+            adapter_config.json) to attach; the ternary base stays as it is.
+
+    Returns:
+        (model, tokenizer) or (model, tokenizer, config).
+
+    Raises:
+        TernaryError: a missing directory, config or weights, an unsupported model
+            type, or (FormatError) a checkpoint that does not match its config.
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    model_path = resolve_model_path(path_or_hf_repo, revision)
+    model, config = load_model(model_path, dtype=dtype, packing=packing, backend=backend,
+                               lazy=lazy)
+    if adapter_path is not None:
+        from ..runtime.adapters import load_adapters
+
+        load_adapters(model, adapter_path)
+        model.eval()
+    try:
+        tokenizer = load_tokenizer(model_path, tokenizer_config,
+                                   eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError) as e:
+        raise TernaryError(f"{model_path}: cannot load the tokenizer ({e}); the directory needs "
+                           "tokenizer.json or tokenizer.model with tokenizer_config.json") from None
+    return (model, tokenizer, config) if return_config else (model, tokenizer)

@@ -1,0 +1,175 @@
+"""Writer for the native mlx-ternary format: config.json + safetensors shards + index."""
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ...format import QuantizationConfig
+from ...runtime.layers import model_quantization, ternary_layers
+
+MAX_SHARD_BYTES = 5 << 30
+FOREIGN_QUANT_KEYS = ("quantization", "quantization_config")
+
+
+def write_shards(out_dir: Path, tensors: Iterable[Tuple[str, mx.array]],
+                 max_shard_bytes: int = MAX_SHARD_BYTES) -> Dict[str, str]:
+    """Stream tensors into model-0000i-of-0000n.safetensors shards; returns the weight map."""
+    shards, current, size = [], {}, 0
+    for name, arr in tensors:
+        if current and size + arr.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = arr
+        size += arr.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = ("model.safetensors" if len(shards) == 1
+                 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        mx.save_safetensors(str(out_dir / fname), shard, metadata={"format": "mlx"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(a.nbytes for s in shards for a in s.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return weight_map
+
+
+def native_config(config: dict, quant: QuantizationConfig) -> dict:
+    out = {k: v for k, v in config.items() if k not in FOREIGN_QUANT_KEYS}
+    out["quantization"] = quant.to_dict()
+    return out
+
+
+def save_model(model: nn.Module, config: dict, out_dir, tokenizer=None,
+               packing: Optional[str] = None) -> Path:
+    """Save a model with TernaryLinear layers in the native format.
+
+    Args:
+        model: an mlx-lm model whose ternary layers are TernaryLinear.
+        config: its config dict (foreign quantization sections are dropped).
+        out_dir: the directory to write (created).
+        tokenizer: a TokenizerWrapper or HF tokenizer to save beside the weights.
+        packing: repack every ternary layer to this packing first.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if packing:
+        for _, layer in ternary_layers(model):
+            layer.repack(packing)
+    quant = model_quantization(model)
+    write_shards(out_dir, tree_flatten(model.parameters()))
+    (out_dir / "config.json").write_text(json.dumps(native_config(config, quant), indent=2))
+    if tokenizer is not None:
+        getattr(tokenizer, "_tokenizer", tokenizer).save_pretrained(str(out_dir))
+    return out_dir
+
+
+# --------------------------------------------------------------------------- #
+# Streaming shards and the sha256 manifest (used by convert)
+# --------------------------------------------------------------------------- #
+
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "mlx-ternary-manifest"
+_ST_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint8: "U8",
+              mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16", mx.uint32: "U32",
+              mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64", mx.bool_: "BOOL"}
+_COPY_CHUNK = 64 << 20
+
+
+def _tensor_bytes(arr: mx.array) -> bytes:
+    if arr.dtype == mx.bfloat16:  # numpy has no bfloat16: move the raw bits
+        arr = arr.view(mx.uint16)
+    return memoryview(np.ascontiguousarray(np.array(arr)).reshape(-1)).cast("B")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_COPY_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class ShardWriter:
+    """Write tensors one at a time into safetensors shards of at most `max_shard_bytes`.
+
+    Each shard's data goes to a scratch file as it arrives; closing a shard writes the
+    header and copies the data behind it, so memory holds one tensor, never a shard.
+    """
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES):
+        self.out_dir = Path(out_dir)
+        self.max_shard_bytes = max_shard_bytes
+        self.shards: List[Tuple[Path, dict]] = []  # (data scratch file, header)
+        self._open = None  # (scratch path, file object, header, size)
+        self.total = 0
+
+    def _new_shard(self):
+        path = self.out_dir / f".shard-{len(self.shards) + 1}.data"
+        self._open = (path, open(path, "wb"), {}, 0)
+
+    def _close_shard(self):
+        path, fh, header, _ = self._open
+        fh.close()
+        self.shards.append((path, header))
+        self._open = None
+
+    def add(self, name: str, arr: mx.array) -> None:
+        """Append one tensor (any dtype safetensors knows)."""
+        if arr.dtype not in _ST_DTYPES:
+            raise ValueError(f"{name}: dtype {arr.dtype} cannot be written to safetensors")
+        data = _tensor_bytes(arr)
+        if self._open is None:
+            self._new_shard()
+        elif self._open[3] and self._open[3] + len(data) > self.max_shard_bytes:
+            self._close_shard()
+            self._new_shard()
+        path, fh, header, size = self._open
+        header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [size, size + len(data)]}
+        fh.write(data)
+        self._open = (path, fh, header, size + len(data))
+        self.total += len(data)
+
+    def close(self) -> Dict[str, str]:
+        """Finish every shard and the index; returns the weight map {tensor: file}."""
+        if self._open is not None:
+            self._close_shard()
+        n = len(self.shards)
+        weight_map = {}
+        for i, (data_path, header) in enumerate(self.shards):
+            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            raw = json.dumps({"__metadata__": {"format": "mlx"}, **header},
+                             separators=(",", ":")).encode()
+            raw += b" " * (-(8 + len(raw)) % 8)  # the spec allows space padding; align data
+            with open(self.out_dir / fname, "wb") as out, open(data_path, "rb") as src:
+                out.write(struct.pack("<Q", len(raw)))
+                out.write(raw)
+                shutil.copyfileobj(src, out, _COPY_CHUNK)
+            data_path.unlink()
+            weight_map.update({k: fname for k in header})
+        index = {"metadata": {"total_size": self.total},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return weight_map
+
+
+def write_manifest(out_dir: Path) -> dict:
+    """Record size and sha256 of every file in `out_dir` in manifest.json."""
+    out_dir = Path(out_dir)
+    files = {}
+    for p in sorted(out_dir.rglob("*")):
+        if p.is_file() and p.name != MANIFEST_FILE:
+            rel = p.relative_to(out_dir).as_posix()
+            files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    manifest = {"format": MANIFEST_FORMAT, "version": 1, "files": files}
+    (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    return manifest

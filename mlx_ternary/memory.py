@@ -1,0 +1,321 @@
+"""The memory plan: weights + KV cache + activations + overhead, against what the machine has.
+
+`plan()` reads a (possibly lazily) loaded mlx-lm model: parameter sizes come from array
+shapes and dtypes, the KV cache size per token from a lazy one-token probe of mlx-lm's own
+cache objects, and the activation peak of one prefill chunk from the model's dimensions.
+Nothing is evaluated, so the plan runs before the float weights are read from disk.
+`measure()` runs a real prefill + decode and reads MLX's peak-memory counter: the check
+that the plan is honest (docs/SERVE.md gives the figures).
+"""
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .runtime.cpu.layers import HalfEmbedding, HalfLinear
+from .runtime.layers import TernaryLinear, ternary_layers
+
+GiB = 1024 ** 3
+# Python, MLX, tokenizers and the HTTP stack: resident memory outside MLX's allocator
+# (measured: 0.35 GiB peak RSS serving the tiny model on Linux; docs/SERVE.md).
+FRAMEWORK_OVERHEAD = 512 * 1024 ** 2
+KV_STEP = 256            # mlx-lm's KV caches grow in steps of 256 tokens
+KV_GROUP_SIZE = 64
+ACTIVATION_MARGIN = 1.1  # allocator rounding and small temporaries the count leaves out
+# The command-line options that change each part of the plan (named in the advice).
+PLAN_FLAGS = {"context": "--max-context", "kv_bits": "--kv-bits", "batch": "--batch",
+              "prefill": "--prefill-step-size", "prompt_cache": "--prompt-cache-bytes"}
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024 ** 2, "mb": 1024 ** 2,
+          "mib": 1024 ** 2, "g": GiB, "gb": GiB, "gib": GiB}
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes each part of a run needs, and whether the total fits under `limit`."""
+
+    weights: Dict[str, int]          # {"ternary", "float", "embeddings"}
+    kv_cache: int
+    activations: int
+    overhead: int
+    available: int
+    available_source: str
+    limit: int
+    max_context: int
+    batch: int
+    prefill_step_size: int
+    kv_bits: Optional[int] = None
+    prompt_cache: int = 0            # bytes of KV kept across requests (serve)
+    notes: List[str] = field(default_factory=list)
+    flags: Dict[str, str] = field(default_factory=lambda: dict(PLAN_FLAGS))
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def total(self) -> int:
+        return (self.weights_total + self.kv_cache + self.prompt_cache + self.activations
+                + self.overhead)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.limit
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(weights_total=self.weights_total, total=self.total, fits=self.fits)
+        return d
+
+    def lines(self) -> List[str]:
+        """The plan as aligned text lines, one part per line."""
+        kv = f"KV cache ({self.batch} x {self.max_context} tokens"
+        kv += f", {self.kv_bits}-bit)" if self.kv_bits else ")"
+        rows = [
+            ("weights, ternary", self.weights["ternary"]),
+            ("weights, float", self.weights["float"]),
+            ("weights, embeddings", self.weights["embeddings"]),
+            (kv, self.kv_cache),
+            *([("prompt cache (kept across requests)", self.prompt_cache)]
+              if self.prompt_cache else []),
+            (f"activations (prefill chunk {self.prefill_step_size})", self.activations),
+            ("framework overhead", self.overhead),
+            ("total", self.total),
+            (f"memory limit ({self.available_source})", self.limit),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return [f"{name:<{width}}  {fmt_bytes(n):>10}" for name, n in rows] + self.notes
+
+    def advice(self) -> List[str]:
+        """What to change so the plan fits, largest saving first, in `flags`' names."""
+        out, flag = [], self.flags.get
+        if self.kv_cache > 0 and flag("context"):
+            out.append(f"lower {flag('context')} (the KV cache for {self.max_context} tokens "
+                       f"is {fmt_bytes(self.kv_cache)} and shrinks in proportion)")
+        if self.kv_cache > 0 and not self.kv_bits and flag("kv_bits"):
+            out.append(f"quantize the KV cache with {flag('kv_bits')} 8 (about half the KV "
+                       "memory)")
+        if self.prompt_cache > 0 and flag("prompt_cache"):
+            out.append(f"a smaller {flag('prompt_cache')} (now "
+                       f"{fmt_bytes(self.prompt_cache)}; 0 turns the prompt cache off)")
+        if self.batch > 1 and flag("batch"):
+            out.append(f"lower {flag('batch')} (now {self.batch}; each sequence holds "
+                       f"{fmt_bytes(self.kv_cache // self.batch)} of KV cache)")
+        if self.prefill_step_size > 128 and flag("prefill"):
+            out.append(f"a smaller {flag('prefill')} (now {self.prefill_step_size}; the "
+                       f"activation peak is {fmt_bytes(self.activations)})")
+        return out or ["a smaller model or a machine with more memory"]
+
+    def refusal(self) -> str:
+        """One message with the numbers and the advice, for a plan that does not fit."""
+        parts = [f"weights {fmt_bytes(self.weights_total)}", f"KV cache {fmt_bytes(self.kv_cache)}"]
+        if self.prompt_cache:
+            parts.append(f"prompt cache {fmt_bytes(self.prompt_cache)}")
+        parts += [f"activations {fmt_bytes(self.activations)}",
+                 f"overhead {fmt_bytes(self.overhead)}"]
+        return (f"the memory plan does not fit: {' + '.join(parts)} = {fmt_bytes(self.total)}"
+                f", over the limit of {fmt_bytes(self.limit)} ({self.available_source}); "
+                f"try: {'; '.join(self.advice())}")
+
+
+def parse_bytes(text: str) -> int:
+    """'512MB', '2GiB', '0', '1048576' -> bytes (K/M/G are powers of 1024)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and _UNITS.get(m.group(2).lower())
+    if not unit:
+        raise ValueError(f"{text!r} is not a size: write bytes or a number with KB, MB or GB")
+    return int(float(m.group(1)) * unit)
+
+
+def fmt_bytes(n: int) -> str:
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if n >= 1024 ** 2:
+        return f"{n / 1024 ** 2:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def available_memory() -> tuple:
+    """(bytes, where the number comes from): Metal's working set, else system RAM."""
+    if mx.metal.is_available():
+        info = mx.device_info()
+        size = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        if size:
+            return int(size), "Metal recommended working set"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "system RAM available"
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "system RAM"
+
+
+def _is_embedding(path: str, module: nn.Module) -> bool:
+    return (isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
+            or path.split(".")[-1] == "lm_head")
+
+
+def weight_bytes(model: nn.Module) -> Dict[str, int]:
+    """Parameter bytes by kind: ternary layers (with their runtime affine tables), float
+    layers, and the input/output embeddings. Lazy arrays are sized without evaluating."""
+    sizes = {"ternary": 0, "float": 0, "embeddings": 0}
+    dtype = activation_dtype(model)
+    seen = set()
+    for _, layer in ternary_layers(model):
+        if layer.reads_affine():
+            # The reference fast path keeps per-layer (or shared) scale/bias tables.
+            qs, qb, _ = layer._fast_affine(dtype)
+            for a in (qs, qb):
+                if id(a) not in seen:
+                    seen.add(id(a))
+                    sizes["ternary"] += a.nbytes
+    for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        kind = ("ternary" if isinstance(m, TernaryLinear)
+                else "embeddings" if _is_embedding(path, m) else "float")
+        sizes[kind] += sum(a.nbytes for _, a in tree_flatten(m.parameters()))
+    return sizes
+
+
+def activation_dtype(model: nn.Module):
+    """The float dtype activations (and the KV cache) run in: the embedding's (float32
+    where the native backend keeps a float16 table and widens what it looks up)."""
+    for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(m, (HalfEmbedding, HalfLinear)):
+            return mx.float32
+        for _, a in tree_flatten(m.parameters()):
+            if mx.issubdtype(a.dtype, mx.floating) and a.ndim == 2:
+                return a.dtype
+    return mx.float32
+
+
+def kv_bytes(model: nn.Module, max_context: int, batch: int = 1,
+             kv_bits: Optional[int] = None, kv_group_size: int = KV_GROUP_SIZE,
+             max_kv_size: Optional[int] = None) -> int:
+    """KV cache bytes for `batch` sequences of `max_context` tokens.
+
+    Per-token sizes come from a lazy one-token probe of the model's own caches, so any
+    attention layout (GQA, sliding windows, state caches) is measured, not assumed.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=cache)  # builds the graph, evaluates nothing
+    tokens = -(-max_context // KV_STEP) * KV_STEP
+    total = 0
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        if keys is None:
+            total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
+            continue
+        n = min(tokens, c.max_size) if getattr(c, "max_size", None) else tokens
+        for a in (c.keys, c.values):
+            per_elem = (kv_bits / 8 + 2 * a.itemsize / kv_group_size) if kv_bits else a.itemsize
+            total += int(a.shape[1] * a.shape[3] * n * per_elem)
+    return total * batch
+
+
+def activation_bytes(model: nn.Module, batch: int, prefill_step: int, max_context: int) -> int:
+    """Peak transient bytes of one prefill chunk of `batch` x `prefill_step` tokens attending
+    to up to `max_context` keys, or of one batched decode step (logits), whichever is larger.
+
+    Counts the live tensors of the widest moment of a layer: attention (hidden states,
+    q/k/v, the score matrix and its softmax, as MLX's unfused attention builds them off
+    Metal) or the MLP (gate, up, product).
+    """
+    args = getattr(model, "args", None)
+    get = lambda name, default=0: getattr(args, name, None) or default  # noqa: E731
+    h = get("hidden_size")
+    heads = get("num_attention_heads", 1)
+    kv_heads = get("num_key_value_heads", heads)
+    hd = get("head_dim", h // heads if heads else 0)
+    inter = get("intermediate_size", 4 * h)
+    vocab = get("vocab_size")
+    f = activation_dtype(model).size
+    step = min(prefill_step, max_context)
+    t = batch * step
+    attn = t * (3 * h + (2 * heads + 2 * kv_heads) * hd) * f
+    # Scores and their softmax, plus keys/values broadcast over the query heads.
+    attn += 2 * batch * heads * max_context * (step + hd) * f
+    mlp = t * (3 * h + 3 * inter) * f
+    decode = 3 * batch * vocab * f
+    return int(ACTIVATION_MARGIN * max(attn, mlp, decode))
+
+
+def plan(model: nn.Module, max_context: int, batch: int = 1, prefill_step_size: int = 512,
+         kv_bits: Optional[int] = None, memory_limit: Optional[float] = None,
+         max_kv_size: Optional[int] = None, flags: Optional[Dict[str, str]] = None,
+         prompt_cache: int = 0) -> MemoryPlan:
+    """The memory plan for serving `batch` sequences of up to `max_context` tokens.
+
+    Args:
+        model: an mlx-lm model (lazily loaded is enough: nothing is evaluated).
+        max_context: prompt + generated tokens per sequence.
+        batch: sequences decoded together.
+        prefill_step_size: prompt tokens processed per chunk.
+        kv_bits: KV cache quantization bits, or None for the float cache.
+        memory_limit: limit in GiB (default: the memory available).
+        max_kv_size: a rotating KV cache of this many tokens.
+        flags: the options that change each part, for the advice (default: `plan`'s).
+        prompt_cache: bytes of prompt KV caches kept across requests (serve's LRU bound).
+
+    Returns:
+        A MemoryPlan; `.fits` says whether it fits, `.refusal()` says what to change.
+    """
+    available, source = available_memory()
+    limit = int(memory_limit * GiB) if memory_limit else available
+    if memory_limit:
+        source = f"--memory-limit; {fmt_bytes(available)} {source}"
+    return MemoryPlan(
+        weights=weight_bytes(model),
+        kv_cache=kv_bytes(model, max_context, batch, kv_bits, max_kv_size=max_kv_size),
+        activations=activation_bytes(model, batch, prefill_step_size, max_context),
+        overhead=FRAMEWORK_OVERHEAD, available=available, available_source=source,
+        limit=limit, max_context=max_context, batch=batch,
+        prefill_step_size=prefill_step_size, kv_bits=kv_bits, prompt_cache=prompt_cache,
+        flags=dict(PLAN_FLAGS if flags is None else flags),
+    )
+
+
+def measure(model: nn.Module, prompt_tokens: int, batch: int = 1, prefill_step_size: int = 512,
+            decode_tokens: int = 4, vocab: Optional[int] = None, seed: int = 0) -> dict:
+    """Run a batched prefill of `prompt_tokens` plus `decode_tokens` greedy steps through
+    mlx-lm's BatchGenerator and read MLX's peak-memory counter.
+
+    Returns:
+        {"peak": bytes at the peak, "baseline": bytes before (the weights), "seconds": ...}.
+    """
+    from mlx_lm.generate import BatchGenerator
+
+    vocab = vocab or getattr(model.args, "vocab_size", 2)
+    mx.eval(model.parameters())
+    # The fast path's affine tables are built on the first call: make them resident first.
+    for _, layer in ternary_layers(model):
+        if layer.reads_affine():
+            mx.eval(layer._fast_affine(activation_dtype(model))[:2])
+    mx.clear_cache()
+    baseline = mx.get_active_memory()
+    mx.reset_peak_memory()
+    key = mx.random.key(seed)
+    prompts = mx.random.randint(2, vocab, (batch, prompt_tokens), key=key).tolist()
+    gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=batch,
+                         prefill_step_size=prefill_step_size)
+    tic = time.perf_counter()
+    uids = gen.insert(prompts, max_tokens=[decode_tokens] * batch)
+    done = set()
+    while len(done) < len(uids):
+        for r in gen.next_generated():
+            if r.finish_reason is not None:
+                done.add(r.uid)
+    seconds = time.perf_counter() - tic
+    peak = mx.get_peak_memory()
+    del gen
+    mx.clear_cache()
+    return {"peak": peak, "baseline": baseline, "seconds": seconds}

@@ -1,0 +1,108 @@
+"""The native CPU backend: the ternary linear layer as an MLX C++ primitive.
+
+`ternary_matmul` has the signature of `reference.ternary_matmul` and computes the same thing
+(exactly, with int8 activations and tensor/row scales) with SIMD kernels (AVX2, AVX-VNNI /
+AVX-512 VNNI, NEON dot product) on all the cores; `dense_matmul` multiplies by a float16 /
+bfloat16 / float32 table kept in its stored dtype (embeddings as output layer, lm_head).
+Both are differentiable with respect to x (straight-through for the activation quantization).
+
+The extension is compiled on first use and cached (build.py). Where that cannot happen -
+no compiler, an MLX without headers, a nanobind ABI mismatch - `available()` is False, the
+package runs the pure-MLX path, and one NativeBackendWarning says why.
+"""
+
+import threading
+import warnings
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from . import build
+
+PACKING_CODES = {"fast": 0, "compact": 1}
+
+
+class NativeBackendWarning(UserWarning):
+    """The native CPU kernel could not be built or loaded; the pure-MLX path runs instead."""
+
+
+_lock = threading.Lock()
+_state = {"tried": False, "module": None, "reason": None}
+
+
+def _module(progress: Optional[Callable[[str], None]] = None):
+    if not _state["tried"]:
+        with _lock:
+            if not _state["tried"]:
+                try:
+                    _state["module"] = build.load(progress or (lambda s: None))
+                except (build.NativeBuildError, OSError, ImportError) as e:
+                    _state["reason"] = str(e)
+                    warnings.warn(f"mlx-ternary: the native CPU kernel is unavailable: {e}. "
+                                  "Running the pure-MLX path instead.", NativeBackendWarning,
+                                  stacklevel=3)
+                _state["tried"] = True
+    return _state["module"]
+
+
+def available(progress: Optional[Callable[[str], None]] = None) -> bool:
+    """Whether the native kernel can run here (builds it on the first call).
+
+    Args:
+        progress: called with a short message before each compile step (only on a build).
+    """
+    return _module(progress) is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why `available()` is False (None when it is True or was not asked yet)."""
+    return _state["reason"]
+
+
+def info() -> dict:
+    """ISA of the kernels, threads, and the library's MLX version (empty if unavailable)."""
+    m = _module()
+    if m is None:
+        return {}
+    return {"isa": m.isa(), "threads": m.num_threads(), "mlx": m.built_for_mlx()}
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the kernels use; n < 1 restores the default (all cores this process may use,
+    or $MLX_TERNARY_NUM_THREADS)."""
+    _require().set_num_threads(int(n))
+
+
+def _require():
+    m = _module()
+    if m is None:
+        from ...errors import TernaryError
+
+        raise TernaryError(f"the native CPU backend is unavailable here: {_state['reason']}")
+    return m
+
+
+def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
+                   bias: Optional[mx.array] = None, *, packing: str, in_features: int,
+                   group_size: Optional[int] = None,
+                   activation_bits: Optional[int] = None) -> mx.array:
+    """y = act_quant(x) @ (s * t).T + bias, on the CPU; see reference.ternary_matmul.
+
+    Raises:
+        TernaryError: the native backend is unavailable.
+        ValueError: shapes or dtypes that do not describe one packed layer.
+    """
+    return _require().ternary_matmul(x, packed, scales, bias, PACKING_CODES[packing],
+                                     in_features, group_size or 0, activation_bits or 0)
+
+
+def dense_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """x @ w.T in float32 for w (N, K) float16, bfloat16 or float32 as stored."""
+    return _require().dense_matmul(x, w)
+
+
+def ternary_weight(packed: mx.array, scales: mx.array, *, packing: str, in_features: int,
+                   group_size: Optional[int] = None) -> mx.array:
+    """The (N, K) float32 weight s * t (what the backward pass multiplies by)."""
+    return _require().ternary_weight(packed, scales, PACKING_CODES[packing], in_features,
+                                     group_size or 0)

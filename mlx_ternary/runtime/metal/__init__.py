@@ -1,0 +1,1 @@
+"""The Metal backend: launchers (launch.py) of the kernels in the top-level metal/ sources."""

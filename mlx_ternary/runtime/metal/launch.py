@@ -1,0 +1,403 @@
+"""Launches of the Metal kernels in metal/*.metal (real GPU or CPU emulator), prepared once.
+
+`check_layer` validates a layer's arrays once (ValueError naming the rule) and returns a
+LayerSpec; `prepare` turns a spec, an activation dtype and a token count into a `run(x)`
+that only launches: kernel objects, template arguments, grids, the params array and the
+dummy inputs are all decided before the first call. Kernels are built through
+`mx.fast.metal_kernel` ("metal") or `mlx_ternary.emulator.metal_kernel` ("emulate"); each
+.metal file is split at its "//// BODY ////" line into `header` and kernel `source`.
+
+Kernels (docs/KERNELS.md has the thread mappings, costs and measured bytes):
+    prepass        int8 activations: per-token scale, quantized x, correction sums
+    gemv_fast      decode, fast packing, up to MAX_GEMV_TOKENS tokens; "offset" | "exact"
+    gemv_compact   decode, compact packing, up to MAX_GEMV_TOKENS tokens; "select"
+    gemm           prefill, either packing, any M; weights decoded once per 64 tokens
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import mlx.core as mx
+
+from ...format import CODES_PER_WORD, GROUP_SIZES, PACKINGS, TRITS_PER_BYTE, compact_row_bytes, fast_padded_k
+from .sources import read_source
+
+BODY_MARKER = "//// BODY ////"
+GEMV_ROWS = 8            # output rows per GEMV threadgroup (2 SIMD groups x 4)
+GEMV_TOKENS = 4          # tokens per GEMV threadgroup at most: bounded registers
+MAX_GEMV_TOKENS = 16     # GEMV passes up to here (<= 4 threadgroups deep), GEMM above
+GEMM_TOKENS, GEMM_ROWS = 64, 32
+PREPASS_THREADS = 256
+# MLX binds an input of fewer elements in the `constant` address space, where the kernels'
+# `(const device uint*)` casts do not compile: such layers run the reference path.
+MIN_DEVICE_ELEMENTS = 8
+FAST_DECODES = ("offset", "exact")
+COMPACT_DECODES = ("select",)
+KERNEL_CHOICES = ("gemv", "gemm", "gemm_fma")
+# "offset" adds ~1e-4 relative error with float activations (measured through the emulator,
+# docs/KERNELS.md): below float16/bfloat16 output rounding, so it is the default there;
+# float32 gets "exact". With int8 activations both are exact.
+DEFAULT_FAST_DECODE = {mx.float16: "offset", mx.bfloat16: "offset", mx.float32: "exact"}
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+_MAIN_INPUTS = ["x", "aux", "wq", "scales", "bias", "params"]
+KERNELS = {  # name: (input names, output names)
+    "prepass": (["x", "params"], ["xq", "aux"]),
+    "gemv_fast": (_MAIN_INPUTS, ["y"]),
+    "gemv_compact": (_MAIN_INPUTS, ["y"]),
+    "gemm": (_MAIN_INPUTS, ["y"]),
+}
+_KERNELS: Dict[Tuple[str, str, object], object] = {}
+_DUMMY: Dict[str, mx.array] = {}
+
+
+def split_source(text: str) -> Tuple[str, str]:
+    """(header, body) of a kernel file; the body is what mx.fast.metal_kernel calls source.
+
+    The two are separated by a line holding exactly BODY_MARKER.
+    """
+    parts = re.split(rf"^{re.escape(BODY_MARKER)}[ \t]*$", text, maxsplit=1, flags=re.M)
+    if len(parts) != 2:
+        raise ValueError(f"kernel source has no {BODY_MARKER!r} line separating header and body")
+    return parts[0], parts[1]
+
+
+def kernel_factory(backend: str):
+    """The function that builds kernels for `backend`: mx.fast.metal_kernel or the emulator's."""
+    if backend == "metal":
+        return mx.fast.metal_kernel
+    if backend == "emulate":
+        from ...emulator import metal_kernel
+
+        return metal_kernel
+    raise ValueError(f"metal_ops runs backend 'metal' or 'emulate', not {backend!r}")
+
+
+def get_kernel(name: str, backend: str):
+    """The built kernel `name` (file metal/<name>.metal) for `backend`, built on first use.
+
+    Cached per factory, so a replaced mx.fast.metal_kernel (a test's fake, a benchmark's
+    stub) builds its own kernels.
+    """
+    factory = kernel_factory(backend)
+    key = (backend, name, factory)
+    if key not in _KERNELS:
+        header, body = split_source(read_source(f"{name}.metal"))
+        inputs, outputs = KERNELS[name]
+        _KERNELS[key] = factory(name=f"ternary_{name}", input_names=inputs,
+                                output_names=outputs, source=body, header=header,
+                                ensure_row_contiguous=True)
+    return _KERNELS[key]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dummy(name: str) -> mx.array:
+    """A 1-element float32 stand-in for an input a variant does not read (bias, aux)."""
+    if name not in _DUMMY:
+        _DUMMY[name] = mx.zeros((1,), dtype=mx.float32)
+        mx.eval(_DUMMY[name])  # kept across calls and threads: never a lazy graph
+    return _DUMMY[name]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What the launches need to know about one layer, validated once."""
+
+    packing: str
+    n: int                   # out_features
+    k: int                   # in_features
+    group_size: Optional[int]
+    mode: int                # scales: 0 tensor, 1 row, 2 group
+    act: bool                # int8 activation quantization
+    has_bias: bool
+    row_width: int           # uint32 words (fast) or bytes (compact) per packed row
+    scale_cols: int
+    scale_dtype: object
+    bias_dtype: object
+    packed_size: int
+
+    @property
+    def fits_kernels(self) -> bool:
+        """False for toy layers MLX would bind as `constant` (the <8-element guard)."""
+        return self.packed_size >= MIN_DEVICE_ELEMENTS and self.k >= MIN_DEVICE_ELEMENTS
+
+
+def check_layer(packed: mx.array, scales: mx.array, bias: Optional[mx.array], *,
+                packing: str, in_features: int, group_size: Optional[int],
+                activation_bits: Optional[int]) -> LayerSpec:
+    """Validate a layer's arrays for the kernels; returns its LayerSpec.
+
+    Raises:
+        ValueError: naming the rule a shape or dtype breaks.
+    """
+    if packing not in PACKINGS:
+        raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
+    if packed.ndim != 2:
+        raise ValueError(f"packed must be 2-D (N, row), got shape {tuple(packed.shape)}")
+    n = packed.shape[0]
+    if group_size is not None and group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size}")
+    if packing == "fast":
+        want, dtype = (n, fast_padded_k(in_features) // CODES_PER_WORD), mx.uint32
+    else:
+        want, dtype = (n, compact_row_bytes(in_features, group_size)), mx.uint8
+    if packed.dtype != dtype or tuple(packed.shape) != want:
+        raise ValueError(f"{packing} packed weight for K = {in_features}, group_size = "
+                         f"{group_size} must be {dtype} of shape {want}, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    if scales.dtype not in FLOAT_DTYPES or scales.ndim != 2:
+        raise ValueError(f"scales must be a 2-D float array, got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    groups = _ceil_div(in_features, group_size) if group_size else None
+    shapes = {(1, 1): 0, (n, 1): 1}
+    if groups is not None:
+        shapes[(n, groups)] = 2
+    mode = shapes.get(tuple(scales.shape))
+    if mode is None:
+        raise ValueError(f"scales must be (1, 1), (N, 1) or (N, ceil(K / group_size)) = "
+                         f"(1, 1), ({n}, 1) or ({n}, {groups or '?'}), got "
+                         f"{tuple(scales.shape)} with group_size = {group_size}")
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype not in FLOAT_DTYPES):
+        raise ValueError(f"bias must be a float ({n},) array, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    if activation_bits not in (None, 8):
+        raise ValueError(f"activation_bits must be 8 or None, got {activation_bits}")
+    return LayerSpec(packing, n, in_features, group_size, mode, bool(activation_bits),
+                     bias is not None, packed.shape[1], scales.shape[1], scales.dtype,
+                     bias.dtype if bias is not None else mx.float32, packed.size)
+
+
+def check_x(x: mx.array, spec: LayerSpec) -> None:
+    """Raises ValueError unless x is (..., K) float16, bfloat16 or float32."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] != spec.k:
+        raise ValueError(f"x must end in in_features = {spec.k} columns, got shape "
+                         f"{tuple(x.shape)}")
+
+
+def gemv_split(m: int) -> Tuple[int, int]:
+    """(tokens per threadgroup TM, threadgroups along z) for an m-token GEMV, balanced."""
+    chunks = _ceil_div(m, GEMV_TOKENS)
+    return _ceil_div(m, chunks), chunks
+
+
+def _blocks(spec: LayerSpec) -> Tuple[int, int, int]:
+    """(B columns per compact block, BPB bytes per block, NB blocks per row)."""
+    b = spec.group_size or spec.k
+    return b, _ceil_div(b, TRITS_PER_BYTE), _ceil_div(spec.k, b)
+
+
+def _params(values) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch with everything but its first input decided."""
+
+    name: str
+    kernel: object
+    rest: tuple              # the inputs after x (None: supplied per call)
+    template: list
+    grid: tuple
+    threadgroup: tuple
+    out_dtypes: list
+    sizes: tuple             # element counts of all inputs (x first), for the variant
+
+    def __call__(self, x: mx.array, out_shapes: list) -> list:
+        return self.kernel(inputs=[x, *self.rest], template=self.template, grid=self.grid,
+                           threadgroup=self.threadgroup, output_shapes=out_shapes,
+                           output_dtypes=self.out_dtypes)
+
+    @property
+    def variant(self) -> tuple:
+        """What decides the compiled pipeline: kernel, templates, constant-bound inputs."""
+        small = tuple(s < MIN_DEVICE_ELEMENTS for s in self.sizes)
+        return (self.name, tuple((k, str(v)) for k, v in self.template), small)
+
+
+def _launch(name, backend, rest, template, grid, threadgroup, out_dtypes, sizes) -> Launch:
+    return Launch(name, get_kernel(name, backend), rest, template, grid, threadgroup,
+                  out_dtypes, sizes)
+
+
+def _aux_width(spec: LayerSpec, corr: int) -> int:
+    """1 (the inverse scale) + one correction per packed word of a row when `corr`."""
+    return 1 + fast_padded_k(spec.k) // CODES_PER_WORD if corr else 1
+
+
+def _prepass(spec: LayerSpec, dtype, m: int, corr: int, backend: str) -> Launch:
+    params = _params([spec.k, _aux_width(spec, corr)])
+    return _launch("prepass", backend, (params,), [("T", dtype), ("CORR", corr)],
+                   (PREPASS_THREADS, m, 1), (PREPASS_THREADS, 1, 1),
+                   [mx.float16, mx.float32], (m * spec.k, params.size))
+
+
+def _main_inputs(spec, packed, scales, bias, m, aw, params):
+    """(inputs after x, element counts of all inputs) of a GEMV or GEMM launch."""
+    aux = None if spec.act else _dummy("aux")
+    bias = bias if bias is not None else _dummy("bias")
+    sizes = (m * spec.k, m * aw if spec.act else 1, packed.size, scales.size, bias.size,
+             params.size)
+    return (aux, packed, scales, bias, params), sizes
+
+
+def _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw) -> Launch:
+    tm, chunks = gemv_split(m)
+    k = spec.k
+    tmpl = [("T", dtype), ("XT", xt), ("ST", spec.scale_dtype), ("BT", spec.bias_dtype),
+            ("TM", tm), ("SMODE", spec.mode), ("G", spec.group_size or 0),
+            ("ACTQ", spec.act), ("HAS_BIAS", spec.has_bias)]
+    if spec.packing == "fast":
+        kalign = k % 16 == 0
+        tmpl += [("DECODE", FAST_DECODES.index(decode)), ("KALIGN", kalign),
+                 ("XVEC", kalign and xt != mx.bfloat16)]
+        params = [m, spec.n, k, spec.row_width, spec.scale_cols, aw]
+        name = "gemv_fast"
+    else:
+        _, bpb, nb = _blocks(spec)
+        params = [m, spec.n, k, spec.row_width, spec.scale_cols, aw, nb * bpb]
+        name = "gemv_compact"
+    rest, sizes = _main_inputs(spec, packed, scales, bias, m, aw, _params(params))
+    return _launch(name, backend, rest, tmpl, (64, _ceil_div(spec.n, GEMV_ROWS), chunks),
+                   (64, 1, 1), [dtype], sizes)
+
+
+def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend, aw) -> Launch:
+    b, bpb, nb = _blocks(spec)
+    exact_half = (xt == mx.float16) and (spec.mode != 2 or spec.scale_dtype == mx.float16)
+    tmpl = [("T", dtype), ("ST", spec.scale_dtype), ("BT", spec.bias_dtype),
+            ("TT", mx.float16 if exact_half else mx.float32),
+            ("PACKING", PACKINGS.index(spec.packing)), ("SMODE", spec.mode),
+            ("G", spec.group_size or 0), ("ACTQ", spec.act), ("HAS_BIAS", spec.has_bias),
+            ("MMA", mma)]
+    params = [m, spec.n, spec.k, spec.row_width, spec.scale_cols, b, bpb, nb, aw]
+    rest, sizes = _main_inputs(spec, packed, scales, bias, m, aw, _params(params))
+    return _launch("gemm", backend, rest, tmpl,
+                   (256, _ceil_div(spec.n, GEMM_ROWS), _ceil_div(m, GEMM_TOKENS)),
+                   (256, 1, 1), [dtype], sizes)
+
+
+def choose_kernel(m: int, kernel: Optional[str] = None) -> str:
+    """The kernel an m-token call runs: GEMV up to MAX_GEMV_TOKENS, else the MMA GEMM."""
+    if kernel is None:
+        return "gemv" if m <= MAX_GEMV_TOKENS else "gemm"
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"kernel must be one of {KERNEL_CHOICES} or None, got {kernel!r}")
+    if kernel == "gemv" and m > MAX_GEMV_TOKENS:
+        raise ValueError(f"the GEMV kernels take at most {MAX_GEMV_TOKENS} tokens, got {m}")
+    return kernel
+
+
+def _decode(spec: LayerSpec, dtype, decode: Optional[str]) -> str:
+    if spec.packing == "fast":
+        decode = decode or DEFAULT_FAST_DECODE[dtype]
+        allowed = FAST_DECODES
+    else:
+        decode = decode or COMPACT_DECODES[0]
+        allowed = COMPACT_DECODES
+    if decode not in allowed:
+        raise ValueError(f"{spec.packing} decode must be one of {allowed}, got {decode!r}")
+    return decode
+
+
+def prepare(spec: LayerSpec, packed: mx.array, scales: mx.array, bias: Optional[mx.array],
+            dtype, shape: tuple, backend: str, decode: Optional[str] = None,
+            kernel: Optional[str] = None) -> Tuple[Callable[[mx.array], mx.array], tuple]:
+    """The launches of a call with x of `shape` (..., K) and `dtype`, decided now.
+
+    Returns:
+        (run, variant): run(x) launches and returns y (..., N); variant identifies the
+        compiled pipelines (for first-use checks).
+
+    Raises:
+        ValueError: an unknown dtype, decode or kernel, or more tokens than a forced GEMV
+            takes.
+    """
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {dtype}")
+    m = 1
+    for d in shape[:-1]:
+        m *= d
+    kind = choose_kernel(m, kernel)
+    decode = _decode(spec, dtype, decode)
+    corr = 0
+    if spec.act and spec.packing == "fast" and kind == "gemv":
+        corr = 1 if decode == "offset" else 2
+    aw = _aux_width(spec, corr)
+    xt = mx.float16 if spec.act else dtype
+    if kind == "gemv":
+        main = _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw)
+    else:
+        main = _gemm(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend, aw)
+    # Everything the closures touch is a local: no attribute lookups per call.
+    kern, rest, tmpl, grid, tg, odt = (main.kernel, main.rest, main.template, main.grid,
+                                       main.threadgroup, main.out_dtypes)
+    out_shapes = [(*shape[:-1], spec.n)]
+    if not spec.act:
+        aux, w, s, b, params = rest
+
+        def run(x):
+            return kern(inputs=[x, aux, w, s, b, params], template=tmpl, grid=grid,
+                        threadgroup=tg, output_shapes=out_shapes, output_dtypes=odt)[0]
+
+        return run, (main.variant,)
+
+    pre = _prepass(spec, dtype, m, corr, backend)
+    pkern, (pparams,), ptmpl, pgrid, ptg, pdt = (pre.kernel, pre.rest, pre.template, pre.grid,
+                                                  pre.threadgroup, pre.out_dtypes)
+    pshapes = [(m, spec.k), (m, aw)]
+    _, w, s, b, params = rest
+
+    def run_act(x):
+        xq, xaux = pkern(inputs=[x, pparams], template=ptmpl, grid=pgrid, threadgroup=ptg,
+                         output_shapes=pshapes, output_dtypes=pdt)
+        return kern(inputs=[xq, xaux, w, s, b, params], template=tmpl, grid=grid,
+                    threadgroup=tg, output_shapes=out_shapes, output_dtypes=odt)[0]
+
+    return run_act, (pre.variant, main.variant)
+
+
+def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
+                   bias: Optional[mx.array] = None, *, packing: str, in_features: int,
+                   group_size: Optional[int] = None, activation_bits: Optional[int] = None,
+                   backend: str = "metal", decode: Optional[str] = None,
+                   kernel: Optional[str] = None) -> mx.array:
+    """y = act_quant(x) @ (s * t).T + bias through the project's Metal kernels, one call.
+
+    Validates and prepares on every call; TernaryLinear prepares once per layer instead
+    (kernels.LayerPlan).
+
+    Args:
+        x: (..., K) float16, bfloat16 or float32 activations.
+        packed: (N, Kp/16) uint32 (fast) or (N, row_bytes) uint8 (compact), format.py.
+        scales: (1, 1), (N, 1) or (N, ceil(K / group_size)), any float dtype.
+        bias: optional (N,) float.
+        packing: "fast" or "compact".
+        in_features: K.
+        group_size: scale group (and compact block) size, 64/128/256, or None.
+        activation_bits: 8 for BitNet int8 per-token activations (pre-pass), else None.
+        backend: "metal" (mx.fast.metal_kernel) or "emulate" (the CPU emulator).
+        decode: GEMV decode ("offset"/"exact" for fast, "select" for compact).
+        kernel: force "gemv", "gemm" (simdgroup-matrix tiles) or "gemm_fma" (FMA tiles);
+            default: GEMV up to MAX_GEMV_TOKENS tokens, else "gemm".
+
+    Returns:
+        (..., N) in x's dtype.
+
+    Raises:
+        ValueError: shapes or dtypes that break a rule (the message names it).
+    """
+    spec = check_layer(packed, scales, bias, packing=packing, in_features=in_features,
+                       group_size=group_size, activation_bits=activation_bits)
+    check_x(x, spec)
+    if x.size == 0:
+        return mx.zeros((*x.shape[:-1], spec.n), dtype=x.dtype)
+    run, _ = prepare(spec, packed, scales, bias, x.dtype, tuple(x.shape), backend, decode,
+                     kernel)
+    return run(x)

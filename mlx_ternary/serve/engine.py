@@ -1,0 +1,301 @@
+"""The generation thread of `serve`: one owner of the model, driving mlx-lm's BatchGenerator.
+
+Handler threads put `Job`s on the engine's inbox and read events from the job's own queue.
+Between decode steps the engine admits new jobs: it reuses the longest cached prefix of the
+prompt (prompt_cache.py), computes prompt-token logprobs when a job asks for `echo`, and
+inserts the rest of the prompt into the running batch (continuous batching, chunked
+prefill). A finished sequence's KV cache goes back into the prompt cache.
+
+Events on `Job.events`: ("prompt_logprobs", [record]), ("text", str, [record]),
+("done", finish_reason, completion_tokens), ("error", message). A record is one token's
+{"id", "logprob", "top": [(id, logprob)]}.
+"""
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .kv_quant import make_cache
+from .prompt_cache import PromptCache
+
+log = logging.getLogger("mlx_ternary.serve.http")
+POLL_S = 0.2
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the request made impossible
+
+
+@dataclass
+class Job:
+    """One request inside the engine: prompt tokens in, events out on `events`."""
+
+    prompt: List[int]
+    max_tokens: int
+    sampling: dict
+    stop: List[str] = field(default_factory=list)
+    logprobs: Optional[int] = None    # None: off; else how many top alternatives (0-20)
+    echo: bool = False                # prompt-token logprobs first (completions only)
+    grammar: Optional[str] = None     # an llguidance grammar the answer must follow
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    cached_tokens: int = 0
+    stop_hit: Optional[str] = None    # the stop string that ended the answer
+    uid: Optional[int] = None
+    detokenizer: object = None
+    pending: str = ""
+    records: list = field(default_factory=list)
+    tokens: int = 0
+
+
+def _seeded_sampler(temp, top_p, top_k, min_p, seed):
+    # A per-request key makes a seeded request reproducible whatever else is in the batch.
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    state = {"key": mx.random.key(seed)}
+
+    def sample(logprobs):
+        if 0 < top_p < 1:
+            logprobs = apply_top_p(logprobs, top_p)
+        if min_p:
+            logprobs = apply_min_p(logprobs, min_p)
+        if top_k:
+            logprobs = apply_top_k(logprobs, top_k)
+        state["key"], sub = mx.random.split(state["key"])
+        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+
+    return sample
+
+
+def make_sampler(s: dict):
+    """A sampler for one request's sampling dict (greedy at temperature 0)."""
+    from mlx_lm.sample_utils import greedy_sampler, make_sampler as mlx_sampler
+
+    if s["temperature"] == 0:
+        return greedy_sampler  # shared: the batch then samples in one call
+    if s.get("seed") is not None:
+        return _seeded_sampler(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["seed"])
+    return mlx_sampler(s["temperature"], s["top_p"], s["min_p"], top_k=s["top_k"])
+
+
+def token_records(logprobs: mx.array, chosen: List[int], top: int) -> List[dict]:
+    """Per position i: the logprob of `chosen[i]` in row i of `logprobs` (rows, vocab) and
+    the `top` most likely tokens with theirs."""
+    rows = mx.arange(len(chosen))
+    picked = logprobs[rows, mx.array(chosen)]
+    if top:
+        idx = mx.argpartition(-logprobs, top - 1, axis=-1)[:, :top]
+        vals = mx.take_along_axis(logprobs, idx, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        idx, vals = mx.take_along_axis(idx, order, -1), mx.take_along_axis(vals, order, -1)
+        mx.eval(picked, idx, vals)
+        tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        mx.eval(picked)
+        tops = [[] for _ in chosen]
+    clamp = lambda v: max(float(v), MIN_LOGPROB)  # noqa: E731
+    return [{"id": t, "logprob": clamp(p), "top": [(i, clamp(v)) for i, v in tp]}
+            for t, p, tp in zip(chosen, picked.tolist(), tops)]
+
+
+class Engine:
+    """The generation thread: admits jobs, steps the BatchGenerator, emits events."""
+
+    def __init__(self, model, tokenizer, max_concurrency: int = 8, prefill_step_size: int = 512,
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                 prompt_cache_bytes: int = 0, grammars=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_concurrency = max_concurrency
+        self.prefill_step_size = prefill_step_size
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
+        self.grammars = grammars
+        self.inbox: queue.Queue = queue.Queue()
+        self.active = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlx-ternary-engine",
+                                        daemon=True)
+        self.failed: Optional[str] = None
+        self.tokens_generated = 0
+        self.prompt_tokens_computed = 0
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.failed is None
+
+    def load(self) -> int:
+        """Jobs waiting or running."""
+        return self.inbox.qsize() + len(self.active)
+
+    def submit(self, job: Job):
+        self.inbox.put(job)
+
+    def _new_generator(self, stream):
+        from mlx_lm.generate import BatchGenerator, make_stop_sequences
+
+        self._stops = make_stop_sequences(self.tokenizer)
+        return BatchGenerator(self.model, completion_batch_size=self.max_concurrency,
+                              prefill_batch_size=self.max_concurrency,
+                              prefill_step_size=self.prefill_step_size, stream=stream)
+
+    def _run(self):
+        try:
+            stream = mx.default_stream(mx.default_device())
+            gen = self._new_generator(stream)
+            while not self._stop.is_set():
+                self._admit(gen, block=not self.active)
+                self._drop_cancelled(gen)
+                if not self.active:
+                    continue
+                try:
+                    self._step(gen)
+                except Exception as e:  # a failed step fails its batch, not the server
+                    log.exception("generation step failed")
+                    self._fail_all(f"generation failed ({type(e).__name__})")
+                    del gen
+                    mx.clear_cache()
+                    gen = self._new_generator(stream)
+        except Exception as e:
+            log.exception("engine thread died")
+            self.failed = f"{type(e).__name__}: {e}"
+            self._fail_all("the generation engine stopped")
+
+    def _fail_all(self, message: str):
+        for job in self.active.values():
+            job.events.put(("error", message))
+        self.active.clear()
+
+    def _step(self, gen):
+        # A method, so the responses (each finished one holds its KV cache) die on return.
+        with mx.stream(gen.stream):
+            _, responses = gen.next()
+        for r in responses:
+            self._emit(gen, r)
+
+    def _admit(self, gen, block: bool):
+        while True:
+            try:
+                job = self.inbox.get(timeout=POLL_S) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if job.cancelled.is_set():
+                continue
+            try:
+                self._insert(gen, job)
+            except Exception as e:  # one bad job (a grammar, a prompt) fails alone
+                log.exception("admitting a request failed")
+                job.events.put(("error", f"the request could not start ({type(e).__name__})"))
+
+    def _insert(self, gen, job: Job):
+        from mlx_lm.sample_utils import make_logits_processors
+
+        with mx.stream(gen.stream):
+            if job.echo:
+                job.events.put(("prompt_logprobs", self._prompt_logprobs(job)))
+            if job.max_tokens == 0:
+                job.events.put(("done", "length", 0))
+                return
+            cache, n = self.prompt_cache.fetch(job.prompt)
+            job.cached_tokens = n
+            if cache is None:
+                cache = make_cache(self.model, self.kv_bits, self.kv_group_size)
+        self.prompt_tokens_computed += len(job.prompt) - n
+        s = job.sampling
+        procs = make_logits_processors(
+            s.get("logit_bias"), s.get("repetition_penalty"), 20,
+            s.get("presence_penalty"), 20, s.get("frequency_penalty"), 20)
+        if job.grammar is not None:
+            procs.append(self.grammars.processor(job.grammar))
+        (job.uid,) = gen.insert([job.prompt[n:]], max_tokens=[job.max_tokens],
+                                caches=[cache], all_tokens=[list(job.prompt[:n])],
+                                samplers=[make_sampler(s)], logits_processors=[procs],
+                                stop_sequences=[self._stops])
+        job.detokenizer = self.tokenizer.detokenizer
+        self.active[job.uid] = job
+
+    def _prompt_logprobs(self, job: Job) -> List[dict]:
+        """Records for prompt tokens 1.. (the first has no logprob), from one chunked
+        forward pass; its KV cache then serves the generation through the prompt cache."""
+        tokens = job.prompt
+        cache = make_cache(self.model, self.kv_bits, self.kv_group_size)
+        top = job.logprobs or 0
+        records = []
+        for start in range(0, len(tokens), self.prefill_step_size):
+            chunk = tokens[start:start + self.prefill_step_size]
+            logits = self.model(mx.array(chunk)[None], cache=cache)[0].astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            nxt = tokens[start + 1:start + 1 + len(chunk)]
+            if nxt:
+                records += token_records(logprobs[:len(nxt)], nxt, top)
+            mx.eval([c.state for c in cache])
+        self.prompt_tokens_computed += len(tokens)
+        self.prompt_cache.insert(tokens, cache)
+        return records
+
+    def _drop_cancelled(self, gen):
+        gone = [uid for uid, job in self.active.items() if job.cancelled.is_set()]
+        if gone:
+            gen.remove(gone)
+            for uid in gone:
+                del self.active[uid]
+
+    def _emit(self, gen, r):
+        job = self.active.get(r.uid)
+        if job is None:
+            return
+        job.tokens += 1
+        self.tokens_generated += 1
+        if job.logprobs is not None:
+            job.records += token_records(r.logprobs[None], [r.token], job.logprobs)
+        detok = job.detokenizer
+        if r.finish_reason != "stop":  # the EOS token itself is not text
+            detok.add_token(r.token)
+        if r.finish_reason is not None:
+            detok.finalize()
+        text, reason = self._apply_stop(job, detok.last_segment, reason=r.finish_reason)
+        if text or (reason is not None and job.records):
+            job.events.put(("text", text, job.records))
+            job.records = []
+        if reason is None:
+            return
+        job.events.put(("done", reason, job.tokens))
+        del self.active[r.uid]
+        if r.finish_reason is not None:
+            self.prompt_cache.insert(r.all_tokens, r.prompt_cache)
+        else:  # a stop string ended it: leave the batch, keep its cache
+            kept = gen.remove([r.uid], return_prompt_caches=True).get(r.uid)
+            if kept is not None:
+                self.prompt_cache.insert(kept[1], kept[0])
+
+    @staticmethod
+    def _apply_stop(job: Job, text: str, reason: Optional[str]):
+        """Cut the text at the first stop string; hold back a possible stop-string prefix."""
+        if not job.stop:
+            return text, reason
+        job.pending += text
+        cut = [(i, s) for i, s in ((job.pending.find(s), s) for s in job.stop) if i >= 0]
+        if cut:
+            i, job.stop_hit = min(cut)
+            out, job.pending = job.pending[:i], ""
+            return out, "stop"
+        if reason is not None:
+            out, job.pending = job.pending, ""
+            return out, reason
+        hold = 0
+        for s in job.stop:
+            for n in range(min(len(s) - 1, len(job.pending)), 0, -1):
+                if job.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        out = job.pending[:len(job.pending) - hold]
+        job.pending = job.pending[len(out):]
+        return out, None
