@@ -83,8 +83,9 @@ def fast_padded_k(in_features: int) -> int:
     return _round_up(in_features, FAST_K_ALIGN)
 
 
-def packed_shape(packing: str, out_features: int, in_features: int,
-                 group_size: Optional[int] = None) -> tuple:
+def packed_shape(
+    packing: str, out_features: int, in_features: int, group_size: Optional[int] = None
+) -> tuple:
     if packing == "compact":
         return (out_features, compact_row_bytes(in_features, group_size))
     if packing == "fast":
@@ -96,8 +97,9 @@ def packed_dtype(packing: str):
     return np.uint8 if packing == "compact" else np.uint32
 
 
-def scales_shape(scale: str, out_features: int, in_features: int,
-                 group_size: Optional[int] = None) -> tuple:
+def scales_shape(
+    scale: str, out_features: int, in_features: int, group_size: Optional[int] = None
+) -> tuple:
     if scale == "tensor":
         return (1, 1)
     if scale == "row":
@@ -130,9 +132,7 @@ def check_trits(t: np.ndarray, name: str = "tensor") -> np.ndarray:
     bad = (t != -1) & (t != 0) & (t != 1)
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise FormatError(
-            f"{name}: value {t[idx]} at {idx} is not a trit in {{-1, 0, +1}}"
-        )
+        raise FormatError(f"{name}: value {t[idx]} at {idx} is not a trit in {{-1, 0, +1}}")
     return t.astype(np.int8)
 
 
@@ -169,8 +169,9 @@ def decode_compact_bytes(q: np.ndarray) -> np.ndarray:
     ).astype(np.int8)
 
 
-def unpack_compact(packed: np.ndarray, in_features: int,
-                   group_size: Optional[int] = None) -> np.ndarray:
+def unpack_compact(
+    packed: np.ndarray, in_features: int, group_size: Optional[int] = None
+) -> np.ndarray:
     """(N, row_bytes) uint8 -> trits (N, K) int8."""
     n = packed.shape[0]
     b = block_size(in_features, group_size)
@@ -187,17 +188,17 @@ def pack_fast(t: np.ndarray) -> np.ndarray:
     n, k = t.shape
     codes = np.ones((n, fast_padded_k(k)), dtype=np.uint32)
     codes[:, :k] = t.astype(np.int32) + 1
-    shifts = (2 * np.arange(CODES_PER_WORD, dtype=np.uint32))
+    shifts = 2 * np.arange(CODES_PER_WORD, dtype=np.uint32)
     words = codes.reshape(n, -1, CODES_PER_WORD) << shifts
     return np.bitwise_or.reduce(words, axis=-1).astype(np.uint32)
 
 
 def unpack_fast(packed: np.ndarray, in_features: int) -> np.ndarray:
     """(N, Kp/16) uint32 -> trits (N, K) int8."""
-    shifts = (2 * np.arange(CODES_PER_WORD, dtype=np.uint32))
+    shifts = 2 * np.arange(CODES_PER_WORD, dtype=np.uint32)
     codes = (np.asarray(packed, dtype=np.uint32)[..., None] >> shifts) & 3
     n = packed.shape[0]
-    return (codes.reshape(n, -1)[:, :in_features].astype(np.int8) - 1)
+    return codes.reshape(n, -1)[:, :in_features].astype(np.int8) - 1
 
 
 def pack(t: np.ndarray, packing: str, group_size: Optional[int] = None) -> np.ndarray:
@@ -208,8 +209,9 @@ def pack(t: np.ndarray, packing: str, group_size: Optional[int] = None) -> np.nd
     raise FormatError(f"unknown packing {packing!r}; expected one of {PACKINGS}")
 
 
-def unpack(packed: np.ndarray, packing: str, in_features: int,
-           group_size: Optional[int] = None) -> np.ndarray:
+def unpack(
+    packed: np.ndarray, packing: str, in_features: int, group_size: Optional[int] = None
+) -> np.ndarray:
     if packing == "compact":
         return unpack_compact(packed, in_features, group_size)
     if packing == "fast":
@@ -222,8 +224,9 @@ def unpack(packed: np.ndarray, packing: str, in_features: int,
 # --------------------------------------------------------------------------- #
 
 
-def unpack_compact_mx(packed: mx.array, in_features: int,
-                      group_size: Optional[int] = None) -> mx.array:
+def unpack_compact_mx(
+    packed: mx.array, in_features: int, group_size: Optional[int] = None
+) -> mx.array:
     """(N, row_bytes) uint8 -> trits (N, K) int8, with MLX ops."""
     n = packed.shape[0]
     b = block_size(in_features, group_size)
@@ -253,8 +256,7 @@ def pack_compact_mx(t: mx.array, group_size: Optional[int] = None) -> mx.array:
 def pack_fast_mx(t: mx.array) -> mx.array:
     """Trits (N, K) -> (N, Kp/16) uint32 2-bit codes, with MLX ops."""
     n, k = t.shape
-    codes = mx.pad(t.astype(mx.uint32) + 1, [(0, 0), (0, fast_padded_k(k) - k)],
-                   constant_values=1)
+    codes = mx.pad(t.astype(mx.uint32) + 1, [(0, 0), (0, fast_padded_k(k) - k)], constant_values=1)
     shifts = 2 * mx.arange(CODES_PER_WORD, dtype=mx.uint32)
     words = codes.reshape(n, -1, CODES_PER_WORD) << shifts
     # Fields are disjoint, so a sum is an OR.
@@ -267,8 +269,9 @@ def unpack_fast_mx(packed: mx.array, in_features: int) -> mx.array:
     return codes.reshape(packed.shape[0], -1)[:, :in_features].astype(mx.int8) - 1
 
 
-def unpack_mx(packed: mx.array, packing: str, in_features: int,
-              group_size: Optional[int] = None) -> mx.array:
+def unpack_mx(
+    packed: mx.array, packing: str, in_features: int, group_size: Optional[int] = None
+) -> mx.array:
     if packing == "compact":
         return unpack_compact_mx(packed, in_features, group_size)
     return unpack_fast_mx(packed, in_features)
@@ -305,8 +308,9 @@ def ternarize_absmean(w: np.ndarray, eps: float = 1e-5):
     return t, np.array([[s]], dtype=np.float32)
 
 
-def ternarize(w: np.ndarray, scale: str = "tensor", group_size: Optional[int] = None,
-              eps: float = 1e-5):
+def ternarize(
+    w: np.ndarray, scale: str = "tensor", group_size: Optional[int] = None, eps: float = 1e-5
+):
     """Absmean ternarization at any scale granularity.
 
     Returns (t int8 (N, K), scales float32 of the granularity's shape).
@@ -345,8 +349,14 @@ class PackedTernary:
     group_size: Optional[int] = None
 
     @classmethod
-    def from_trits(cls, t: np.ndarray, scales: np.ndarray, packing: str = "compact",
-                   group_size: Optional[int] = None, name: str = "tensor") -> "PackedTernary":
+    def from_trits(
+        cls,
+        t: np.ndarray,
+        scales: np.ndarray,
+        packing: str = "compact",
+        group_size: Optional[int] = None,
+        name: str = "tensor",
+    ) -> "PackedTernary":
         t = check_trits(t, name)
         n, k = t.shape
         scales = np.asarray(scales)
@@ -372,16 +382,22 @@ class PackedTernary:
         return unpack(to_numpy(self.packed), self.packing, self.in_features, self.group_size)
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
-        s = expand_scales(to_numpy(self.scales).astype(np.float32), self.in_features,
-                          self.group_size)
+        s = expand_scales(
+            to_numpy(self.scales).astype(np.float32), self.in_features, self.group_size
+        )
         return (self.trits().astype(np.float32) * s).astype(dtype)
 
     def repack(self, packing: str) -> "PackedTernary":
         if packing == self.packing:
             return self
-        return PackedTernary(packing, pack(self.trits(), packing, self.group_size),
-                             self.scales, self.out_features, self.in_features,
-                             self.group_size)
+        return PackedTernary(
+            packing,
+            pack(self.trits(), packing, self.group_size),
+            self.scales,
+            self.out_features,
+            self.in_features,
+            self.group_size,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -425,8 +441,13 @@ class AffineTensor:
 
     def dequantize(self, dtype=mx.float32) -> mx.array:
         # Scales and biases in `dtype` first: float16 ones would round each weight.
-        return mx.dequantize(self.weight, self.scales.astype(dtype), self.biases.astype(dtype),
-                             group_size=self.group_size, bits=self.bits)
+        return mx.dequantize(
+            self.weight,
+            self.scales.astype(dtype),
+            self.biases.astype(dtype),
+            group_size=self.group_size,
+            bits=self.bits,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -441,15 +462,19 @@ class AffineTensor:
 def affine_entry(entry, where: str) -> dict:
     """A checked mlx-lm per-layer quantization entry {group_size, bits, mode}."""
     if not isinstance(entry, dict):
-        raise FormatError(f"{where}: expected {{\"group_size\": G, \"bits\": B}}, got {entry!r}")
+        raise FormatError(f'{where}: expected {{"group_size": G, "bits": B}}, got {entry!r}')
     mode = entry.get("mode", "affine")
     if mode != "affine":
-        raise FormatError(f"{where}: quantization mode {mode!r} is not kept by mlx-ternary "
-                          "(it keeps MLX affine layers only); dequantize that layer first")
+        raise FormatError(
+            f"{where}: quantization mode {mode!r} is not kept by mlx-ternary "
+            "(it keeps MLX affine layers only); dequantize that layer first"
+        )
     bits, gs = entry.get("bits"), entry.get("group_size")
     if bits not in AFFINE_BITS or gs not in AFFINE_GROUP_SIZES:
-        raise FormatError(f"{where}: bits {bits!r} / group_size {gs!r}; MLX affine layers have "
-                          f"bits in {AFFINE_BITS} and group_size in {AFFINE_GROUP_SIZES}")
+        raise FormatError(
+            f"{where}: bits {bits!r} / group_size {gs!r}; MLX affine layers have "
+            f"bits in {AFFINE_BITS} and group_size in {AFFINE_GROUP_SIZES}"
+        )
     return {"group_size": gs, "bits": bits, "mode": "affine"}
 
 
@@ -471,9 +496,13 @@ class QuantizationConfig:
 
     def __post_init__(self):
         if self.packing not in PACKINGS:
-            raise FormatError(f"quantization.packing is {self.packing!r}; expected one of {PACKINGS}")
+            raise FormatError(
+                f"quantization.packing is {self.packing!r}; expected one of {PACKINGS}"
+            )
         if self.scale not in SCALE_KINDS:
-            raise FormatError(f"quantization.scale is {self.scale!r}; expected one of {SCALE_KINDS}")
+            raise FormatError(
+                f"quantization.scale is {self.scale!r}; expected one of {SCALE_KINDS}"
+            )
         if self.scale == "group" and self.group_size not in GROUP_SIZES:
             raise FormatError(
                 f"quantization.group_size is {self.group_size!r}; group scales need one of {GROUP_SIZES}"
@@ -499,11 +528,13 @@ class QuantizationConfig:
         fields = ("packing", "scale", "group_size", "activation_bits")
         # Per-layer entries: written by convert (version 2) or added by mlx-lm's
         # quantize_model to a loaded model's config (then saved under version 1).
-        layers = {k: affine_entry(v, f"{source}: quantization.{k}")
-                  for k, v in d.items() if isinstance(v, dict)}
+        layers = {
+            k: affine_entry(v, f"{source}: quantization.{k}")
+            for k, v in d.items()
+            if isinstance(v, dict)
+        }
         try:
-            return cls(**{k: d[k] for k in fields if k in d}, format_version=version,
-                       layers=layers)
+            return cls(**{k: d[k] for k in fields if k in d}, format_version=version, layers=layers)
         except FormatError as e:
             raise FormatError(f"{source}: {e}") from None
 

@@ -8,8 +8,9 @@ import mlx.core as mx
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-shakespeare"
 
 
-def prompt_tokens(tokenizer, prompt: str, system_prompt: Optional[str] = None,
-                  ignore_chat_template: bool = False) -> List[int]:
+def prompt_tokens(
+    tokenizer, prompt: str, system_prompt: Optional[str] = None, ignore_chat_template: bool = False
+) -> List[int]:
     """Token ids for a user prompt, through the chat template when the tokenizer has one."""
     if not ignore_chat_template and getattr(tokenizer, "has_chat_template", False):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -19,12 +20,25 @@ def prompt_tokens(tokenizer, prompt: str, system_prompt: Optional[str] = None,
     return tokenizer.encode(text)
 
 
-def stream(model, tokenizer, prompt: str, *, max_tokens: int = 256, temp: float = 0.0,
-           top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-           repetition_penalty: Optional[float] = None, seed: Optional[int] = None,
-           system_prompt: Optional[str] = None, ignore_chat_template: bool = False,
-           max_kv_size: Optional[int] = None, kv_bits: Optional[int] = None,
-           kv_group_size: int = 64, prefill_step_size: int = 2048) -> Iterator:
+def stream(
+    model,
+    tokenizer,
+    prompt: str,
+    *,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: Optional[float] = None,
+    seed: Optional[int] = None,
+    system_prompt: Optional[str] = None,
+    ignore_chat_template: bool = False,
+    max_kv_size: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    prefill_step_size: int = 2048,
+) -> Iterator:
     """Yield mlx-lm GenerationResponse objects (text segment, token, speeds, peak memory)."""
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
@@ -37,7 +51,14 @@ def stream(model, tokenizer, prompt: str, *, max_tokens: int = 256, temp: float 
     processors = make_logits_processors(repetition_penalty=repetition_penalty)
     cache = make_prompt_cache(model, max_kv_size=max_kv_size)
     yield from stream_generate(
-        model, tokenizer, tokens, max_tokens=max_tokens, sampler=sampler,
-        logits_processors=processors, prompt_cache=cache, kv_bits=kv_bits,
-        kv_group_size=kv_group_size, prefill_step_size=prefill_step_size,
+        model,
+        tokenizer,
+        tokens,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=processors,
+        prompt_cache=cache,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        prefill_step_size=prefill_step_size,
     )

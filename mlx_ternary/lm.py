@@ -17,14 +17,29 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List
 
-from .errors import TernaryError
 from .checkpoint.readers import hf_bitnet, native
+from .errors import TernaryError
 
 # mlx-lm 0.32's subcommands (mlx_lm/cli.py) and the module each runs.
 TOOLS: Dict[str, str] = {
-    **{t: t for t in ("benchmark", "cache_prompt", "chat", "convert", "evaluate", "fuse",
-                      "generate", "lora", "manage", "perplexity", "server", "upload",
-                      "share")},
+    **{
+        t: t
+        for t in (
+            "benchmark",
+            "cache_prompt",
+            "chat",
+            "convert",
+            "evaluate",
+            "fuse",
+            "generate",
+            "lora",
+            "manage",
+            "perplexity",
+            "server",
+            "upload",
+            "share",
+        )
+    },
     **{t: f"quant.{t}" for t in ("awq", "dwq", "dynamic_quant", "gptq")},
 }
 # Tools that re-quantize a model's float layers: ternary layers are not theirs to change.
@@ -45,25 +60,39 @@ def is_ternary_checkpoint(model_path) -> bool:
 
 
 def _routed_load_model(mlx_load_model, tool: str):
-    def load_model(model_path, lazy=False, strict=True, model_config=None,
-                   get_model_classes=None, trust_remote_code=False):
+    def load_model(
+        model_path,
+        lazy=False,
+        strict=True,
+        model_config=None,
+        get_model_classes=None,
+        trust_remote_code=False,
+    ):
         if not is_ternary_checkpoint(model_path):
-            kwargs = {} if get_model_classes is None else {"get_model_classes":
-                                                           get_model_classes}
-            return mlx_load_model(model_path, lazy, strict, model_config,
-                                  trust_remote_code=trust_remote_code, **kwargs)
+            kwargs = {} if get_model_classes is None else {"get_model_classes": get_model_classes}
+            return mlx_load_model(
+                model_path,
+                lazy,
+                strict,
+                model_config,
+                trust_remote_code=trust_remote_code,
+                **kwargs,
+            )
         if tool in REQUANTIZERS:
             raise TernaryError(
                 f"{model_path}: a ternary checkpoint; mlx-lm's {tool} re-quantizes float "
                 "layers and would not know its ternary ones. Use `mlx-ternary convert` "
-                "(-q BITS for a stock MLX checkpoint, -d for float, --to-gguf for llama.cpp)")
+                "(-q BITS for a stock MLX checkpoint, -d for float, --to-gguf for llama.cpp)"
+            )
         overrides = sorted(k for k, v in (model_config or {}).items() if v)
         if get_model_classes is not None:
             overrides.append("get_model_classes")
         if overrides:
-            raise TernaryError(f"{model_path}: {', '.join(overrides)} do not apply to ternary "
-                               "checkpoints (mlx-ternary builds mlx-lm's class for the config "
-                               "as it is); drop them")
+            raise TernaryError(
+                f"{model_path}: {', '.join(overrides)} do not apply to ternary "
+                "checkpoints (mlx-ternary builds mlx-lm's class for the config "
+                "as it is); drop them"
+            )
         from .checkpoint.load import load_model as ternary_load_model
 
         return ternary_load_model(Path(model_path), lazy=lazy)
@@ -80,43 +109,33 @@ def routed(tool: str = "python"):
     import mlx_lm.utils as mlx_utils
     from mlx_lm.tuner import utils as tuner
 
-    from .runtime import adapters
+    from .runtime import adapters, patches
 
-    swaps = {id(old): (old, new) for old, new in (
-        (mlx_utils.load_model, _routed_load_model(mlx_utils.load_model, tool)),
-        (tuner.linear_to_lora_layers, adapters.linear_to_lora_layers),
-        (mlx_utils.dequantize_model, adapters.dequantize_model),
-    )}
-    # Tools import these by name (`from .utils import dequantize_model`): swap every copy.
-    modules = [m for name, m in list(sys.modules.items())
-               if m is not None and (name == "mlx_lm" or name.startswith("mlx_lm."))]
-    undo = []
-    for module in modules:
-        for name, value in list(vars(module).items()):
-            old, new = swaps.get(id(value), (None, None))
-            if old is value:
-                undo.append((module, name, value))
-                setattr(module, name, new)
-    try:
+    replacements = {  # patches.py says why each is replaced
+        mlx_utils.load_model: _routed_load_model(mlx_utils.load_model, tool),
+        tuner.linear_to_lora_layers: adapters.linear_to_lora_layers,
+        mlx_utils.dequantize_model: adapters.dequantize_model,
+    }
+    with patches.swapped(replacements):
         yield
-    finally:
-        for module, name, value in undo:
-            setattr(module, name, value)
 
 
 def import_tool(tool: str):
     """The mlx-lm module that implements `tool`, with one clear error when it cannot run."""
     if tool not in TOOLS:
-        raise TernaryError(f"unknown mlx-lm tool {tool!r}; mlx-lm's tools are "
-                           f"{', '.join(sorted(TOOLS))}")
+        raise TernaryError(
+            f"unknown mlx-lm tool {tool!r}; mlx-lm's tools are {', '.join(sorted(TOOLS))}"
+        )
     try:
         return importlib.import_module(f"mlx_lm.{TOOLS[tool]}")
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] == "mlx_lm":
             raise
         package = PIP_NAMES.get(e.name.split(".")[0], e.name.split(".")[0])
-        raise TernaryError(f"mlx-lm's {tool} needs the Python package {package}, which is not "
-                           f"installed: pip install {package}") from None
+        raise TernaryError(
+            f"mlx-lm's {tool} needs the Python package {package}, which is not "
+            f"installed: pip install {package}"
+        ) from None
 
 
 MODEL_FLAGS = ("--model", "--draft-model")

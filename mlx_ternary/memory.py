@@ -17,28 +17,43 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .runtime.cpu.layers import HalfEmbedding, HalfLinear
-from .runtime.layers import TernaryLinear, ternary_layers
+from .runtime.layers import TernaryLinear, activation_dtype, materialize, ternary_layers
 
-GiB = 1024 ** 3
+GiB = 1024**3
 # Python, MLX, tokenizers and the HTTP stack: resident memory outside MLX's allocator
 # (measured: 0.35 GiB peak RSS serving the tiny model on Linux; docs/SERVE.md).
-FRAMEWORK_OVERHEAD = 512 * 1024 ** 2
-KV_STEP = 256            # mlx-lm's KV caches grow in steps of 256 tokens
+FRAMEWORK_OVERHEAD = 512 * 1024**2
+KV_STEP = 256  # mlx-lm's KV caches grow in steps of 256 tokens
 KV_GROUP_SIZE = 64
 ACTIVATION_MARGIN = 1.1  # allocator rounding and small temporaries the count leaves out
 # The command-line options that change each part of the plan (named in the advice).
-PLAN_FLAGS = {"context": "--max-context", "kv_bits": "--kv-bits", "batch": "--batch",
-              "prefill": "--prefill-step-size", "prompt_cache": "--prompt-cache-bytes"}
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024 ** 2, "mb": 1024 ** 2,
-          "mib": 1024 ** 2, "g": GiB, "gb": GiB, "gib": GiB}
+PLAN_FLAGS = {
+    "context": "--max-context",
+    "kv_bits": "--kv-bits",
+    "batch": "--batch",
+    "prefill": "--prefill-step-size",
+    "prompt_cache": "--prompt-cache-bytes",
+}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1024**2,
+    "mib": 1024**2,
+    "g": GiB,
+    "gb": GiB,
+    "gib": GiB,
+}
 
 
 @dataclass
 class MemoryPlan:
     """Bytes each part of a run needs, and whether the total fits under `limit`."""
 
-    weights: Dict[str, int]          # {"ternary", "float", "embeddings"}
+    weights: Dict[str, int]  # {"ternary", "float", "embeddings"}
     kv_cache: int
     activations: int
     overhead: int
@@ -49,7 +64,7 @@ class MemoryPlan:
     batch: int
     prefill_step_size: int
     kv_bits: Optional[int] = None
-    prompt_cache: int = 0            # bytes of KV kept across requests (serve)
+    prompt_cache: int = 0  # bytes of KV kept across requests (serve)
     notes: List[str] = field(default_factory=list)
     flags: Dict[str, str] = field(default_factory=lambda: dict(PLAN_FLAGS))
 
@@ -59,8 +74,13 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (self.weights_total + self.kv_cache + self.prompt_cache + self.activations
-                + self.overhead)
+        return (
+            self.weights_total
+            + self.kv_cache
+            + self.prompt_cache
+            + self.activations
+            + self.overhead
+        )
 
     @property
     def fits(self) -> bool:
@@ -80,8 +100,11 @@ class MemoryPlan:
             ("weights, float", self.weights["float"]),
             ("weights, embeddings", self.weights["embeddings"]),
             (kv, self.kv_cache),
-            *([("prompt cache (kept across requests)", self.prompt_cache)]
-              if self.prompt_cache else []),
+            *(
+                [("prompt cache (kept across requests)", self.prompt_cache)]
+                if self.prompt_cache
+                else []
+            ),
             (f"activations (prefill chunk {self.prefill_step_size})", self.activations),
             ("framework overhead", self.overhead),
             ("total", self.total),
@@ -94,20 +117,27 @@ class MemoryPlan:
         """What to change so the plan fits, largest saving first, in `flags`' names."""
         out, flag = [], self.flags.get
         if self.kv_cache > 0 and flag("context"):
-            out.append(f"lower {flag('context')} (the KV cache for {self.max_context} tokens "
-                       f"is {fmt_bytes(self.kv_cache)} and shrinks in proportion)")
+            out.append(
+                f"lower {flag('context')} (the KV cache for {self.max_context} tokens "
+                f"is {fmt_bytes(self.kv_cache)} and shrinks in proportion)"
+            )
         if self.kv_cache > 0 and not self.kv_bits and flag("kv_bits"):
-            out.append(f"quantize the KV cache with {flag('kv_bits')} 8 (about half the KV "
-                       "memory)")
+            out.append(f"quantize the KV cache with {flag('kv_bits')} 8 (about half the KV memory)")
         if self.prompt_cache > 0 and flag("prompt_cache"):
-            out.append(f"a smaller {flag('prompt_cache')} (now "
-                       f"{fmt_bytes(self.prompt_cache)}; 0 turns the prompt cache off)")
+            out.append(
+                f"a smaller {flag('prompt_cache')} (now "
+                f"{fmt_bytes(self.prompt_cache)}; 0 turns the prompt cache off)"
+            )
         if self.batch > 1 and flag("batch"):
-            out.append(f"lower {flag('batch')} (now {self.batch}; each sequence holds "
-                       f"{fmt_bytes(self.kv_cache // self.batch)} of KV cache)")
+            out.append(
+                f"lower {flag('batch')} (now {self.batch}; each sequence holds "
+                f"{fmt_bytes(self.kv_cache // self.batch)} of KV cache)"
+            )
         if self.prefill_step_size > 128 and flag("prefill"):
-            out.append(f"a smaller {flag('prefill')} (now {self.prefill_step_size}; the "
-                       f"activation peak is {fmt_bytes(self.activations)})")
+            out.append(
+                f"a smaller {flag('prefill')} (now {self.prefill_step_size}; the "
+                f"activation peak is {fmt_bytes(self.activations)})"
+            )
         return out or ["a smaller model or a machine with more memory"]
 
     def refusal(self) -> str:
@@ -115,11 +145,15 @@ class MemoryPlan:
         parts = [f"weights {fmt_bytes(self.weights_total)}", f"KV cache {fmt_bytes(self.kv_cache)}"]
         if self.prompt_cache:
             parts.append(f"prompt cache {fmt_bytes(self.prompt_cache)}")
-        parts += [f"activations {fmt_bytes(self.activations)}",
-                 f"overhead {fmt_bytes(self.overhead)}"]
-        return (f"the memory plan does not fit: {' + '.join(parts)} = {fmt_bytes(self.total)}"
-                f", over the limit of {fmt_bytes(self.limit)} ({self.available_source}); "
-                f"try: {'; '.join(self.advice())}")
+        parts += [
+            f"activations {fmt_bytes(self.activations)}",
+            f"overhead {fmt_bytes(self.overhead)}",
+        ]
+        return (
+            f"the memory plan does not fit: {' + '.join(parts)} = {fmt_bytes(self.total)}"
+            f", over the limit of {fmt_bytes(self.limit)} ({self.available_source}); "
+            f"try: {'; '.join(self.advice())}"
+        )
 
 
 def parse_bytes(text: str) -> int:
@@ -136,8 +170,8 @@ def parse_bytes(text: str) -> int:
 def fmt_bytes(n: int) -> str:
     if n >= GiB:
         return f"{n / GiB:.2f} GiB"
-    if n >= 1024 ** 2:
-        return f"{n / 1024 ** 2:.1f} MiB"
+    if n >= 1024**2:
+        return f"{n / 1024**2:.1f} MiB"
     return f"{n / 1024:.1f} KiB"
 
 
@@ -159,8 +193,10 @@ def available_memory() -> tuple:
 
 
 def _is_embedding(path: str, module: nn.Module) -> bool:
-    return (isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
-            or path.split(".")[-1] == "lm_head")
+    return (
+        isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))
+        or path.split(".")[-1] == "lm_head"
+    )
 
 
 def weight_bytes(model: nn.Module) -> Dict[str, int]:
@@ -170,35 +206,30 @@ def weight_bytes(model: nn.Module) -> Dict[str, int]:
     dtype = activation_dtype(model)
     seen = set()
     for _, layer in ternary_layers(model):
-        if layer.reads_affine():
-            # The reference fast path keeps per-layer (or shared) scale/bias tables.
-            qs, qb, _ = layer._fast_affine(dtype)
-            for a in (qs, qb):
-                if id(a) not in seen:
-                    seen.add(id(a))
-                    sizes["ternary"] += a.nbytes
+        for a in layer.runtime_arrays(dtype):  # the reference fast path's tables, shared
+            if id(a) not in seen:
+                seen.add(id(a))
+                sizes["ternary"] += a.nbytes
     for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        kind = ("ternary" if isinstance(m, TernaryLinear)
-                else "embeddings" if _is_embedding(path, m) else "float")
+        kind = (
+            "ternary"
+            if isinstance(m, TernaryLinear)
+            else "embeddings"
+            if _is_embedding(path, m)
+            else "float"
+        )
         sizes[kind] += sum(a.nbytes for _, a in tree_flatten(m.parameters()))
     return sizes
 
 
-def activation_dtype(model: nn.Module):
-    """The float dtype activations (and the KV cache) run in: the embedding's (float32
-    where the native backend keeps a float16 table and widens what it looks up)."""
-    for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        if isinstance(m, (HalfEmbedding, HalfLinear)):
-            return mx.float32
-        for _, a in tree_flatten(m.parameters()):
-            if mx.issubdtype(a.dtype, mx.floating) and a.ndim == 2:
-                return a.dtype
-    return mx.float32
-
-
-def kv_bytes(model: nn.Module, max_context: int, batch: int = 1,
-             kv_bits: Optional[int] = None, kv_group_size: int = KV_GROUP_SIZE,
-             max_kv_size: Optional[int] = None) -> int:
+def kv_bytes(
+    model: nn.Module,
+    max_context: int,
+    batch: int = 1,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = KV_GROUP_SIZE,
+    max_kv_size: Optional[int] = None,
+) -> int:
     """KV cache bytes for `batch` sequences of `max_context` tokens.
 
     Per-token sizes come from a lazy one-token probe of the model's own caches, so any
@@ -249,10 +280,17 @@ def activation_bytes(model: nn.Module, batch: int, prefill_step: int, max_contex
     return int(ACTIVATION_MARGIN * max(attn, mlp, decode))
 
 
-def plan(model: nn.Module, max_context: int, batch: int = 1, prefill_step_size: int = 512,
-         kv_bits: Optional[int] = None, memory_limit: Optional[float] = None,
-         max_kv_size: Optional[int] = None, flags: Optional[Dict[str, str]] = None,
-         prompt_cache: int = 0) -> MemoryPlan:
+def plan(
+    model: nn.Module,
+    max_context: int,
+    batch: int = 1,
+    prefill_step_size: int = 512,
+    kv_bits: Optional[int] = None,
+    memory_limit: Optional[float] = None,
+    max_kv_size: Optional[int] = None,
+    flags: Optional[Dict[str, str]] = None,
+    prompt_cache: int = 0,
+) -> MemoryPlan:
     """The memory plan for serving `batch` sequences of up to `max_context` tokens.
 
     Args:
@@ -277,15 +315,28 @@ def plan(model: nn.Module, max_context: int, batch: int = 1, prefill_step_size: 
         weights=weight_bytes(model),
         kv_cache=kv_bytes(model, max_context, batch, kv_bits, max_kv_size=max_kv_size),
         activations=activation_bytes(model, batch, prefill_step_size, max_context),
-        overhead=FRAMEWORK_OVERHEAD, available=available, available_source=source,
-        limit=limit, max_context=max_context, batch=batch,
-        prefill_step_size=prefill_step_size, kv_bits=kv_bits, prompt_cache=prompt_cache,
+        overhead=FRAMEWORK_OVERHEAD,
+        available=available,
+        available_source=source,
+        limit=limit,
+        max_context=max_context,
+        batch=batch,
+        prefill_step_size=prefill_step_size,
+        kv_bits=kv_bits,
+        prompt_cache=prompt_cache,
         flags=dict(PLAN_FLAGS if flags is None else flags),
     )
 
 
-def measure(model: nn.Module, prompt_tokens: int, batch: int = 1, prefill_step_size: int = 512,
-            decode_tokens: int = 4, vocab: Optional[int] = None, seed: int = 0) -> dict:
+def measure(
+    model: nn.Module,
+    prompt_tokens: int,
+    batch: int = 1,
+    prefill_step_size: int = 512,
+    decode_tokens: int = 4,
+    vocab: Optional[int] = None,
+    seed: int = 0,
+) -> dict:
     """Run a batched prefill of `prompt_tokens` plus `decode_tokens` greedy steps through
     mlx-lm's BatchGenerator and read MLX's peak-memory counter.
 
@@ -295,18 +346,18 @@ def measure(model: nn.Module, prompt_tokens: int, batch: int = 1, prefill_step_s
     from mlx_lm.generate import BatchGenerator
 
     vocab = vocab or getattr(model.args, "vocab_size", 2)
-    mx.eval(model.parameters())
-    # The fast path's affine tables are built on the first call: make them resident first.
-    for _, layer in ternary_layers(model):
-        if layer.reads_affine():
-            mx.eval(layer._fast_affine(activation_dtype(model))[:2])
+    materialize(model)  # the runtime tables are built on the first call: resident first
     mx.clear_cache()
     baseline = mx.get_active_memory()
     mx.reset_peak_memory()
     key = mx.random.key(seed)
     prompts = mx.random.randint(2, vocab, (batch, prompt_tokens), key=key).tolist()
-    gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=batch,
-                         prefill_step_size=prefill_step_size)
+    gen = BatchGenerator(
+        model,
+        completion_batch_size=batch,
+        prefill_batch_size=batch,
+        prefill_step_size=prefill_step_size,
+    )
     tic = time.perf_counter()
     uids = gen.insert(prompts, max_tokens=[decode_tokens] * batch)
     done = set()

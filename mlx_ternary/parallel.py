@@ -1,14 +1,14 @@
-"""Running under `mlx.launch`: rank-slice loading, agreement between ranks, lockstep serving.
+"""Running under `mlx.launch`: rank-slice loading and agreement between ranks.
 
 Every rank runs the same command. `sharded_load` builds the model lazily, then reads each
 ternary layer's share straight from the checkpoint (a block of rows is one contiguous read;
 a block of columns a strided one), so no rank ever holds a whole ternary tensor; float
 weights (embeddings, norms, a float lm_head) stay whole on every rank, as in mlx-lm.
-Rank 0 prints and serves; the other ranks compute in step with it (docs/DISTRIBUTED.md).
+Rank 0 prints and serves; the other ranks compute in step with it (serve/lockstep.py,
+docs/DISTRIBUTED.md).
 """
 
 import json
-import queue
 import socket
 import sys
 from pathlib import Path
@@ -17,12 +17,11 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
+from .checkpoint.load import load, read_config, resolve_model_path
+from .checkpoint.readers.common import SAFETENSORS_DTYPES, shard_files, tensor_index
 from .errors import TernaryError
 from .format import QuantizationConfig, is_native_config
-from .checkpoint.load import load, read_config, resolve_model_path
 from .runtime.layers import ternary_layers
-from .checkpoint.readers.common import SAFETENSORS_DTYPES, shard_files, tensor_index
-from .serve.engine import POLL_S, Engine, Job
 from .runtime.shard import TernaryParts, shard_model
 
 
@@ -52,8 +51,18 @@ def local_launch(ranks: int, *command: str) -> List[str]:
     launcher = Path(sys.executable).parent / "mlx.launch"
     if not launcher.exists():
         raise TernaryError(f"mlx.launch not found beside {sys.executable}; is mlx installed?")
-    return [str(launcher), "-n", str(ranks), "--backend", "ring", "--starting-port",
-            str(free_ports(ranks)), "--", sys.executable, *command]
+    return [
+        str(launcher),
+        "-n",
+        str(ranks),
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(free_ports(ranks)),
+        "--",
+        sys.executable,
+        *command,
+    ]
 
 
 def world() -> mx.distributed.Group:
@@ -72,8 +81,10 @@ class DiskTensor:
         self.name, (self.path, meta, start) = name, entry
         self.dtype = dtype  # cast to this after reading (as load casts float parameters)
         if meta["dtype"] not in SAFETENSORS_DTYPES:
-            raise TernaryError(f"{self.path}: tensor {name} has dtype {meta['dtype']}, which "
-                               "mlx-ternary does not read")
+            raise TernaryError(
+                f"{self.path}: tensor {name} has dtype {meta['dtype']}, which "
+                "mlx-ternary does not read"
+            )
         self._np, self._mx = SAFETENSORS_DTYPES[meta["dtype"]]
         self.shape = tuple(meta["shape"])
         self.offset = start + meta["data_offsets"][0]
@@ -93,11 +104,16 @@ class DiskTensor:
         width = int(np.prod(self.shape[1:], dtype=np.int64))
         item = np.dtype(self._np).itemsize
         if cols == slice(None) or self.ndim == 1:
-            raw = np.fromfile(self.path, dtype=self._np, count=(r1 - r0) * width,
-                              offset=self.offset + r0 * width * item)
+            raw = np.fromfile(
+                self.path,
+                dtype=self._np,
+                count=(r1 - r0) * width,
+                offset=self.offset + r0 * width * item,
+            )
             return self._array(raw.reshape((r1 - r0,) + self.shape[1:]))
-        mapped = np.memmap(self.path, dtype=self._np, mode="r", offset=self.offset,
-                           shape=self.shape)
+        mapped = np.memmap(
+            self.path, dtype=self._np, mode="r", offset=self.offset, shape=self.shape
+        )
         try:
             return self._array(np.ascontiguousarray(mapped[r0:r1, cols]))
         finally:
@@ -118,10 +134,18 @@ def checkpoint_parts(model, model_path: Path, config: dict) -> Dict[str, Ternary
         bias = f"{path}.bias"
         bias = DiskTensor(bias, index[bias], layer.bias.dtype) if bias in index else None
         parts[path] = TernaryParts(
-            path, DiskTensor(f"{path}.packed", index[f"{path}.packed"]),
-            DiskTensor(f"{path}.scales", index[f"{path}.scales"]), bias, stored.packing,
-            layer.in_features, layer.out_features, layer.group_size, layer.activation_bits,
-            layer.backend, runtime_packing=layer.packing)
+            path,
+            DiskTensor(f"{path}.packed", index[f"{path}.packed"]),
+            DiskTensor(f"{path}.scales", index[f"{path}.scales"]),
+            bias,
+            stored.packing,
+            layer.in_features,
+            layer.out_features,
+            layer.group_size,
+            layer.activation_bits,
+            layer.backend,
+            runtime_packing=layer.packing,
+        )
     return parts
 
 
@@ -129,10 +153,17 @@ def barrier(group) -> None:
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
 
 
-def sharded_load(path_or_hf_repo: str, group: Optional[mx.distributed.Group] = None, *,
-                 dtype=None, packing: Optional[str] = None, backend: Optional[str] = None,
-                 tokenizer_config: Optional[dict] = None, revision: Optional[str] = None,
-                 return_config: bool = False):
+def sharded_load(
+    path_or_hf_repo: str,
+    group: Optional[mx.distributed.Group] = None,
+    *,
+    dtype=None,
+    packing: Optional[str] = None,
+    backend: Optional[str] = None,
+    tokenizer_config: Optional[dict] = None,
+    revision: Optional[str] = None,
+    return_config: bool = False,
+):
     """`mlx_ternary.load` for one rank of a tensor-parallel group.
 
     Each rank reads only its share of every ternary weight from a native checkpoint
@@ -146,9 +177,16 @@ def sharded_load(path_or_hf_repo: str, group: Optional[mx.distributed.Group] = N
     source = Path(path_or_hf_repo).expanduser()
     if not source.is_file():  # a directory or hub id; a single file (GGUF) goes to load as is
         source = resolve_model_path(path_or_hf_repo, revision)
-    model, tokenizer, config = load(str(source), tokenizer_config=tokenizer_config,
-                                    dtype=dtype, packing=packing, backend=backend, lazy=True,
-                                    revision=revision, return_config=True)
+    model, tokenizer, config = load(
+        str(source),
+        tokenizer_config=tokenizer_config,
+        dtype=dtype,
+        packing=packing,
+        backend=backend,
+        lazy=True,
+        revision=revision,
+        return_config=True,
+    )
     parts = checkpoint_parts(model, source, read_config(source)) if source.is_dir() else {}
     shard_model(model, group, sources=parts)
     mx.eval(model.parameters())
@@ -158,13 +196,15 @@ def sharded_load(path_or_hf_repo: str, group: Optional[mx.distributed.Group] = N
 
 # --------------------------------------------------------------------------- agreement
 
+
 def share_json(obj, group, root: bool):
     """Rank 0's JSON-able `obj` on every rank (other ranks pass anything)."""
     if group.size() == 1:
         return obj
     data = json.dumps(obj).encode() if root else b""
-    n = mx.distributed.all_sum(mx.array(len(data) if root else 0), group=group,
-                               stream=mx.cpu).item()
+    n = mx.distributed.all_sum(
+        mx.array(len(data) if root else 0), group=group, stream=mx.cpu
+    ).item()
     buf = np.frombuffer(data, np.uint8) if root else np.zeros(n, np.uint8)
     out = mx.distributed.all_sum(mx.array(buf), group=group, stream=mx.cpu)
     return json.loads(bytes(np.array(out)))
@@ -176,89 +216,5 @@ def agree_seed(seed: Optional[int], group) -> Optional[int]:
     if group.size() == 1:
         return seed
     if seed is None and group.rank() == 0:
-        seed = int(np.random.default_rng().integers(0, 2 ** 31))
+        seed = int(np.random.default_rng().integers(0, 2**31))
     return share_json(seed, group, group.rank() == 0)
-
-
-# --------------------------------------------------------------------------- serving
-
-class LockstepEngine(Engine):
-    """serve.Engine for one rank of a group: every rank runs the same batch steps.
-
-    Each round rank 0 (the HTTP server's engine) decides what to admit and what to cancel
-    and sends it to the others as JSON; every rank then inserts, removes and steps alike,
-    so the collectives inside the model meet. The other ranks' jobs are never read.
-    A step that fails on one rank only leaves the group out of step: restart it.
-    """
-
-    def __init__(self, model, tokenizer, *args, group, **kwargs):
-        super().__init__(model, tokenizer, *args, **kwargs)
-        self.group, self.leader = group, group.rank() == 0
-        mx.random.seed(agree_seed(None, group))  # unseeded sampling draws alike everywhere
-        self._held: Dict[int, Job] = {}   # rank 0: jobs sent, by round id
-        self._next_rid = 0
-        self._stop_sent = False
-
-    def _round(self, block: bool) -> dict:
-        """Rank 0: this round's new jobs, the cancelled ones, and whether to stop."""
-        new = []
-        while True:
-            try:
-                job = self.inbox.get(timeout=POLL_S) if block else self.inbox.get_nowait()
-            except queue.Empty:
-                break
-            block = False
-            if not job.cancelled.is_set():
-                job.rid, self._next_rid = self._next_rid, self._next_rid + 1
-                self._held[job.rid] = job
-                new.append(job)
-        stop = self._stop.is_set()
-        self._stop_sent |= stop
-        return {"stop": stop, "cancel": [j.rid for j in self.active.values()
-                                         if j.cancelled.is_set()],
-                "jobs": [{"rid": j.rid, "prompt": j.prompt, "max_tokens": j.max_tokens,
-                          "sampling": j.sampling, "stop": j.stop, "logprobs": j.logprobs,
-                          "echo": j.echo, "grammar": j.grammar} for j in new]}
-
-    def _admit(self, gen, block: bool):
-        msg = share_json(self._round(block) if self.leader else None, self.group, self.leader)
-        if msg["stop"]:
-            self._stop.set()
-        uids = {job.rid: uid for uid, job in self.active.items()}
-        gone = [uids[rid] for rid in msg["cancel"] if rid in uids]
-        if gone:
-            gen.remove(gone)
-            for uid in gone:
-                del self.active[uid]
-        for spec in msg["jobs"]:
-            job = self._held.pop(spec["rid"]) if self.leader else Job(
-                prompt=spec["prompt"], max_tokens=spec["max_tokens"],
-                sampling=spec["sampling"], stop=spec["stop"], logprobs=spec["logprobs"],
-                echo=spec["echo"], grammar=spec["grammar"])
-            job.rid = spec["rid"]
-            self._insert(gen, job)
-
-    def _drop_cancelled(self, gen):
-        pass  # rank 0 decides in _admit, for every rank at once
-
-    def _run(self):
-        try:
-            super()._run()
-        finally:
-            if self.leader and not self._stop_sent:  # release the others
-                self._stop.set()
-                share_json(self._round(False), self.group, True)
-
-
-def follow(engine: LockstepEngine) -> int:
-    """Run a non-zero rank's engine on this thread until rank 0 stops.
-
-    Returns the number of tokens generated; raises TernaryError if the engine failed."""
-    from .serve.http import materialize
-
-    materialize(engine.model)
-    engine._run()
-    if engine.failed:
-        raise TernaryError(f"rank {engine.group.rank()}: the generation engine stopped "
-                           f"({engine.failed})")
-    return engine.tokens_generated

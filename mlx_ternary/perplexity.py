@@ -63,9 +63,14 @@ def _window_nll(model, windows: mx.array) -> np.ndarray:
     return np.array(nll).astype(np.float64).sum(axis=1)
 
 
-def perplexity(model, ids: Sequence[int], *, context: int = DEFAULT_CONTEXT,
-               batch_size: int = 4,
-               progress: Optional[Callable[[int], None]] = None) -> PerplexityResult:
+def perplexity(
+    model,
+    ids: Sequence[int],
+    *,
+    context: int = DEFAULT_CONTEXT,
+    batch_size: int = 4,
+    progress: Optional[Callable[[int], None]] = None,
+) -> PerplexityResult:
     """Perplexity of `model` on the token ids `ids`.
 
     Args:
@@ -83,14 +88,15 @@ def perplexity(model, ids: Sequence[int], *, context: int = DEFAULT_CONTEXT,
     """
     ids = np.asarray(ids, dtype=np.int32).reshape(-1)
     if ids.size < 2:
-        raise TernaryError(f"perplexity needs at least 2 tokens, got {ids.size}; "
-                           "pass a longer text")
+        raise TernaryError(
+            f"perplexity needs at least 2 tokens, got {ids.size}; pass a longer text"
+        )
     if batch_size < 1:
         raise TernaryError(f"the batch size must be at least 1, got {batch_size}")
     bounds = chunk_bounds(ids.size, context)
     full = [b for b in bounds if b[1] - b[0] == context + 1]
     tail = [b for b in bounds if b[1] - b[0] != context + 1]
-    batches = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
     batches += [[b] for b in tail]
     total, done = 0.0, 0
     start = time.perf_counter()
@@ -102,9 +108,15 @@ def perplexity(model, ids: Sequence[int], *, context: int = DEFAULT_CONTEXT,
             progress(done)
     seconds = time.perf_counter() - start
     nll = total / done
-    return PerplexityResult(perplexity=math.exp(nll), nll=nll, tokens=done, chunks=len(bounds),
-                            context=context, seconds=seconds,
-                            tokens_per_sec=done / seconds if seconds > 0 else float("inf"))
+    return PerplexityResult(
+        perplexity=math.exp(nll),
+        nll=nll,
+        tokens=done,
+        chunks=len(bounds),
+        context=context,
+        seconds=seconds,
+        tokens_per_sec=done / seconds if seconds > 0 else float("inf"),
+    )
 
 
 def read_text(path) -> str:
@@ -115,8 +127,9 @@ def read_text(path) -> str:
     except FileNotFoundError:
         raise TernaryError(f"{path}: no such data file") from None
     except UnicodeDecodeError as e:
-        raise TernaryError(f"{path}: not UTF-8 text (byte {e.start}); pass a plain text "
-                           "file") from None
+        raise TernaryError(
+            f"{path}: not UTF-8 text (byte {e.start}); pass a plain text file"
+        ) from None
 
 
 def default_context(config: dict) -> int:
@@ -125,9 +138,16 @@ def default_context(config: dict) -> int:
     return min(int(n), DEFAULT_CONTEXT) if n else DEFAULT_CONTEXT
 
 
-def file_perplexity(model, tokenizer, path, *, context: int = DEFAULT_CONTEXT,
-                    batch_size: int = 4, max_tokens: Optional[int] = None,
-                    progress: Optional[Callable[[int], None]] = None) -> PerplexityResult:
+def file_perplexity(
+    model,
+    tokenizer,
+    path,
+    *,
+    context: int = DEFAULT_CONTEXT,
+    batch_size: int = 4,
+    max_tokens: Optional[int] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> PerplexityResult:
     """Tokenize a text file as the tokenizer does by default, then `perplexity`.
 
     Args:
@@ -139,8 +159,7 @@ def file_perplexity(model, tokenizer, path, *, context: int = DEFAULT_CONTEXT,
     except TypeError:
         ids = tokenizer.encode(text)
     if max_tokens is not None:
-        ids = ids[:max_tokens + 1]
+        ids = ids[: max_tokens + 1]
     if len(ids) < 2:
-        raise TernaryError(f"{path}: tokenizes to {len(ids)} token(s); perplexity needs "
-                           "at least 2")
+        raise TernaryError(f"{path}: tokenizes to {len(ids)} token(s); perplexity needs at least 2")
     return perplexity(model, ids, context=context, batch_size=batch_size, progress=progress)

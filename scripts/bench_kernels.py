@@ -27,8 +27,9 @@ def main():
     ap.add_argument("--json", default=None, help="write the full results here")
     args = ap.parse_args()
     try:
-        result = kernels.run(args.backend, args.quick, args.bandwidth,
-                                  progress=lambda s: print(s, file=sys.stderr))
+        result = kernels.run(
+            args.backend, args.quick, args.bandwidth, progress=lambda s: print(s, file=sys.stderr)
+        )
     except TernaryError as e:
         sys.exit(f"error: {e}")
     print("\n".join(kernels.lines(result)))

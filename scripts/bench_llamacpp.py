@@ -29,8 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
-SHAPE = dict(layers=12, hidden=2048, intermediate=5632, vocab=32000, heads=32, kv_heads=4,
-             rope_theta=10000.0, context=2048, eps=1e-5)
+SHAPE = dict(
+    layers=12,
+    hidden=2048,
+    intermediate=5632,
+    vocab=32000,
+    heads=32,
+    kv_heads=4,
+    rope_theta=10000.0,
+    context=2048,
+    eps=1e-5,
+)
 VARIANTS = ("fast-act8", "fast", "compact-act8", "compact")
 
 
@@ -77,9 +86,15 @@ def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0) -> None:
     kv = head_dim * shape["kv_heads"]
     for i in range(shape["layers"]):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
-        for name, (n, k) in (("attn_q", (h, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)),
-                             ("attn_output", (h, h)), ("ffn_gate", (inter, h)),
-                             ("ffn_up", (inter, h)), ("ffn_down", (h, inter))):
+        for name, (n, k) in (
+            ("attn_q", (h, h)),
+            ("attn_k", (kv, h)),
+            ("attn_v", (kv, h)),
+            ("attn_output", (h, h)),
+            ("ffn_gate", (inter, h)),
+            ("ffn_up", (inter, h)),
+            ("ffn_down", (h, inter)),
+        ):
             data, q = ternary(n, k)
             w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
@@ -113,9 +128,9 @@ def worker(model_dir: str, prompt_tokens: int, gen_tokens: int, seed: int) -> di
     """One mlx-ternary measurement in this (fresh) process."""
     import mlx.core as mx
 
-    from mlx_ternary.runtime import dispatch, cpu
     from mlx_ternary.bench.formats import measure
     from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.runtime import cpu, dispatch
 
     model, config = load_model(Path(model_dir))
     rng = np.random.default_rng(seed)
@@ -124,14 +139,29 @@ def worker(model_dir: str, prompt_tokens: int, gen_tokens: int, seed: int) -> di
     run, _, _ = measure(model, prompt, gen_tokens)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss *= 1 if sys.platform == "darwin" else 1024
-    return {"prefill_tps": run.prefill_tps, "decode_tps": run.decode_tps, "peak_rss": rss,
-            "backend": dispatch.resolve_backend(), "isa": cpu.info().get("isa", "")}
+    return {
+        "prefill_tps": run.prefill_tps,
+        "decode_tps": run.decode_tps,
+        "peak_rss": rss,
+        "backend": dispatch.resolve_backend(),
+        "isa": cpu.info().get("isa", ""),
+    }
 
 
 def run_mlx(model_dir: Path, threads: int, a) -> dict:
     env = {**os.environ, "MLX_TERNARY_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, __file__, "--worker", str(model_dir), "--prompt-tokens",
-           str(a.prompt_tokens), "--gen-tokens", str(a.gen_tokens), "--seed", str(a.seed)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        str(model_dir),
+        "--prompt-tokens",
+        str(a.prompt_tokens),
+        "--gen-tokens",
+        str(a.gen_tokens),
+        "--seed",
+        str(a.seed),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
         raise SystemExit(f"mlx-ternary run failed:\n{out.stderr[-2000:]}")
@@ -147,8 +177,9 @@ def fmt(values, digits=1):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-cpp", help="node_modules holding node-llama-cpp "
-                    "(default $MLX_TERNARY_LLAMA_CPP)")
+    ap.add_argument(
+        "--llama-cpp", help="node_modules holding node-llama-cpp (default $MLX_TERNARY_LLAMA_CPP)"
+    )
     ap.add_argument("--dir", type=Path, default=Path("/tmp/mlx-ternary-tq2"))
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--variants", default="fast-act8,fast")
@@ -181,37 +212,50 @@ def main(argv=None):
         shutil.move(gguf.with_suffix(".tmp"), gguf)
     make_variants(a.dir, variants)
 
-    engines = [("llama.cpp TQ2_0", t) for t in threads] + \
-        [(f"mlx-ternary {v}", t) for v in variants for t in threads]
+    engines = [("llama.cpp TQ2_0", t) for t in threads] + [
+        (f"mlx-ternary {v}", t) for v in variants for t in threads
+    ]
     results = {e: [] for e in engines}
     for r in range(a.repeats):
-        order = engines[r % len(engines):] + engines[:r % len(engines)]
+        order = engines[r % len(engines) :] + engines[: r % len(engines)]
         for name, t in order:
             print(f"repeat {r + 1}/{a.repeats}: {name}, {t} thread(s)", file=sys.stderr)
             if name.startswith("llama.cpp"):
-                res = llamacpp.run(node_modules, gguf, threads=t, prompt_tokens=a.prompt_tokens,
-                                   gen_tokens=a.gen_tokens, seed=a.seed)
+                res = llamacpp.run(
+                    node_modules,
+                    gguf,
+                    threads=t,
+                    prompt_tokens=a.prompt_tokens,
+                    gen_tokens=a.gen_tokens,
+                    seed=a.seed,
+                )
                 run = dict(res["runs"][0], peak_rss=res["peak_rss"])
             else:
                 run = run_mlx(a.dir / name.split()[-1], t, a)
             results[(name, t)].append(run)
 
-    rows = ["| engine | threads | prefill tok/s | decode tok/s | peak RSS MB | prefill × | "
-            "decode × | memory × |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| engine | threads | prefill tok/s | decode tok/s | peak RSS MB | prefill × | "
+        "decode × | memory × |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     base = {t: results[("llama.cpp TQ2_0", t)] for t in threads}
     med = lambda runs, k: statistics.median(x[k] for x in runs)  # noqa: E731
     for (name, t), runs in results.items():
         ratio = ["", "", ""]
         if not name.startswith("llama.cpp"):
-            ratio = [f"{med(runs, k) / med(base[t], k):.2f}"
-                     for k in ("prefill_tps", "decode_tps", "peak_rss")]
-        rows.append(f"| {name} | {t} | {fmt([x['prefill_tps'] for x in runs])} | "
-                    f"{fmt([x['decode_tps'] for x in runs])} | "
-                    f"{fmt([x['peak_rss'] / 1e6 for x in runs], 0)} | " + " | ".join(ratio) + " |")
+            ratio = [
+                f"{med(runs, k) / med(base[t], k):.2f}"
+                for k in ("prefill_tps", "decode_tps", "peak_rss")
+            ]
+        rows.append(
+            f"| {name} | {t} | {fmt([x['prefill_tps'] for x in runs])} | "
+            f"{fmt([x['decode_tps'] for x in runs])} | "
+            f"{fmt([x['peak_rss'] / 1e6 for x in runs], 0)} | " + " | ".join(ratio) + " |"
+        )
     print("\n".join(rows))
     if a.json:
-        a.json.write_text(json.dumps({f"{n} @{t}": v for (n, t), v in results.items()},
-                                     indent=2))
+        a.json.write_text(json.dumps({f"{n} @{t}": v for (n, t), v in results.items()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -26,23 +26,30 @@ import subprocess
 import sys
 import time
 
-MID = dict(model_type="llama", hidden_size=1024, intermediate_size=2816,
-           num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-           rms_norm_eps=1e-5, vocab_size=32000, tie_word_embeddings=False,
-           rope_theta=10000.0)
+MID = dict(
+    model_type="llama",
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-5,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
 KINDS = ("ternary", "float", "q4")
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
 
 
 def build(model_name: str, kind: str):
     import mlx.core as mx
-    import mlx.nn as nn
     import numpy as np
     from mlx.utils import tree_map
 
     import mlx_ternary
-    from mlx_ternary.runtime.adapters import dequantize_model
     from mlx_ternary.generate import EMBEDDED_MODEL
+    from mlx_ternary.runtime.adapters import dequantize_model
     from mlx_ternary.runtime.layers import ternarize_model
 
     if model_name == "embedded":
@@ -53,8 +60,12 @@ def build(model_name: str, kind: str):
         model_class, args_class = _get_classes(MID)
         model = model_class(args_class.from_dict(MID))
         rng = np.random.default_rng(0)
-        model.update(tree_map(lambda a: mx.array(rng.normal(0, 0.02, a.shape)
-                                                 .astype(np.float32)), model.parameters()))
+        model.update(
+            tree_map(
+                lambda a: mx.array(rng.normal(0, 0.02, a.shape).astype(np.float32)),
+                model.parameters(),
+            )
+        )
         ternarize_model(model, packing="fast", activation_bits=8)
     if kind != "ternary":
         model = dequantize_model(model)
@@ -73,14 +84,13 @@ def run_one(model_name: str, kind: str, batch: int, seq: int, steps: int) -> dic
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
     from mlx_lm.tuner.trainer import default_loss
 
     from mlx_ternary.runtime.adapters import linear_to_lora_layers
 
-    from mlx.utils import tree_flatten
-
     model, vocab = build(model_name, kind)
-    weights_mb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 2 ** 20
+    weights_mb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 2**20
     model.freeze()
     linear_to_lora_layers(model, len(model.layers), LORA)
     model.train()
@@ -104,10 +114,15 @@ def run_one(model_name: str, kind: str, batch: int, seq: int, steps: int) -> dic
         loss, _ = step(ids, lengths)
         mx.eval(state, loss)
         times.append(time.perf_counter() - tic)
-    return {"model": model_name, "kind": kind, "step_s": statistics.median(times[1:]),
-            "first_step_s": times[0], "peak_mb": mx.get_peak_memory() / 2 ** 20,
-            "weights_mb": weights_mb,
-            "tokens": batch * seq}
+    return {
+        "model": model_name,
+        "kind": kind,
+        "step_s": statistics.median(times[1:]),
+        "first_step_s": times[0],
+        "peak_mb": mx.get_peak_memory() / 2**20,
+        "weights_mb": weights_mb,
+        "tokens": batch * seq,
+    }
 
 
 def main():
@@ -129,22 +144,41 @@ def main():
     runs = {k: [] for k in args.kinds.split(",")}
     for _ in range(args.repeats):
         for kind in runs:
-            out = subprocess.run([sys.executable, __file__, "--model", args.model, "--batch",
-                                  str(args.batch), "--seq", str(args.seq), "--steps",
-                                  str(args.steps), "--one", kind],
-                                 check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--model",
+                    args.model,
+                    "--batch",
+                    str(args.batch),
+                    "--seq",
+                    str(args.seq),
+                    "--steps",
+                    str(args.steps),
+                    "--one",
+                    kind,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             runs[kind].append(json.loads(out.strip().splitlines()[-1]))
-    print(f"LoRA rank {LORA['rank']}, every projection; batch {args.batch} x {args.seq} "
-          f"tokens; {args.steps} steps per run, {args.repeats} interleaved runs; median (min-max)")
+    print(
+        f"LoRA rank {LORA['rank']}, every projection; batch {args.batch} x {args.seq} "
+        f"tokens; {args.steps} steps per run, {args.repeats} interleaved runs; median (min-max)"
+    )
     print("| base | weights MB | step s | tokens/s | peak MB |")
     print("|---|---|---|---|---|")
     for kind, rs in runs.items():
         t = [r["step_s"] for r in rs]
         m = [r["peak_mb"] for r in rs]
         med = statistics.median(t)
-        print(f"| {kind} | {rs[0]['weights_mb']:.1f} | {med:.3f} ({min(t):.3f}-{max(t):.3f}) | "
-              f"{rs[0]['tokens'] / med:.0f} | {statistics.median(m):.1f} "
-              f"({min(m):.1f}-{max(m):.1f}) |")
+        print(
+            f"| {kind} | {rs[0]['weights_mb']:.1f} | {med:.3f} ({min(t):.3f}-{max(t):.3f}) | "
+            f"{rs[0]['tokens'] / med:.0f} | {statistics.median(m):.1f} "
+            f"({min(m):.1f}-{max(m):.1f}) |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": vars(args), "runs": runs}, f, indent=2)

@@ -32,8 +32,10 @@ import sys
 import threading
 import time
 
-WORDS = ("thou art the sun and she the moon of heaven that doth stand above the town of "
-         "verona where the nurse and friar keep their counsel till the morrow").split()
+WORDS = (
+    "thou art the sun and she the moon of heaven that doth stand above the town of "
+    "verona where the nurse and friar keep their counsel till the morrow"
+).split()
 
 
 def history_text(tokenizer, n_tokens: int, seed: int) -> str:
@@ -47,9 +49,14 @@ def history_text(tokenizer, n_tokens: int, seed: int) -> str:
 def ttft(client, messages, max_tokens=8):
     tic = time.perf_counter()
     first, text, usage = None, [], None
-    for c in client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True}):
+    for c in client.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if c.choices and c.choices[0].delta.content and first is None:
             first = time.perf_counter() - tic
         if c.choices:
@@ -68,33 +75,52 @@ def prompt_cache(args):
     model, tokenizer = mlx_ternary.load(args.model)
     out = {"model": args.model, "runs": args.runs}
     for label, cache_bytes in (("cache_on", None), ("cache_off", 0)):
-        server = Server(model, tokenizer, ServeConfig(
-            model_name="m", max_context=args.history_tokens + 512, prefill_step_size=512,
-            prompt_cache_bytes=cache_bytes), "127.0.0.1", 0)
+        server = Server(
+            model,
+            tokenizer,
+            ServeConfig(
+                model_name="m",
+                max_context=args.history_tokens + 512,
+                prefill_step_size=512,
+                prompt_cache_bytes=cache_bytes,
+            ),
+            "127.0.0.1",
+            0,
+        )
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
-                               api_key="none", max_retries=0, timeout=600)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{server.server_address[1]}/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=600,
+        )
         t1s, t2s = [], []
         for run in range(args.runs + 1):  # run 0 warms up
-            history = [{"role": "user", "content": history_text(tokenizer, args.history_tokens,
-                                                                 run)}]
+            history = [
+                {"role": "user", "content": history_text(tokenizer, args.history_tokens, run)}
+            ]
             t1, answer, use1 = ttft(client, history)
-            turn2 = history + [{"role": "assistant", "content": answer},
-                               {"role": "user", "content": "And what said the nurse?"}]
+            turn2 = history + [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And what said the nurse?"},
+            ]
             t2, _, use2 = ttft(client, turn2)
             if run:
                 t1s.append(t1)
                 t2s.append(t2)
         server.shutdown()
         server.server_close()
-        out[label] = {"turn1_prompt_tokens": use1.prompt_tokens,
-                      "turn2_prompt_tokens": use2.prompt_tokens,
-                      "turn2_cached_tokens": use2.prompt_tokens_details.cached_tokens,
-                      "turn1_ttft_s": statistics.median(t1s),
-                      "turn2_ttft_s": statistics.median(t2s)}
+        out[label] = {
+            "turn1_prompt_tokens": use1.prompt_tokens,
+            "turn2_prompt_tokens": use2.prompt_tokens,
+            "turn2_cached_tokens": use2.prompt_tokens_details.cached_tokens,
+            "turn1_ttft_s": statistics.median(t1s),
+            "turn2_ttft_s": statistics.median(t2s),
+        }
         out[label]["turn2_over_turn1"] = out[label]["turn2_ttft_s"] / out[label]["turn1_ttft_s"]
-    out["turn2_cached_over_uncached"] = (out["cache_on"]["turn2_ttft_s"]
-                                         / out["cache_off"]["turn2_ttft_s"])
+    out["turn2_cached_over_uncached"] = (
+        out["cache_on"]["turn2_ttft_s"] / out["cache_off"]["turn2_ttft_s"]
+    )
     return out
 
 
@@ -115,29 +141,67 @@ def peak_rss(pid: int) -> int:
 def soak(args):
     import openai
 
-    flags = ["--model", args.model, "--max-context", str(args.max_context),
-             "--prefill-step-size", str(args.prefill_step_size)]
+    flags = [
+        "--model",
+        args.model,
+        "--max-context",
+        str(args.max_context),
+        "--prefill-step-size",
+        str(args.prefill_step_size),
+    ]
     cli = [sys.executable, "-m", "mlx_ternary.cli"]
-    plan = json.loads(subprocess.run(
-        cli + ["plan", "--batch", str(args.concurrency), "--json", "--prompt-cache-bytes",
-               str(args.prompt_cache_bytes)] + flags, check=True, capture_output=True,
-        text=True).stdout)
+    plan = json.loads(
+        subprocess.run(
+            cli
+            + [
+                "plan",
+                "--batch",
+                str(args.concurrency),
+                "--json",
+                "--prompt-cache-bytes",
+                str(args.prompt_cache_bytes),
+            ]
+            + flags,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
     port = free_port()
-    proc = subprocess.Popen(cli + ["serve", "--port", str(port), "--max-concurrency",
-                                   str(args.concurrency), "--prompt-cache-bytes",
-                                   str(args.prompt_cache_bytes)] + flags,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli
+        + [
+            "serve",
+            "--port",
+            str(port),
+            "--max-concurrency",
+            str(args.concurrency),
+            "--prompt-cache-bytes",
+            str(args.prompt_cache_bytes),
+        ]
+        + flags,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stderr.readline()  # "Serving ... on http://..." once it listens
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                           max_retries=0, timeout=600)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600
+    )
 
     def conversation(i):
         msgs, cached = [], []
         for turn in range(args.turns):
-            msgs.append({"role": "user", "content": f"{WORDS[i % len(WORDS)]} {i}, turn {turn}:"
-                         + " " + " ".join(WORDS[:20 + 3 * i])})
-            r = client.chat.completions.create(model=args.model, messages=msgs,
-                                               max_tokens=args.max_tokens, temperature=0)
+            msgs.append(
+                {
+                    "role": "user",
+                    "content": f"{WORDS[i % len(WORDS)]} {i}, turn {turn}:"
+                    + " "
+                    + " ".join(WORDS[: 20 + 3 * i]),
+                }
+            )
+            r = client.chat.completions.create(
+                model=args.model, messages=msgs, max_tokens=args.max_tokens, temperature=0
+            )
             msgs.append({"role": "assistant", "content": r.choices[0].message.content})
             cached.append(r.usage.prompt_tokens_details.cached_tokens)
         return cached
@@ -151,23 +215,37 @@ def soak(args):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    return {"model": args.model, "clients": args.clients, "turns": args.turns,
-            "answers": sum(len(c) for c in cached), "seconds": seconds,
-            "cached_tokens_per_turn": [sum(c[t] for c in cached) / len(cached)
-                                       for t in range(args.turns)],
-            "peak_rss": rss, "plan_total": plan["total"], "rss_over_plan": rss / plan["total"],
-            "plan": {k: plan[k] for k in ("weights_total", "kv_cache", "prompt_cache",
-                                          "activations", "overhead")}}
+    return {
+        "model": args.model,
+        "clients": args.clients,
+        "turns": args.turns,
+        "answers": sum(len(c) for c in cached),
+        "seconds": seconds,
+        "cached_tokens_per_turn": [
+            sum(c[t] for c in cached) / len(cached) for t in range(args.turns)
+        ],
+        "peak_rss": rss,
+        "plan_total": plan["total"],
+        "rss_over_plan": rss / plan["total"],
+        "plan": {
+            k: plan[k]
+            for k in ("weights_total", "kv_cache", "prompt_cache", "activations", "overhead")
+        },
+    }
 
 
-PERSON = {"type": "object", "additionalProperties": False,
-          "required": ["name", "age", "mood", "tags", "alive"],
-          "properties": {"name": {"type": "string", "maxLength": 12},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "mood": {"enum": ["merry", "sad", "wroth"]},
-                         "tags": {"type": "array", "maxItems": 3,
-                                  "items": {"type": "string", "maxLength": 6}},
-                         "alive": {"type": "boolean"}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "mood", "tags", "alive"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["merry", "sad", "wroth"]},
+        "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 6}},
+        "alive": {"type": "boolean"},
+    },
+}
 
 
 def grammar(args):
@@ -194,11 +272,18 @@ def grammar(args):
             mask = m.compute_bitmask()
             times.append(time.perf_counter() - tic)
             bits = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")
-            m.consume_token(int(rng.choice(np.nonzero(bits[:tok.vocab_size])[0])))
-        out.append({"tokenizer": path, "vocab": tok.vocab_size, "tokenizer_s": t_tok,
-                    "compile_s": t_compile, "tokens": len(times),
-                    "mask_ms_median": 1000 * statistics.median(times),
-                    "mask_ms_max": 1000 * max(times)})
+            m.consume_token(int(rng.choice(np.nonzero(bits[: tok.vocab_size])[0])))
+        out.append(
+            {
+                "tokenizer": path,
+                "vocab": tok.vocab_size,
+                "tokenizer_s": t_tok,
+                "compile_s": t_compile,
+                "tokens": len(times),
+                "mask_ms_median": 1000 * statistics.median(times),
+                "mask_ms_max": 1000 * max(times),
+            }
+        )
     return out
 
 

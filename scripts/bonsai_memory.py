@@ -24,21 +24,43 @@ from mlx.utils import tree_flatten
 
 # Qwen3 base shapes of the three Ternary-Bonsai sizes (1.7B and 4B tie the head).
 SHAPES = {
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                 num_attention_heads=16, tie_word_embeddings=True),
-    "4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-               num_attention_heads=32, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-               num_attention_heads=32, tie_word_embeddings=False),
+    "1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "4b": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        tie_word_embeddings=False,
+    ),
 }
 GROUP = 128
 ROWS = 4096  # rows drawn per step
 
 
 def config(shape: str, layers=None) -> dict:
-    c = dict(model_type="qwen3", num_key_value_heads=8, head_dim=128, vocab_size=151936,
-             rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
-             **SHAPES[shape])
+    c = dict(
+        model_type="qwen3",
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        **SHAPES[shape],
+    )
     if layers:
         c["num_hidden_layers"] = layers
     q = {"group_size": GROUP, "bits": 2}
@@ -84,27 +106,39 @@ def measure(out: Path, cfg: dict) -> dict:
     model, _ = load_model(out)
     sizes = {"ternary": 0, "affine": 0, "float": 0}
     for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        kind = ("ternary" if isinstance(m, TernaryLinear) else
-                "affine" if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-                else "float")
+        kind = (
+            "ternary"
+            if isinstance(m, TernaryLinear)
+            else "affine"
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+            else "float"
+        )
         sizes[kind] += sum(a.nbytes for _, a in tree_flatten(m.parameters()))
     resident = sum(sizes.values())
     files = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     table = cfg["vocab_size"] * cfg["hidden_size"]
     heads = 1 if cfg["tie_word_embeddings"] else 2
-    return {"files_bytes": files, "resident_bytes": resident,
-            "resident_over_files": round(resident / files, 4), **sizes,
-            "embedding_and_head_float16_bytes": 2 * table * heads,
-            "embedding_and_head_packed_bytes": table * heads * (2 / 8 + 4 / GROUP),
-            "backend": "mlx " + mx.__version__ + ", default device " + str(mx.default_device())}
+    return {
+        "files_bytes": files,
+        "resident_bytes": resident,
+        "resident_over_files": round(resident / files, 4),
+        **sizes,
+        "embedding_and_head_float16_bytes": 2 * table * heads,
+        "embedding_and_head_packed_bytes": table * heads * (2 / 8 + 4 / GROUP),
+        "backend": "mlx " + mx.__version__ + ", default device " + str(mx.default_device()),
+    }
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
-    ap.add_argument("--out", type=Path, required=True,
-                    help="directory to write, or a pack this script wrote to measure again")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="directory to write, or a pack this script wrote to measure again",
+    )
     args = ap.parse_args(argv)
     mx.random.seed(0)
     cfg = config(args.shape, args.layers)
@@ -112,8 +146,11 @@ def main(argv=None):
         cfg = json.loads((args.out / "config.json").read_text())
     else:
         write(args.out, cfg)
-    print(json.dumps({"shape": args.shape, "layers": cfg["num_hidden_layers"],
-                      **measure(args.out, cfg)}))
+    print(
+        json.dumps(
+            {"shape": args.shape, "layers": cfg["num_hidden_layers"], **measure(args.out, cfg)}
+        )
+    )
 
 
 if __name__ == "__main__":

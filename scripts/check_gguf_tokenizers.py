@@ -19,9 +19,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from mlx_ternary.errors import FormatError
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
+from mlx_ternary.errors import FormatError
 
 
 def rebuilt(path: Path) -> Tokenizer:
@@ -37,7 +37,7 @@ def main():
     bad = 0
     for out in sorted(args.vocab_dir.glob("ggml-vocab-*.gguf.out")):
         gguf = out.with_suffix("")
-        name = gguf.name[len("ggml-vocab-"):-len(".gguf")]
+        name = gguf.name[len("ggml-vocab-") : -len(".gguf")]
         try:
             tok = rebuilt(gguf)
         except FormatError as e:
@@ -48,8 +48,10 @@ def main():
         texts = gguf.with_suffix(".gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
         ok = sum(tok.encode(t, add_special_tokens=False).ids == w for t, w in zip(texts, want))
         bad += ok != len(want)
-        print(f"{name} ({GGUFFile(gguf).field('tokenizer.ggml.pre')}): {ok}/{len(want)} "
-              "llama.cpp test strings give the expected ids")
+        print(
+            f"{name} ({GGUFFile(gguf).field('tokenizer.ggml.pre')}): {ok}/{len(want)} "
+            "llama.cpp test strings give the expected ids"
+        )
     samples = []
     for f in args.text:
         text = f.read_text()
@@ -59,14 +61,21 @@ def main():
         ours = rebuilt(args.vocab_dir / f"ggml-vocab-{name}.gguf")
         theirs = Tokenizer.from_file(hf_path)
         texts = samples + (args.vocab_dir / f"ggml-vocab-{name}.gguf.inp").read_text().split(
-            "\n__ggml_vocab_test__\n")
-        diff = [t for t in texts if ours.encode(t, add_special_tokens=False).ids
-                != theirs.encode(t, add_special_tokens=False).ids]
+            "\n__ggml_vocab_test__\n"
+        )
+        diff = [
+            t
+            for t in texts
+            if ours.encode(t, add_special_tokens=False).ids
+            != theirs.encode(t, add_special_tokens=False).ids
+        ]
         bad += bool(diff)
         n_tok = sum(len(theirs.encode(t, add_special_tokens=False).ids) for t in texts)
         first = f"; first difference: {diff[0][:60]!r}" if diff else ""
-        print(f"{name} vs {hf_path}: {len(texts) - len(diff)}/{len(texts)} texts "
-              f"({n_tok:,} tokens) equal{first}")
+        print(
+            f"{name} vs {hf_path}: {len(texts) - len(diff)}/{len(texts)} texts "
+            f"({n_tok:,} tokens) equal{first}"
+        )
     sys.exit(1 if bad else 0)
 
 

@@ -40,8 +40,10 @@ def main():
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
-    print(f"{'shape':>12} {'M':>3} {'option':>15} {'ms (median)':>12} {'min':>8} {'max':>8} "
-          f"{'resident bpw':>12}")
+    print(
+        f"{'shape':>12} {'M':>3} {'option':>15} {'ms (median)':>12} {'min':>8} {'max':>8} "
+        f"{'resident bpw':>12}"
+    )
     for n, k in SHAPES:
         t = rng.integers(-1, 2, (n, k)).astype(np.int8)
         s = np.full((n, 1), 0.05, np.float32)
@@ -54,12 +56,20 @@ def main():
         for m in args.tokens:
             x = mx.array(rng.normal(size=(m, k)).astype(np.float32))
             options = {
-                "unpack-compact": (lambda: reference.matmul_compact(x, compact, scales, k),
-                                   8 * (compact.nbytes + scales.nbytes) / (n * k)),
-                "unpack-fast": (lambda: (x @ F.unpack_fast_mx(fast, k).astype(mx.float32).T)
-                                * scales.reshape(-1), 8 * (fast.nbytes + scales.nbytes) / (n * k)),
-                "qmm-fast": (lambda: reference.matmul_fast(x, fast, scales, k, None, affine),
-                             8 * (fast.nbytes + scales.nbytes) / (n * k)),
+                "unpack-compact": (
+                    lambda: reference.matmul_compact(x, compact, scales, k),
+                    8 * (compact.nbytes + scales.nbytes) / (n * k),
+                ),
+                "unpack-fast": (
+                    lambda: (
+                        (x @ F.unpack_fast_mx(fast, k).astype(mx.float32).T) * scales.reshape(-1)
+                    ),
+                    8 * (fast.nbytes + scales.nbytes) / (n * k),
+                ),
+                "qmm-fast": (
+                    lambda: reference.matmul_fast(x, fast, scales, k, None, affine),
+                    8 * (fast.nbytes + scales.nbytes) / (n * k),
+                ),
                 "dense-f32": (lambda: x @ dense.T, 32.0),
             }
             times = {name: [] for name in options}
@@ -68,8 +78,10 @@ def main():
                     times[name] += _time(fn, 1)
             for name, (_, bpw) in options.items():
                 ms = [1e3 * v for v in times[name]]
-                print(f"{n:>5}x{k:<6} {m:>3} {name:>15} {statistics.median(ms):>12.2f} "
-                      f"{min(ms):>8.2f} {max(ms):>8.2f} {bpw:>12.3f}")
+                print(
+                    f"{n:>5}x{k:<6} {m:>3} {name:>15} {statistics.median(ms):>12.2f} "
+                    f"{min(ms):>8.2f} {max(ms):>8.2f} {bpw:>12.3f}"
+                )
 
 
 if __name__ == "__main__":

@@ -23,16 +23,27 @@ def launches(packing, act, m, k, n, dtype):
     t = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
     pt = fmt.PackedTernary.from_trits(t, np.ones((n, 1), np.float32), packing, None)
     x = mx.array(rng.normal(size=(m, k)).astype(np.float32)).astype(dtype)
-    launch.ternary_matmul(x, mx.array(pt.packed), mx.ones((n, 1), dtype=mx.float16),
-                             packing=packing, in_features=k, activation_bits=act,
-                             backend="emulate")
+    launch.ternary_matmul(
+        x,
+        mx.array(pt.packed),
+        mx.ones((n, 1), dtype=mx.float16),
+        packing=packing,
+        in_features=k,
+        activation_bits=act,
+        backend="emulate",
+    )
     kind = launch.choose_kernel(m)
     names = (["prepass"] if act else []) + (["gemm"] if kind == "gemm" else [f"gemv_{packing}"])
     out = []
     for name in names:
         stats = launch.get_kernel(name, "emulate").last_stats
-        out.append((name, {b: v["read"] for b, v in stats.items() if v["read"]},
-                    sum(v["written"] for v in stats.values())))
+        out.append(
+            (
+                name,
+                {b: v["read"] for b, v in stats.items() if v["read"]},
+                sum(v["written"] for v in stats.values()),
+            )
+        )
     return out, pt.packed.nbytes
 
 
@@ -43,8 +54,10 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 64])
     args = ap.parse_args()
     print(f"K = {args.k}, N = {args.n}, float16 x, row scales (float16); bytes per call")
-    print(f"{'packing':8} {'x':5} {'M':>3}  {'kernel':13} {'read':>11} {'/weights':>8}  "
-          "read per buffer")
+    print(
+        f"{'packing':8} {'x':5} {'M':>3}  {'kernel':13} {'read':>11} {'/weights':>8}  "
+        "read per buffer"
+    )
     for packing in ("fast", "compact"):
         for act in (None, 8):
             for m in args.tokens:
@@ -54,8 +67,10 @@ def main():
                     r = sum(reads.values())
                     total += r
                     parts = ", ".join(f"{b} {v:,}" for b, v in reads.items())
-                    print(f"{packing:8} {'int8' if act else 'fp16':5} {m:3d}  {name:13} "
-                          f"{r:11,d} {r / wbytes:8.3f}  {parts}")
+                    print(
+                        f"{packing:8} {'int8' if act else 'fp16':5} {m:3d}  {name:13} "
+                        f"{r:11,d} {r / wbytes:8.3f}  {parts}"
+                    )
                 if len(rows) > 1:
                     print(f"{'':19}{'call total':13} {total:11,d} {total / wbytes:8.3f}")
 

@@ -34,9 +34,16 @@ from mlx_ternary.checkpoint.readers.gguf import detect
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 
 HERE = Path(__file__).resolve().parent
-STRINGS = ["I'll", "What's", "don't", "ROMEO: I'll tell thee, my lord.",
-           "What's he that wishes so? DON'T!", "  two  spaces\n\nand lines\n",
-           "It's 1599, they've 3 ducats", "O Romeo, Romeo! wherefore art thou Romeo?"]
+STRINGS = [
+    "I'll",
+    "What's",
+    "don't",
+    "ROMEO: I'll tell thee, my lord.",
+    "What's he that wishes so? DON'T!",
+    "  two  spaces\n\nand lines\n",
+    "It's 1599, they've 3 ducats",
+    "O Romeo, Romeo! wherefore art thou Romeo?",
+]
 TEACHER_TEXT = HERE.parent / "tests" / "fixtures" / "heldout_sample.txt"
 
 
@@ -45,8 +52,9 @@ def mlx_greedy(model, tokenizer, prompt_ids, max_tokens):
     from mlx_lm.sample_utils import make_sampler
 
     out = []
-    for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens,
-                             sampler=make_sampler(0.0)):
+    for r in stream_generate(
+        model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=make_sampler(0.0)
+    ):
         out.append(int(r.token))
     return out
 
@@ -60,8 +68,12 @@ def run_llamacpp(node_modules, request, timeout=600):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(request, f)
     try:
-        done = subprocess.run(["node", str(HERE / "llamacpp_check.mjs"), node_modules, f.name],
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            ["node", str(HERE / "llamacpp_check.mjs"), node_modules, f.name],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     finally:
         os.unlink(f.name)
     if done.returncode != 0:
@@ -80,9 +92,11 @@ def agree(a, b):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--node-modules", default=os.environ.get("NODE_LLAMA_CPP_MODULES"),
-                    help="node_modules folder holding node-llama-cpp "
-                         "(default: $NODE_LLAMA_CPP_MODULES)")
+    ap.add_argument(
+        "--node-modules",
+        default=os.environ.get("NODE_LLAMA_CPP_MODULES"),
+        help="node_modules folder holding node-llama-cpp (default: $NODE_LLAMA_CPP_MODULES)",
+    )
     ap.add_argument("--model", default=str(gen.EMBEDDED_MODEL))
     ap.add_argument("--prompt", default="ROMEO:")
     ap.add_argument("--max-tokens", type=int, default=40)
@@ -110,27 +124,47 @@ def main():
     from_gguf, tok2 = mlx_ternary.load(str(gguf))
     ours_gguf = mlx_greedy(from_gguf, tok2, prompt_ids, args.max_tokens)
     teacher = tokenizer.encode(TEACHER_TEXT.read_text(), add_special_tokens=False)
-    teacher = teacher[:args.teacher_tokens]
-    req = {"model": str(gguf), "prompt_ids": prompt_ids, "max_tokens": len(ours),
-           "strings": STRINGS, "teacher_ids": teacher, "threads": args.threads}
+    teacher = teacher[: args.teacher_tokens]
+    req = {
+        "model": str(gguf),
+        "prompt_ids": prompt_ids,
+        "max_tokens": len(ours),
+        "strings": STRINGS,
+        "teacher_ids": teacher,
+        "threads": args.threads,
+    }
     theirs = run_llamacpp(args.node_modules, req)
     ref_top1 = mlx_teacher_argmax(model, teacher)
     top1 = np.mean(np.array(ref_top1) == np.array(theirs["teacher_argmax"]))
     tok_rows = []
     for s in STRINGS:
         hf = tokenizer.encode(s, add_special_tokens=False)
-        tok_rows.append({"text": s, "hf": hf, "llama.cpp": theirs["tokenized"][s],
-                         "equal": hf == theirs["tokenized"][s]})
+        tok_rows.append(
+            {
+                "text": s,
+                "hf": hf,
+                "llama.cpp": theirs["tokenized"][s],
+                "equal": hf == theirs["tokenized"][s],
+            }
+        )
     result = {
-        "model": args.model, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
-        "gguf_type": args.gguf_type, "tensor_kinds": kinds,
-        "convert_max_error": max_error, "prompt": args.prompt,
+        "model": args.model,
+        "gguf": str(gguf),
+        "gguf_bytes": gguf.stat().st_size,
+        "gguf_type": args.gguf_type,
+        "tensor_kinds": kinds,
+        "convert_max_error": max_error,
+        "prompt": args.prompt,
         "prompt_ids": prompt_ids,
-        "greedy_tokens": len(ours), "greedy_equal_llamacpp": agree(ours, theirs["generated"]),
+        "greedy_tokens": len(ours),
+        "greedy_equal_llamacpp": agree(ours, theirs["generated"]),
         "greedy_equal_from_gguf": agree(ours, ours_gguf),
-        "mlx_text": tokenizer.decode(ours), "llamacpp_text": tokenizer.decode(theirs["generated"]),
-        "teacher_forced_top1": float(top1), "teacher_tokens": len(teacher),
-        "tokenization_equal": sum(r["equal"] for r in tok_rows), "tokenization": tok_rows,
+        "mlx_text": tokenizer.decode(ours),
+        "llamacpp_text": tokenizer.decode(theirs["generated"]),
+        "teacher_forced_top1": float(top1),
+        "teacher_tokens": len(teacher),
+        "tokenization_equal": sum(r["equal"] for r in tok_rows),
+        "tokenization": tok_rows,
         "llamacpp_decode_tokens_per_s": theirs["decode_tokens_per_s"],
         "seconds": time.perf_counter() - t0,
     }
@@ -138,17 +172,22 @@ def main():
         print(json.dumps(result))
     else:
         print(f"{gguf} ({result['gguf_bytes']:,} bytes, {', '.join(kinds)})")
-        print(f"greedy, {len(ours)} tokens after {args.prompt!r}: llama.cpp equal for "
-              f"{result['greedy_equal_llamacpp']}, mlx-ternary from the GGUF for "
-              f"{result['greedy_equal_from_gguf']}")
+        print(
+            f"greedy, {len(ours)} tokens after {args.prompt!r}: llama.cpp equal for "
+            f"{result['greedy_equal_llamacpp']}, mlx-ternary from the GGUF for "
+            f"{result['greedy_equal_from_gguf']}"
+        )
         print(f"teacher-forced top-1 agreement over {len(teacher)} tokens: {top1:.1%}")
         print(f"tokenization equal for {result['tokenization_equal']}/{len(STRINGS)} strings")
         for r in tok_rows:
             if not r["equal"]:
                 print(f"  {r['text']!r}: HF {r['hf']} llama.cpp {r['llama.cpp']}")
         print(f"llama.cpp decode: {result['llamacpp_decode_tokens_per_s']:.1f} tokens/s")
-    ok = (result["greedy_equal_llamacpp"] == len(ours) and result["greedy_equal_from_gguf"]
-          == len(ours) and result["tokenization_equal"] == len(STRINGS))
+    ok = (
+        result["greedy_equal_llamacpp"] == len(ours)
+        and result["greedy_equal_from_gguf"] == len(ours)
+        and result["tokenization_equal"] == len(STRINGS)
+    )
     sys.exit(0 if ok else 1)
 
 

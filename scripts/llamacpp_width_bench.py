@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from llamacpp_check import run_llamacpp  # scripts/ is on sys.path when run as a script
 
 H, I, PADDED, L, HEADS, V = 1024, 2880, 3072, 4, 8, 4096
@@ -36,7 +35,8 @@ def q8_codes(t: np.ndarray, d: float) -> np.ndarray:
 
 
 def build(path: Path, variant: str) -> None:
-    from gguf import GGMLQuantizationType as Q, GGUFWriter, quants
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, quants
 
     rng = np.random.default_rng(0)
     inter = PADDED if variant.startswith("pad") else I
@@ -89,8 +89,13 @@ def build(path: Path, variant: str) -> None:
 
 
 def time_once(node_modules: str, model: Path) -> dict:
-    req = {"model": str(model), "prompt_ids": [(7 * i) % (V - 2) + 2 for i in range(128)],
-           "max_tokens": 33, "strings": [], "threads": 1}
+    req = {
+        "model": str(model),
+        "prompt_ids": [(7 * i) % (V - 2) + 2 for i in range(128)],
+        "max_tokens": 33,
+        "strings": [],
+        "threads": 1,
+    }
     return run_llamacpp(node_modules, req)
 
 
@@ -114,9 +119,11 @@ def main():
     print("| ffn_down | file bytes | prefill tokens/s | decode tokens/s |\n|---|---|---|---|")
     for v in VARIANTS:
         p, d = speed[v]["prefill"], speed[v]["decode"]
-        print(f"| {v} | {(folder / f'{v}.gguf').stat().st_size:,} | "
-              f"{statistics.median(p):.0f} ({min(p):.0f}-{max(p):.0f}) | "
-              f"{statistics.median(d):.1f} ({min(d):.1f}-{max(d):.1f}) |")
+        print(
+            f"| {v} | {(folder / f'{v}.gguf').stat().st_size:,} | "
+            f"{statistics.median(p):.0f} ({min(p):.0f}-{max(p):.0f}) | "
+            f"{statistics.median(d):.1f} ({min(d):.1f}-{max(d):.1f}) |"
+        )
 
 
 if __name__ == "__main__":

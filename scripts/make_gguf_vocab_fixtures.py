@@ -30,7 +30,7 @@ def cases(models: Path, name: str):
     inp = (models / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8")
     out = (models / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8")
     expected = [[int(x) for x in line.split()] for line in out.strip("\n").split("\n")]
-    return inp.split("\n__ggml_vocab_test__\n")[:len(expected)], expected
+    return inp.split("\n__ggml_vocab_test__\n")[: len(expected)], expected
 
 
 def needed(gf: GGUFFile, texts):
@@ -101,11 +101,18 @@ def main(models: Path, out: Path):
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        (out / f"{name}.json").write_text(json.dumps({
-            "source": f"llama-cpp-python 0.3.36 sdist, vendor/llama.cpp/models/ggml-vocab-"
-                      f"{name}.gguf (+ .inp/.out), cut by scripts/make_gguf_vocab_fixtures.py",
-            "texts": texts, "ids": [[new_id[i] for i in ids] for ids in expected],
-        }, ensure_ascii=False, indent=0))
+        (out / f"{name}.json").write_text(
+            json.dumps(
+                {
+                    "source": f"llama-cpp-python 0.3.36 sdist, vendor/llama.cpp/models/ggml-vocab-"
+                    f"{name}.gguf (+ .inp/.out), cut by scripts/make_gguf_vocab_fixtures.py",
+                    "texts": texts,
+                    "ids": [[new_id[i] for i in ids] for ids in expected],
+                },
+                ensure_ascii=False,
+                indent=0,
+            )
+        )
         print(f"{name}: {len(old_ids)} tokens, {len(keep_m)} merges, {len(texts)} cases")
 
 

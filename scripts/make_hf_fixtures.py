@@ -121,8 +121,10 @@ ONEBITLLM_CONFIG = {
     "torch_dtype": "float16",
     "use_cache": True,
 }
-ONEBITLLM_NAMES = {"self_attn.attn_sub_norm.": "self_attn.inner_attn_ln.",
-                   "mlp.ffn_sub_norm.": "mlp.ffn_layernorm."}
+ONEBITLLM_NAMES = {
+    "self_attn.attn_sub_norm.": "self_attn.inner_attn_ln.",
+    "mlp.ffn_sub_norm.": "mlp.ffn_layernorm.",
+}
 
 ONLINE = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"}
 
@@ -231,8 +233,15 @@ def draw_model(rng, cfg, online, rnd):
     """Random weights by HF bitnet/llama name; projections are (t, s) or latent floats."""
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
-    shapes = {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
-              "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    shapes = {
+        "q_proj": (h, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, h),
+        "gate_proj": (inter, h),
+        "up_proj": (inter, h),
+        "down_proj": (h, inter),
+    }
     sub_norms = cfg["model_type"] == "bitnet"
 
     def norm(n):
@@ -241,7 +250,10 @@ def draw_model(rng, cfg, online, rnd):
     # Tied: the embedding is also the head, so 0.5 gives logits of std ~4. Untied: a small
     # embedding keeps the residual stream from drowning what the layers add.
     emb_std = 0.5 if cfg["tie_word_embeddings"] else 0.1
-    w = {"model.embed_tokens.weight": rnd(rng.normal(0, emb_std, (v, h))), "model.norm.weight": norm(h)}
+    w = {
+        "model.embed_tokens.weight": rnd(rng.normal(0, emb_std, (v, h))),
+        "model.norm.weight": norm(h),
+    }
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = rnd(rng.normal(0, 0.3, (v, h)))
     for i in range(cfg["num_hidden_layers"]):
@@ -269,8 +281,14 @@ def read_safetensors(path):
     raw = Path(path).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
-    dtypes = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8,
-              "I32": np.int32, "I64": np.int64}
+    dtypes = {
+        "F32": np.float32,
+        "F16": np.float16,
+        "U8": np.uint8,
+        "I8": np.int8,
+        "I32": np.int32,
+        "I64": np.int64,
+    }
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -333,9 +351,15 @@ def quant_semantics(cfg):
 
 def out_features(cfg, proj):
     kv = cfg["num_key_value_heads"] * cfg["hidden_size"] // cfg["num_attention_heads"]
-    return {"q_proj": cfg["hidden_size"], "k_proj": kv, "v_proj": kv, "o_proj": cfg["hidden_size"],
-            "gate_proj": cfg["intermediate_size"], "up_proj": cfg["intermediate_size"],
-            "down_proj": cfg["hidden_size"]}[proj]
+    return {
+        "q_proj": cfg["hidden_size"],
+        "k_proj": kv,
+        "v_proj": kv,
+        "o_proj": cfg["hidden_size"],
+        "gate_proj": cfg["intermediate_size"],
+        "up_proj": cfg["intermediate_size"],
+        "down_proj": cfg["hidden_size"],
+    }[proj]
 
 
 def ternary_weights(files, cfg):
@@ -369,8 +393,10 @@ def numpy_forward(files, cfg, ids, margins=None):
     hd = cfg["hidden_size"] // nh
     eps = cfg["rms_norm_eps"]
     theta = cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]
-    act = {"relu2": lambda g: np.maximum(g, 0) ** 2,  # BitNet's squared ReLU
-           "silu": lambda g: g * 0.5 * (1 + np.tanh(g / 2))}[cfg["hidden_act"]]  # no exp overflow
+    act = {
+        "relu2": lambda g: np.maximum(g, 0) ** 2,  # BitNet's squared ReLU
+        "silu": lambda g: g * 0.5 * (1 + np.tanh(g / 2)),
+    }[cfg["hidden_act"]]  # no exp overflow
 
     def sub_norm(x, p, names):  # HF bitnet name, or the 1bitLLM one; llama has none
         for n in names:
@@ -416,7 +442,9 @@ def check_fixture(d):
     files = read_safetensors(d / "model.safetensors")
     exp = read_safetensors(d / "expected.safetensors")
     for key, arr in files.items():  # packed layout round trip, byte for byte
-        if arr.dtype == np.uint8 and not np.array_equal(pack_ternary(unpack_ternary(arr, 4 * len(arr))), arr):
+        if arr.dtype == np.uint8 and not np.array_equal(
+            pack_ternary(unpack_ternary(arr, 4 * len(arr))), arr
+        ):
             raise AssertionError(f"{d.name}: {key} does not round-trip through unpack/pack")
     got = numpy_forward(files, cfg, exp["input_ids"][0].astype(np.int64))
     return float(np.abs(got - exp["logits"][0]).max()), float(exp["logits"].std())
@@ -438,7 +466,9 @@ def hf_config(spec):
         cfg["quantization_config"] = spec["quantization_config"]
         return cfg, cfg
     shipped = dict(ONEBITLLM_CONFIG)
-    run = {k: v for k, v in shipped.items() if k not in ("input_bits", "weight_bits", "rope_scaling")}
+    run = {
+        k: v for k, v in shipped.items() if k not in ("input_bits", "weight_bits", "rope_scaling")
+    }
     run.update(architectures=["BitNetForCausalLM"], model_type="bitnet", quantization_config=ONLINE)
     return shipped, run
 
@@ -458,7 +488,9 @@ def write_checkpoint(d, cfg, weights, torch_dtype, names=None):
             t, s = val
             tensors[key] = pack_weights(torch.from_numpy(t.astype(np.int64)))  # (ceil(out/4), in)
             if not np.array_equal(tensors[key].numpy(), pack_ternary(t)):
-                raise AssertionError(f"{key}: numpy packing differs from transformers' pack_weights")
+                raise AssertionError(
+                    f"{key}: numpy packing differs from transformers' pack_weights"
+                )
             tensors[key + "_scale"] = torch.tensor([s], dtype=torch.bfloat16)
         else:
             tensors[key] = torch.from_numpy(val).to(torch_dtype)
@@ -472,7 +504,12 @@ def hf_logits(d, cfg, ids, codes):
     """transformers' float32 logits for the checkpoint in d; checks what it built and unpacked."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.integrations.bitnet import AutoBitLinear, BitLinear, WeightQuant, unpack_weights
+    from transformers.integrations.bitnet import (
+        AutoBitLinear,
+        BitLinear,
+        WeightQuant,
+        unpack_weights,
+    )
 
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -488,7 +525,9 @@ def hf_logits(d, cfg, ids, codes):
     linear_class, _ = quant_semantics(cfg)
     want = AutoBitLinear if linear_class == "autobitlinear" else BitLinear
     swapped = {n for n, m in model.named_modules() if isinstance(m, want)}
-    if len(swapped) != len(ATTN + MLP) * cfg["num_hidden_layers"] or any("lm_head" in n for n in swapped):
+    if len(swapped) != len(ATTN + MLP) * cfg["num_hidden_layers"] or any(
+        "lm_head" in n for n in swapped
+    ):
         raise AssertionError(f"{d}: unexpected converted modules {sorted(swapped)}")
     for key, t in codes.items():  # the ternary weights transformers itself holds
         mod = model.get_submodule(key[: -len(".weight")])
@@ -536,8 +575,11 @@ def build_fixture(name, spec, rng):
     weights = draw_model(rng, run, online, rnd)
     codes = {k: v[0] for k, v in weights.items() if isinstance(v, tuple)}
     # weight_scale as stored: mean|W| for autobitlinear, 1/mean|W| for bitlinear
-    scales = {k: float(bf16_round(v[1] if linear_class == "autobitlinear" else 1 / v[1]))
-              for k, v in weights.items() if isinstance(v, tuple)}
+    scales = {
+        k: float(bf16_round(v[1] if linear_class == "autobitlinear" else 1 / v[1]))
+        for k, v in weights.items()
+        if isinstance(v, tuple)
+    }
     weights = {k: (codes[k], scales[k]) if k in codes else v for k, v in weights.items()}
 
     d = OUT_ROOT / name
@@ -547,32 +589,48 @@ def build_fixture(name, spec, rng):
         if not np.array_equal(unpack_ternary(tensors[key].numpy(), t.shape[0]), t):
             raise AssertionError(f"{name}: numpy unpack of {key} differs from the codes drawn")
     if online:  # codes as numpy ternarizes the latent weights on disk
-        codes = {k + ".weight": t for k, (t, _) in ternary_weights(
-            {k: v.astype(np.float32) for k, v in read_safetensors(d / "model.safetensors").items()},
-            shipped).items()}
+        codes = {
+            k + ".weight": t
+            for k, (t, _) in ternary_weights(
+                {
+                    k: v.astype(np.float32)
+                    for k, v in read_safetensors(d / "model.safetensors").items()
+                },
+                shipped,
+            ).items()
+        }
     ids, margin = draw_input_ids(rng, d, shipped)
     if run is shipped:
         logits = hf_logits(d, run, ids, codes)
-        how = ("AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32).eval()"
-               ".to(torch.float32); logits = model(input_ids.long()).logits")
+        how = (
+            "AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32).eval()"
+            ".to(torch.float32); logits = model(input_ids.long()).logits"
+        )
     else:
         with tempfile.TemporaryDirectory() as tmp:
             write_checkpoint(Path(tmp), run, weights, torch_dtype)
             logits = hf_logits(Path(tmp), run, ids, codes)
-        how = ("the same tensors with self_attn.inner_attn_ln -> self_attn.attn_sub_norm and "
-               "mlp.ffn_layernorm -> mlp.ffn_sub_norm, config model_type bitnet + "
-               f"quantization_config {ONLINE}, then AutoModelForCausalLM.from_pretrained("
-               "dir, dtype=torch.float32).eval().to(torch.float32)(input_ids.long()).logits")
-    save_file({"input_ids": torch.from_numpy(ids[None].copy()), "logits": logits},
-              str(d / "expected.safetensors"))
+        how = (
+            "the same tensors with self_attn.inner_attn_ln -> self_attn.attn_sub_norm and "
+            "mlp.ffn_layernorm -> mlp.ffn_sub_norm, config model_type bitnet + "
+            f"quantization_config {ONLINE}, then AutoModelForCausalLM.from_pretrained("
+            "dir, dtype=torch.float32).eval().to(torch.float32)(input_ids.long()).logits"
+        )
+    save_file(
+        {"input_ids": torch.from_numpy(ids[None].copy()), "logits": logits},
+        str(d / "expected.safetensors"),
+    )
     meta = {
         "about": spec["about"],
         "seed": [SEED, list(FIXTURES).index(name)],
         "rng": "numpy.random.Generator(PCG64(seed))",
         "seq_len": SEQ_LEN,
-        "tie_margin": {"value": margin, "meaning": "least |frac(v) - 0.5| / max(|v|, 1) over "
-                       "v = x*127/max|x| at every projection input; a mismatch in activation "
-                       "codes moves logits by up to ~0.25, so compute x to float32 accuracy"},
+        "tie_margin": {
+            "value": margin,
+            "meaning": "least |frac(v) - 0.5| / max(|v|, 1) over "
+            "v = x*127/max|x| at every projection input; a mismatch in activation "
+            "codes moves logits by up to ~0.25, so compute x to float32 accuracy",
+        },
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "numpy": np.__version__,
@@ -596,7 +654,9 @@ def main():
         d = OUT_ROOT / name
         diff, std = check_fixture(d)
         size = sum(f.stat().st_size for f in d.iterdir())
-        print(f"{name}: {size / 1024:.1f} KiB, numpy twin max|dlogit| {diff:.1e} (logit std {std:.2f})")
+        print(
+            f"{name}: {size / 1024:.1f} KiB, numpy twin max|dlogit| {diff:.1e} (logit std {std:.2f})"
+        )
         if diff > 1e-4:
             raise SystemExit(f"{name}: numpy twin disagrees with transformers by {diff}")
 

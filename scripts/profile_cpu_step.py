@@ -35,8 +35,8 @@ def main():
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_ternary.runtime import dispatch, cpu
     from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.runtime import cpu, dispatch
     from mlx_ternary.runtime.cpu.attention import enabled
     from mlx_ternary.runtime.layers import TernaryLinear, ternary_layers
 
@@ -54,8 +54,9 @@ def main():
     print("decode step (1 token, context", a.prompt_tokens, ")")
     print("  whole step           ", timed(lambda: model(tok, cache=cache), a.repeats))
     x1 = {k: mx.random.normal((1, 1, k)) for k in dims}
-    print("  ternary layers only  ", timed(lambda: [m(x1[m.in_features]) for m in layers],
-                                           a.repeats))
+    print(
+        "  ternary layers only  ", timed(lambda: [m(x1[m.in_features]) for m in layers], a.repeats)
+    )
     head = model.lm_head if hasattr(model, "lm_head") else None
     h = mx.random.normal((1, 1, hidden))
     if head is not None:
@@ -80,25 +81,35 @@ def main():
     with enabled():  # what model() turns on for its own attention calls on the native backend
         TernaryLinear.__call__ = stand_in
         try:
-            print("  rest (decoder with free ternary layers)",
-                  timed(lambda: inner(tok, cache=cache), a.repeats))
+            print(
+                "  rest (decoder with free ternary layers)",
+                timed(lambda: inner(tok, cache=cache), a.repeats),
+            )
         finally:
             TernaryLinear.__call__ = original
         print(f"prefill ({a.prompt_tokens} tokens)")
-        print("  whole decoder        ", timed(
-            lambda: inner(prompt[None], cache=make_prompt_cache(model)), 3))
+        print(
+            "  whole decoder        ",
+            timed(lambda: inner(prompt[None], cache=make_prompt_cache(model)), 3),
+        )
         xm = {k: mx.random.normal((1, a.prompt_tokens, k)) for k in dims}
         print("  ternary layers only  ", timed(lambda: [m(xm[m.in_features]) for m in layers], 3))
         TernaryLinear.__call__ = stand_in
         try:
-            print("  rest (free ternary)  ", timed(
-                lambda: inner(prompt[None], cache=make_prompt_cache(model)), 3))
-            print("  one layer's attention", timed(
-                lambda: layer.self_attn(attn_in, "causal", make_prompt_cache(model)[0]), 3))
+            print(
+                "  rest (free ternary)  ",
+                timed(lambda: inner(prompt[None], cache=make_prompt_cache(model)), 3),
+            )
+            print(
+                "  one layer's attention",
+                timed(lambda: layer.self_attn(attn_in, "causal", make_prompt_cache(model)[0]), 3),
+            )
         finally:
             TernaryLinear.__call__ = original
-    print("  one layer's attention, MLX's own", timed(
-        lambda: layer.self_attn(attn_in, "causal", make_prompt_cache(model)[0]), 3))
+    print(
+        "  one layer's attention, MLX's own",
+        timed(lambda: layer.self_attn(attn_in, "causal", make_prompt_cache(model)[0]), 3),
+    )
 
 
 if __name__ == "__main__":

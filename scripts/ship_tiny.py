@@ -30,16 +30,20 @@ sys.path.insert(0, str(ROOT))
 import mlx_ternary  # noqa: E402
 from mlx_ternary import generate as gen  # noqa: E402
 from mlx_ternary import perplexity as ppl  # noqa: E402
-from mlx_ternary.runtime.layers import ternary_layers  # noqa: E402
 from mlx_ternary.checkpoint.writers.native import save_model  # noqa: E402
+from mlx_ternary.runtime.layers import ternary_layers  # noqa: E402
 
 BUILD = ROOT / "build" / "tiny"  # where scripts/train_tiny.py writes by default
 ASSET = gen.EMBEDDED_MODEL
 FIXTURES = ROOT / "tests" / "fixtures"
 SAMPLE_NAME = "heldout_sample.txt"
 EXPECTED_NAME = "embedded_expected.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 PROMPT = "ROMEO:"
 GREEDY_TOKENS = 48
 SAMPLE_BYTES = 32 * 1024
@@ -50,9 +54,16 @@ def ship(src: Path, out: Path, float_dtype) -> None:
     """Native, compact copy of the latent checkpoint at `src`, written to `out` atomically."""
     model, _, config = mlx_ternary.load(str(src), packing="compact", return_config=True)
     # Float tensors (embedding, norms) are stored in float_dtype; ternary scales stay float32.
-    model.update(tree_map_with_path(
-        lambda p, a: a if p.endswith(".scales") or not mx.issubdtype(a.dtype, mx.floating)
-        else a.astype(float_dtype), model.parameters()))
+    model.update(
+        tree_map_with_path(
+            lambda p, a: (
+                a
+                if p.endswith(".scales") or not mx.issubdtype(a.dtype, mx.floating)
+                else a.astype(float_dtype)
+            ),
+            model.parameters(),
+        )
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ship-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the package directory must be readable
@@ -74,8 +85,10 @@ def verify(src: Path, shipped: Path) -> None:
     if la.keys() != lb.keys():
         raise SystemExit(f"ternary layers differ: {sorted(la.keys() ^ lb.keys())}")
     for path, layer in la.items():
-        if not (np.array_equal(np.array(layer.trits()), np.array(lb[path].trits()))
-                and np.array_equal(np.array(layer.scales), np.array(lb[path].scales))):
+        if not (
+            np.array_equal(np.array(layer.trits()), np.array(lb[path].trits()))
+            and np.array_equal(np.array(layer.scales), np.array(lb[path].scales))
+        ):
             raise SystemExit(f"{path}: shipped trits or scales differ from the latent model's")
 
 
@@ -86,8 +99,9 @@ def size_figures(model_dir: Path) -> dict:
     layers = ternary_layers(model)
     n_ternary = sum(m.in_features * m.out_features for _, m in layers)
     packed = sum(m.packed.nbytes for _, m in layers)
-    n_total = sum(a.size for k, a in params.items() if not k.endswith((".packed", ".scales"))) \
-        + n_ternary
+    n_total = (
+        sum(a.size for k, a in params.items() if not k.endswith((".packed", ".scales"))) + n_ternary
+    )
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
     weights_bytes = sum(p.stat().st_size for p in files if p.suffix == ".safetensors")
     return {
@@ -105,7 +119,7 @@ def heldout_slice(text: str, max_bytes: int = SAMPLE_BYTES) -> str:
     """The start of the held-out text, cut at the last blank line within max_bytes."""
     head = text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")
     cut = head.rfind("\n\n")
-    return head[:cut + 1] if cut > 0 else head
+    return head[: cut + 1] if cut > 0 else head
 
 
 def greedy(model, tokenizer) -> dict:
@@ -135,12 +149,12 @@ def write_expected(model_dir: Path, heldout: Path, fixtures: Path) -> dict:
     """The held-out slice and the model's expected outputs, for tests/test_embedded.py."""
     sample_path = fixtures / SAMPLE_NAME
     if heldout.exists():  # else keep the committed slice
-        sample_path.write_text(heldout_slice(heldout.read_text(encoding="utf-8")),
-                               encoding="utf-8")
+        sample_path.write_text(heldout_slice(heldout.read_text(encoding="utf-8")), encoding="utf-8")
     model, tok, config = mlx_ternary.load(str(model_dir), return_config=True)
     context = ppl.default_context(config)
-    sample = ppl.file_perplexity(model, tok, sample_path, context=context,
-                                 max_tokens=SAMPLE_EVAL_TOKENS)
+    sample = ppl.file_perplexity(
+        model, tok, sample_path, context=context, max_tokens=SAMPLE_EVAL_TOKENS
+    )
     expected = {
         "regenerate": "python scripts/ship_tiny.py --expected-only",
         "greedy": greedy(model, tok),
@@ -174,11 +188,15 @@ def write_card(out: Path, figures: dict) -> None:
         f"| held-out perplexity (context {figures['heldout']['context']}, "
         f"{figures['heldout']['tokens']:,} tokens) | {figures['heldout']['perplexity']:.3f} |",
     ]
-    lines.append(f"| the same, on tests/fixtures/{SAMPLE_NAME} ({figures['sample']['tokens']:,} "
-                 f"tokens) | {figures['sample']['perplexity']:.3f} |")
+    lines.append(
+        f"| the same, on tests/fixtures/{SAMPLE_NAME} ({figures['sample']['tokens']:,} "
+        f"tokens) | {figures['sample']['perplexity']:.3f} |"
+    )
     if figures.get("float_sample"):
-        lines.append(f"| float twin (trained alike, float weights), same sample | "
-                     f"{figures['float_sample']['perplexity']:.3f} |")
+        lines.append(
+            f"| float twin (trained alike, float weights), same sample | "
+            f"{figures['float_sample']['perplexity']:.3f} |"
+        )
     runs = m.get("runs", {})
     if "ternary" in runs:
         t = runs["ternary"]
@@ -190,10 +208,19 @@ def write_card(out: Path, figures: dict) -> None:
             f"({m['host']['cpu_threads']} CPU thread) |",
         ]
     if "float" in runs:
-        lines.append(f"| float twin (same recipe, float weights), held-out perplexity in "
-                     f"training | {runs['float']['heldout_ppl']:.3f} |")
-    lines += ["", f"Greedy output for `{PROMPT}` ({GREEDY_TOKENS} tokens):", "", "```",
-              PROMPT + figures["greedy"]["text"], "```", ""]
+        lines.append(
+            f"| float twin (same recipe, float weights), held-out perplexity in "
+            f"training | {runs['float']['heldout_ppl']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Greedy output for `{PROMPT}` ({GREEDY_TOKENS} tokens):",
+        "",
+        "```",
+        PROMPT + figures["greedy"]["text"],
+        "```",
+        "",
+    ]
     (out / "README.md").write_text("\n".join(lines))
 
 
@@ -206,8 +233,11 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=ASSET)
     ap.add_argument("--fixtures", type=Path, default=FIXTURES)
     ap.add_argument("--float-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    ap.add_argument("--expected-only", action="store_true",
-                    help="keep the shipped model; rewrite only the tests' expected output")
+    ap.add_argument(
+        "--expected-only",
+        action="store_true",
+        help="keep the shipped model; rewrite only the tests' expected output",
+    )
     args = ap.parse_args(argv)
 
     if not args.expected_only:

@@ -25,8 +25,8 @@ import mlx.core as mx
 def worker(args) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_ternary.parallel import sharded_load, world
     from mlx_ternary.checkpoint.load import load
+    from mlx_ternary.parallel import sharded_load, world
     from mlx_ternary.runtime.shard import ternary_bytes
 
     group = world()
@@ -47,17 +47,36 @@ def worker(args) -> None:
         y = mx.argmax(model(y, cache=cache)[:, -1:], axis=-1)
         mx.eval(y)
     decode = args.gen_tokens / (time.perf_counter() - t0)
-    print(json.dumps({"rank": group.rank(), "ranks": group.size(), "load_s": load_s,
-                      "prefill_tps": prefill, "decode_tps": decode,
-                      "ternary_bytes": ternary_bytes(model), "active_bytes": active,
-                      "peak_bytes": mx.get_peak_memory()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": group.rank(),
+                "ranks": group.size(),
+                "load_s": load_s,
+                "prefill_tps": prefill,
+                "decode_tps": decode,
+                "ternary_bytes": ternary_bytes(model),
+                "active_bytes": active,
+                "peak_bytes": mx.get_peak_memory(),
+            }
+        ),
+        flush=True,
+    )
 
 
 def run(args, ranks: int) -> list:
     from mlx_ternary.parallel import local_launch
 
-    me = [str(Path(__file__).resolve()), "--worker", "--model", args.model,
-          "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens)]
+    me = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--model",
+        args.model,
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--gen-tokens",
+        str(args.gen_tokens),
+    ]
     me = local_launch(ranks, *me) if ranks > 1 else [sys.executable, *me]
     done = subprocess.run(me, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if done.returncode:
@@ -76,17 +95,23 @@ def compare(args) -> None:
     for _ in range(args.repeats):  # interleaved, so load on the machine hits both alike
         for ranks in results:
             results[ranks].append(run(args, ranks))
-    print(f"model {args.model}: prompt {args.prompt_tokens}, {args.gen_tokens} generated, "
-          f"{args.repeats} interleaved repeats; median (min-max); memory of rank 0")
-    print("| processes | prefill tok/s | decode tok/s | ternary MB per rank | "
-          "active MB after load | peak MB |")
+    print(
+        f"model {args.model}: prompt {args.prompt_tokens}, {args.gen_tokens} generated, "
+        f"{args.repeats} interleaved repeats; median (min-max); memory of rank 0"
+    )
+    print(
+        "| processes | prefill tok/s | decode tok/s | ternary MB per rank | "
+        "active MB after load | peak MB |"
+    )
     print("|---|---|---|---|---|---|")
     for ranks, runs in results.items():
         r0 = [rows[0] for rows in runs]
-        print(f"| {ranks} | {fmt([r['prefill_tps'] for r in r0])} | "
-              f"{fmt([r['decode_tps'] for r in r0], digits=2)} | "
-              f"{r0[0]['ternary_bytes'] / 1e6:.2f} | {r0[0]['active_bytes'] / 1e6:.1f} | "
-              f"{fmt([r['peak_bytes'] for r in r0], 1e-6)} |")
+        print(
+            f"| {ranks} | {fmt([r['prefill_tps'] for r in r0])} | "
+            f"{fmt([r['decode_tps'] for r in r0], digits=2)} | "
+            f"{r0[0]['ternary_bytes'] / 1e6:.2f} | {r0[0]['active_bytes'] / 1e6:.1f} | "
+            f"{fmt([r['peak_bytes'] for r in r0], 1e-6)} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({str(k): v for k, v in results.items()}))
 

@@ -70,11 +70,16 @@ def slice_nll(model, windows: np.ndarray) -> float:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--dir", type=Path, default=Path(__file__).resolve().parent.parent / "build" / "tiny")
+    p.add_argument(
+        "--dir", type=Path, default=Path(__file__).resolve().parent.parent / "build" / "tiny"
+    )
     p.add_argument("--prompt", default="ROMEO:\n")
     p.add_argument("--max-tokens", type=int, default=60)
-    p.add_argument("--all-windows", action="store_true",
-                   help="evaluate every held-out window (compare with heldout_ppl), not the slice")
+    p.add_argument(
+        "--all-windows",
+        action="store_true",
+        help="evaluate every held-out window (compare with heldout_ppl), not the slice",
+    )
     args = p.parse_args()
     metrics = json.loads((args.dir / "metrics.json").read_text())
     seq = metrics["args"]["seq"]
@@ -93,28 +98,44 @@ def main():
     if args.all_windows:
         n_slice = len(ids) // seq
     windows = ids[: n_slice * seq].reshape(n_slice, seq)
-    print(f"held-out tokens {len(ids)} (trainer: {metrics['corpus']['heldout_tokens']}); "
-          f"{n_slice} windows x {seq}; bos={hf_tok.bos_token!r} eos={hf_tok.eos_token!r}")
+    print(
+        f"held-out tokens {len(ids)} (trainer: {metrics['corpus']['heldout_tokens']}); "
+        f"{n_slice} windows x {seq}; bos={hf_tok.bos_token!r} eos={hf_tok.eos_token!r}"
+    )
 
     model, config, swapped = load_ternary(args.dir / "latent")
-    tern = [np.unique(np.array(m.ternary)).tolist() for n, m in tree_flatten(
-        model.leaf_modules(), is_leaf=nn.Module.is_module) if isinstance(m, TernaryInt8Linear)]
-    print(f"ternary: swapped {len(swapped)} linears ({swapped[0]} ... {swapped[-1]}); "
-          f"levels {sorted(set(v for t in tern for v in t))}")
+    tern = [
+        np.unique(np.array(m.ternary)).tolist()
+        for n, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+        if isinstance(m, TernaryInt8Linear)
+    ]
+    print(
+        f"ternary: swapped {len(swapped)} linears ({swapped[0]} ... {swapped[-1]}); "
+        f"levels {sorted(set(v for t in tern for v in t))}"
+    )
+
     def check(run, m, tok):
         # MLX perplexity of one run against the trainer's own figure, plus a greedy sample.
         nll, ref = slice_nll(m, windows), metrics["runs"][run][key]
         text = generate(m, tok, args.prompt, max_tokens=args.max_tokens, verbose=False)
-        report[run] = {"windows": n_slice, "mlx_nll": nll, "mlx_ppl": math.exp(nll),
-                       "trainer_nll": ref, "trainer_ppl": math.exp(ref),
-                       "rel_diff_ppl": math.exp(nll - ref) - 1, "sample": args.prompt + text}
+        report[run] = {
+            "windows": n_slice,
+            "mlx_nll": nll,
+            "mlx_ppl": math.exp(nll),
+            "trainer_nll": ref,
+            "trainer_ppl": math.exp(ref),
+            "rel_diff_ppl": math.exp(nll - ref) - 1,
+            "sample": args.prompt + text,
+        }
         print(f"{run} {label} ppl: MLX {math.exp(nll):.4f} vs trainer {math.exp(ref):.4f}")
         print(f"{run} sample:\n" + args.prompt + text + "\n---")
 
     check("ternary", model, tokenizer)
     if "float" in metrics["runs"]:
         check("float", *load(str(args.dir / "float")))  # stock mlx-lm loader
-    (args.dir / ("mlx_check_all.json" if args.all_windows else "mlx_check.json")).write_text(json.dumps(report, indent=2) + "\n")
+    (args.dir / ("mlx_check_all.json" if args.all_windows else "mlx_check.json")).write_text(
+        json.dumps(report, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -101,8 +101,12 @@ def save_tokenizer(tok, out_dir: Path, max_len: int):
     tok.save(str(out_dir / "tokenizer.json"))
     added = {
         str(tok.token_to_id(t)): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for t in SPECIAL_TOKENS
     }

@@ -94,7 +94,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, L, c.num_key_value_heads, -1).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True,
+            q,
+            k,
+            v,
+            is_causal=True,
             enable_gqa=c.num_key_value_heads != c.num_attention_heads,
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, L, -1))
@@ -150,8 +153,11 @@ class TinyLlama(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 continue
-            s = std / math.sqrt(2 * self.cfg.num_hidden_layers) if name.endswith(
-                ("o_proj.weight", "down_proj.weight")) else std
+            s = (
+                std / math.sqrt(2 * self.cfg.num_hidden_layers)
+                if name.endswith(("o_proj.weight", "down_proj.weight"))
+                else std
+            )
             nn.init.normal_(p, 0.0, s)
 
     def forward(self, ids):

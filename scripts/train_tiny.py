@@ -48,7 +48,9 @@ SLICE_WINDOWS = 16  # held-out windows re-checked in MLX (train_check_mlx.py)
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=ROOT / "build" / "tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs", default="ternary,float", help="comma list of ternary, float")
@@ -56,7 +58,9 @@ def parse_args():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--lr-ternary", type=float, default=4e-3, help="BitNet: ternary wants a higher LR")
+    p.add_argument(
+        "--lr-ternary", type=float, default=4e-3, help="BitNet: ternary wants a higher LR"
+    )
     p.add_argument("--lr-float", type=float, default=2e-3)
     p.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine decays to this fraction")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -68,8 +72,12 @@ def parse_args():
     p.add_argument("--intermediate", type=int, default=704)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--rope-theta", type=float, default=10000.0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads; 1 is fastest on a shared 2-core box, and numerics can depend on it")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 is fastest on a shared 2-core box, and numerics can depend on it",
+    )
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slower)")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=400, help="quick held-out check (slice)")
@@ -137,22 +145,31 @@ def train_one(name, ternary, args, cfg_kw, train_ids, windows, log):
     decay = [p for n, p in model.named_parameters() if p.dim() == 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=peak, betas=(0.9, 0.95), eps=1e-8,
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=peak,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     fwd = model if args.no_compile else torch.compile(model)
     rng = np.random.default_rng(args.seed)  # same data order for both runs
     T, B = args.seq, args.batch
     n_params = sum(p.numel() for p in model.parameters())
     n_linear = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.weight"))
-    log(f"[{name}] params {n_params:,} (decoder linears {n_linear:,}), peak lr {peak}, "
-        f"{args.steps} steps x {B}x{T} tokens")
+    log(
+        f"[{name}] params {n_params:,} (decoder linears {n_linear:,}), peak lr {peak}, "
+        f"{args.steps} steps x {B}x{T} tokens"
+    )
     losses, t0 = [], time.time()
     t_log, tok_log = t0, 0
     evals = []
     for step in range(args.steps):
         starts = rng.integers(0, len(train_ids) - T - 1, size=B)
-        batch = torch.from_numpy(np.stack([train_ids[s : s + T + 1] for s in starts]).astype(np.int64))
+        batch = torch.from_numpy(
+            np.stack([train_ids[s : s + T + 1] for s in starts]).astype(np.int64)
+        )
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args, peak)
         logits = fwd(batch[:, :-1])
@@ -165,9 +182,11 @@ def train_one(name, ternary, args, cfg_kw, train_ids, windows, log):
         tok_log += B * T
         if (step + 1) % args.log_every == 0 or step == 0:
             now = time.time()
-            log(f"[{name}] step {step + 1:5d}/{args.steps} loss {np.mean(losses[-args.log_every:]):.4f} "
+            log(
+                f"[{name}] step {step + 1:5d}/{args.steps} loss {np.mean(losses[-args.log_every :]):.4f} "
                 f"gnorm {gnorm:.2f} lr {lr_at(step, args, peak):.2e} "
-                f"{tok_log / (now - t_log):7.0f} tok/s  elapsed {now - t0:6.0f}s")
+                f"{tok_log / (now - t_log):7.0f} tok/s  elapsed {now - t0:6.0f}s"
+            )
             t_log, tok_log = now, 0
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             nll = heldout_nll(fwd, windows[:SLICE_WINDOWS])
@@ -195,8 +214,10 @@ def train_one(name, ternary, args, cfg_kw, train_ids, windows, log):
         "heldout_slice_ppl": round(math.exp(nll_slice), 3),
         "evals": evals,
     }
-    log(f"[{name}] done: train {train_s:.0f}s, {res['train_tokens_per_s']:.0f} tok/s, final loss "
-        f"{res['final_train_loss']}, held-out ppl {res['heldout_ppl']} (slice {res['heldout_slice_ppl']})")
+    log(
+        f"[{name}] done: train {train_s:.0f}s, {res['train_tokens_per_s']:.0f} tok/s, final loss "
+        f"{res['final_train_loss']}, held-out ppl {res['heldout_ppl']} (slice {res['heldout_slice_ppl']})"
+    )
     return model, cfg, res
 
 
@@ -236,19 +257,26 @@ def main():
     train_data.save_tokenizer(tok, tok_dir, args.seq)
     bos, eos = tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>")
     train_ids = np.concatenate(
-        [np.array([bos] + tok.encode(t).ids + [eos], dtype=np.int32) for t in train_texts])
+        [np.array([bos] + tok.encode(t).ids + [eos], dtype=np.int32) for t in train_texts]
+    )
     # Held-out: heldout.txt tokenized as one string, cut into non-overlapping windows of seq.
     h = np.array(tok.encode(heldout).ids, dtype=np.int64)
     n_win = len(h) // args.seq
     windows = torch.from_numpy(h[: n_win * args.seq].reshape(n_win, args.seq))
-    log(f"corpus: {len(train_texts)} train plays, {sum(map(len, train_texts)):,} chars, "
+    log(
+        f"corpus: {len(train_texts)} train plays, {sum(map(len, train_texts)):,} chars, "
         f"{len(train_ids):,} tokens; held-out {train_data.HELDOUT_PLAYS}: {len(heldout):,} chars, "
-        f"{len(h):,} tokens, {n_win} windows of {args.seq}")
+        f"{len(h):,} tokens, {n_win} windows of {args.seq}"
+    )
 
     cfg_kw = dict(
-        vocab_size=tok.get_vocab_size(), hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        intermediate_size=args.intermediate, max_position_embeddings=args.seq,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=args.seq,
         rope_theta=args.rope_theta,
     )
     runs = {}

@@ -18,8 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_ternary.parallel import sharded_load, world
 from mlx_ternary.checkpoint.load import load
+from mlx_ternary.parallel import sharded_load, world
 from mlx_ternary.runtime.shard import ShardedToAllTernaryLinear, ternary_bytes
 
 
@@ -75,12 +75,17 @@ def main(spec_file: str, out_dir: str) -> None:
 
         memory, peak_memory = measured(in_memory)
         logits["memory"] = memory(tokens)
-        info.update(ternary_bytes_memory=ternary_bytes(memory), peak_memory=peak_memory,
-                    sharded_to_all=per_rank_absmax(memory))
+        info.update(
+            ternary_bytes_memory=ternary_bytes(memory),
+            peak_memory=peak_memory,
+            sharded_to_all=per_rank_absmax(memory),
+        )
         if info["sharded_to_all"]:
             logits["control"] = memory(tokens)
-        np.savez(out / f"{case['name']}.rank{rank}.npz",
-                 **{k: np.array(v.astype(mx.float32)) for k, v in logits.items()})
+        np.savez(
+            out / f"{case['name']}.rank{rank}.npz",
+            **{k: np.array(v.astype(mx.float32)) for k, v in logits.items()},
+        )
         (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(info))
         del memory, logits
     print(f"rank {rank} of {group.size()}: {len(spec['cases'])} cases done", flush=True)

@@ -15,21 +15,36 @@ import numpy as np
 from mlx_ternary.checkpoint.gguf_tables import ARCHITECTURES, NameTable
 
 VOCAB = 128
-DIMS = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
+DIMS = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+)
 # byte offsets of the float16 scales in each k-quant block: (block bytes, [offsets])
-K_SCALES = {"Q4_K": (144, [0, 2]), "Q5_K": (176, [0, 2]), "Q6_K": (210, [208]),
-            "Q2_K": (84, [80, 82]), "Q3_K": (110, [108])}
+K_SCALES = {
+    "Q4_K": (144, [0, 2]),
+    "Q5_K": (176, [0, 2]),
+    "Q6_K": (210, [208]),
+    "Q2_K": (84, [80, 82]),
+    "Q3_K": (110, [108]),
+}
 
 
 def permute(w, n_head):  # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute, restated
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
         .reshape(w.shape)
+    )
 
 
 def quantized(w_or_shape, qtype: str, rng):
     """(bytes (rows, row_bytes) uint8, float32 values gguf-py decodes them to)."""
-    from gguf import GGMLQuantizationType as Q, quants
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
 
     q = Q[qtype]
     if qtype in K_SCALES:
@@ -38,7 +53,7 @@ def quantized(w_or_shape, qtype: str, rng):
         blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
         for off in offsets:
             d = rng.uniform(2e-4, 2e-3, blocks.shape[:2]).astype(np.float16)
-            blocks[:, :, off:off + 2] = d.view(np.uint8).reshape(*d.shape, 2)
+            blocks[:, :, off : off + 2] = d.view(np.uint8).reshape(*d.shape, 2)
         data = blocks.reshape(rows, -1)
     else:
         data = quants.quantize(np.asarray(w_or_shape, dtype=np.float32), q)
@@ -67,14 +82,23 @@ def add_tokenizer(w, pre: str = "gpt-2") -> None:
     w.add_eos_token_id(1)
 
 
-def write(path: Path, arch: str, *, ternary=("TQ2_0", "TQ1_0"), embd="Q4_K", output="Q6_K",
-          seed: int = 0, extra_kv=None):
+def write(
+    path: Path,
+    arch: str,
+    *,
+    ternary=("TQ2_0", "TQ1_0"),
+    embd="Q4_K",
+    output="Q6_K",
+    seed: int = 0,
+    extra_kv=None,
+):
     """A quantizer-style GGUF of `arch` (llama, qwen3, bitnet, bitnet-b1.58).
 
     Returns (path, config, weights): weights are the float32 Hugging Face-named values
     the file encodes (ternary ones as s * t), what a loaded model must hold.
     """
-    from gguf import GGMLQuantizationType as Q, GGUFWriter
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter
 
     rng = np.random.default_rng(seed)
     spec = ARCHITECTURES[arch]
@@ -102,20 +126,33 @@ def write(path: Path, arch: str, *, ternary=("TQ2_0", "TQ1_0"), embd="Q4_K", out
 
     def put(gname, data, raw=None, values=None):
         w.add_tensor(gname, data, raw_dtype=raw)
-        weights[names.hf(gname)] = np.asarray(values if values is not None else data,
-                                               dtype=np.float32)
+        weights[names.hf(gname)] = np.asarray(
+            values if values is not None else data, dtype=np.float32
+        )
 
-    data, values = quantized((VOCAB, h), embd, rng) if embd in K_SCALES else \
-        quantized(rng.normal(0, 1, (VOCAB, h)), embd, rng)
+    data, values = (
+        quantized((VOCAB, h), embd, rng)
+        if embd in K_SCALES
+        else quantized(rng.normal(0, 1, (VOCAB, h)), embd, rng)
+    )
     put("token_embd.weight", data, Q[embd], values)
     if output:
-        data, values = quantized((VOCAB, h), output, rng) if output in K_SCALES else \
-            quantized(rng.normal(0, 1, (VOCAB, h)), output, rng)
+        data, values = (
+            quantized((VOCAB, h), output, rng)
+            if output in K_SCALES
+            else quantized(rng.normal(0, 1, (VOCAB, h)), output, rng)
+        )
         put("output.weight", data, Q[output], values)
     put("output_norm.weight", (1 + 0.1 * rng.normal(size=h)).astype(np.float32))
-    shapes = {"attn_q": (h, h), "attn_k": (kv * hd, h), "attn_v": (kv * hd, h),
-              "attn_output": (h, h), "ffn_gate": (d["intermediate_size"], h),
-              "ffn_up": (d["intermediate_size"], h), "ffn_down": (h, d["intermediate_size"])}
+    shapes = {
+        "attn_q": (h, h),
+        "attn_k": (kv * hd, h),
+        "attn_v": (kv * hd, h),
+        "attn_output": (h, h),
+        "ffn_gate": (d["intermediate_size"], h),
+        "ffn_up": (d["intermediate_size"], h),
+        "ffn_down": (h, d["intermediate_size"]),
+    }
     norms = {"attn_norm": h, "ffn_norm": h}
     if spec.model_type == "bitnet":
         norms.update(attn_sub_norm=h, ffn_sub_norm=d["intermediate_size"])
@@ -140,9 +177,14 @@ def write(path: Path, arch: str, *, ternary=("TQ2_0", "TQ1_0"), embd="Q4_K", out
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    config = {"model_type": spec.model_type, **DIMS, "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "tie_word_embeddings": not output,
-              "max_position_embeddings": 256}
+    config = {
+        "model_type": spec.model_type,
+        **DIMS,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": not output,
+        "max_position_embeddings": 256,
+    }
     if arch == "qwen3":
         config["head_dim"] = hd
     return path, config, weights
@@ -159,8 +201,9 @@ def reference_logits(config: dict, weights: dict, tokens) -> np.ndarray:
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     dims = linear_paths(model)
-    swap_modules(model, lambda p, m: nn.Linear(*dims[p][:2], bias=dims[p][2])
-                 if p in dims else None)
+    swap_modules(
+        model, lambda p, m: nn.Linear(*dims[p][:2], bias=dims[p][2]) if p in dims else None
+    )
     model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
     return np.array(model(mx.array([tokens])).astype(mx.float32))
 

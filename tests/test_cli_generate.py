@@ -5,13 +5,13 @@ import os
 import subprocess
 import sys
 
-import mlx_ternary
 import pytest
 from click.testing import CliRunner
 from mlx_lm import generate as mlx_lm_generate
-
-from mlx_ternary.cli import main
 from tiny import ternary_checkpoint
+
+import mlx_ternary
+from mlx_ternary.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,14 @@ def model_dir(tmp_path_factory):
 
 def _run(*args, stdin=None):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "mlx_ternary.cli", *args], input=stdin,
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_ternary.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_generate_streams_the_greedy_text_of_mlx_lm(model_dir):
@@ -34,27 +40,62 @@ def test_generate_streams_the_greedy_text_of_mlx_lm(model_dir):
 
 
 def test_generate_reads_prompt_from_stdin_and_reports_speed(model_dir):
-    res = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--prompt", "-",
-                                    "-m", "5", "--verbose", "--seed", "3", "--temp", "0.8",
-                                    "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01",
-                                    "--repetition-penalty", "1.1", "--max-kv-size", "64"],
-                             input="the lazy dog")
+    res = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompt",
+            "-",
+            "-m",
+            "5",
+            "--verbose",
+            "--seed",
+            "3",
+            "--temp",
+            "0.8",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "20",
+            "--min-p",
+            "0.01",
+            "--repetition-penalty",
+            "1.1",
+            "--max-kv-size",
+            "64",
+        ],
+        input="the lazy dog",
+    )
     assert res.exit_code == 0, res.output
     assert "Generation: 5 tokens" in res.output
     assert "Peak memory:" in res.output
 
 
 def test_sampling_with_a_seed_is_reproducible(model_dir):
-    args = ["generate", "--model", str(model_dir), "--prompt", "x", "-m", "8", "--temp", "1.0",
-            "--seed", "7"]
+    args = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        "x",
+        "-m",
+        "8",
+        "--temp",
+        "1.0",
+        "--seed",
+        "7",
+    ]
     a = CliRunner().invoke(main, args).output
     b = CliRunner().invoke(main, args).output
     assert a == b
 
 
 def test_kv_bits_run(model_dir):
-    res = CliRunner().invoke(main, ["generate", "--model", str(model_dir), "--prompt", "ab",
-                                    "-m", "4", "--kv-bits", "8"])
+    res = CliRunner().invoke(
+        main, ["generate", "--model", str(model_dir), "--prompt", "ab", "-m", "4", "--kv-bits", "8"]
+    )
     assert res.exit_code == 0, res.output
 
 

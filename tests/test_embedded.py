@@ -24,8 +24,8 @@ import pytest
 
 import mlx_ternary
 from mlx_ternary import generate as gen
+from mlx_ternary.perplexity import file_perplexity, perplexity
 from mlx_ternary.runtime.layers import TernaryLinear, swap_modules, ternary_layers
-from mlx_ternary.perplexity import default_context, file_perplexity, perplexity
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EXPECTED = json.loads((FIXTURES / "embedded_expected.json").read_text(encoding="utf-8"))
@@ -45,7 +45,7 @@ def embedded():
 
 def sample_ids(tok, n=None):
     ids = tok.encode(SAMPLE.read_text(encoding="utf-8"), verbose=False)
-    return ids if n is None else ids[:n + 1]
+    return ids if n is None else ids[: n + 1]
 
 
 class DenseReference(nn.Module):
@@ -71,9 +71,14 @@ class DenseReference(nn.Module):
 def dense_twin(activation_bits):
     """The embedded model with every TernaryLinear replaced by a DenseReference."""
     model, _ = mlx_ternary.load(str(gen.EMBEDDED_MODEL))
-    swap_modules(model, lambda p, m: DenseReference(m.dequantize(), m.get("bias"),
-                                                    activation_bits)
-                 if isinstance(m, TernaryLinear) else None)
+    swap_modules(
+        model,
+        lambda p, m: (
+            DenseReference(m.dequantize(), m.get("bias"), activation_bits)
+            if isinstance(m, TernaryLinear)
+            else None
+        ),
+    )
     assert not ternary_layers(model)
     return model
 
@@ -104,8 +109,10 @@ def test_greedy_output_reads_as_a_play():
     lines = [l for l in text.split("\n") if l.strip()]
     assert len(lines) >= 3
     # a speaker line, a stage direction or a scene heading, as in the corpus
-    assert any(re.fullmatch(r"[A-Z][A-Za-z ]+:", l) or l.startswith(("Enter", "Exit", "SCENE"))
-               for l in lines)
+    assert any(
+        re.fullmatch(r"[A-Z][A-Za-z ]+:", l) or l.startswith(("Enter", "Exit", "SCENE"))
+        for l in lines
+    )
     # English words: most of them occur in held-out Shakespeare the model never saw.
     vocab = set(re.findall(r"[a-z']+", SAMPLE.read_text(encoding="utf-8").lower()))
     words = re.findall(r"[A-Za-z']+", text)
@@ -114,8 +121,9 @@ def test_greedy_output_reads_as_a_play():
 
 def test_heldout_perplexity_is_under_the_bound(embedded):
     model, tok, config = embedded
-    got = file_perplexity(model, tok, SAMPLE, context=EXPECTED["context"],
-                          max_tokens=EXPECTED["sample_tokens"])
+    got = file_perplexity(
+        model, tok, SAMPLE, context=EXPECTED["context"], max_tokens=EXPECTED["sample_tokens"]
+    )
     assert got.tokens == EXPECTED["sample_tokens"]
     assert got.perplexity == pytest.approx(EXPECTED["sample_perplexity"], rel=1e-3)
     assert got.perplexity < PERPLEXITY_BOUND
@@ -126,10 +134,9 @@ def test_shuffled_text_is_much_less_likely(embedded):
     model, tok, _ = embedded
     words = SAMPLE.read_text(encoding="utf-8").split(" ")
     random.Random(0).shuffle(words)
-    shuffled = tok.encode(" ".join(words), verbose=False)[:SUBSET + 1]
+    shuffled = tok.encode(" ".join(words), verbose=False)[: SUBSET + 1]
     real = perplexity(model, sample_ids(tok, SUBSET), context=EXPECTED["context"])
-    assert perplexity(model, shuffled, context=EXPECTED["context"]).perplexity \
-        > 2 * real.perplexity
+    assert perplexity(model, shuffled, context=EXPECTED["context"]).perplexity > 2 * real.perplexity
 
 
 def native_perplexity(model, ids, activation_bits):
@@ -150,7 +157,8 @@ def test_native_path_matches_a_dense_float_reference(embedded, activation_bits):
     ids = sample_ids(tok, SUBSET)
     dense = perplexity(dense_twin(activation_bits), ids, context=EXPECTED["context"])
     assert native_perplexity(model, ids, activation_bits) == pytest.approx(
-        dense.perplexity, rel=1e-4)
+        dense.perplexity, rel=1e-4
+    )
 
 
 def test_native_logits_match_the_dense_reference_and_need_activation_quantization(embedded):
@@ -206,8 +214,7 @@ def _cli(*args):
     exe = shutil.which("mlx-ternary")
     cmd = [exe] if exe else [sys.executable, "-m", "mlx_ternary.cli"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_readme_first_command_generates_the_fixed_text():

@@ -96,11 +96,13 @@ def test_worked_examples_in_format_md(example):
     assert trits.shape == (2, int(k))
     packed = F.pack(trits, packing)
     if packing == "compact":
-        want = np.array([[int(b, 16) for b in rows[f"bytes {i}"].split()] for i in range(2)],
-                        np.uint8)
+        want = np.array(
+            [[int(b, 16) for b in rows[f"bytes {i}"].split()] for i in range(2)], np.uint8
+        )
     else:
-        want = np.array([[int(b, 16) for b in rows[f"words {i}"].split()] for i in range(2)],
-                        np.uint32)
+        want = np.array(
+            [[int(b, 16) for b in rows[f"words {i}"].split()] for i in range(2)], np.uint32
+        )
     np.testing.assert_array_equal(packed, want)
     np.testing.assert_array_equal(F.unpack(want, packing, int(k)), trits)
 
@@ -110,8 +112,14 @@ def test_bits_per_weight_budgets(k):
     n = 64  # bits per weight depend on K (rows are independent); 64 rows keep it fast
     rng = np.random.default_rng(0)
     t = rng.integers(-1, 2, (n, k)).astype(np.int8)
-    budgets = {("compact", "tensor"): 1.70, ("compact", "row"): 1.70, ("compact", "group"): 1.75,
-               ("fast", "tensor"): 2.05, ("fast", "row"): 2.05, ("fast", "group"): 2.13}
+    budgets = {
+        ("compact", "tensor"): 1.70,
+        ("compact", "row"): 1.70,
+        ("compact", "group"): 1.75,
+        ("fast", "tensor"): 2.05,
+        ("fast", "row"): 2.05,
+        ("fast", "group"): 2.13,
+    }
     for (packing, scale), limit in budgets.items():
         g = 128 if scale == "group" else None
         s = np.ones(F.scales_shape(scale, n, k, g), np.float16)
@@ -123,14 +131,18 @@ def test_unknown_format_version_is_refused_with_file_and_versions():
     with pytest.raises(FormatError, match=r"some/config.json.*format_version 99.*known: 1"):
         F.QuantizationConfig.from_dict(
             {"format": "mlx-ternary", "format_version": 99, "packing": "compact"},
-            "some/config.json")
+            "some/config.json",
+        )
 
 
-@pytest.mark.parametrize("field,value,msg", [
-    ("packing", "zip", "quantization.packing"),
-    ("scale", "col", "quantization.scale"),
-    ("activation_bits", 4, "quantization.activation_bits"),
-])
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("packing", "zip", "quantization.packing"),
+        ("scale", "col", "quantization.scale"),
+        ("activation_bits", 4, "quantization.activation_bits"),
+    ],
+)
 def test_bad_quantization_fields_name_the_field(field, value, msg):
     d = {"format": "mlx-ternary", "format_version": 1, field: value}
     with pytest.raises(FormatError, match=msg):

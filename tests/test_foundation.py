@@ -2,22 +2,19 @@
 
 import copy
 import json
-import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
+from tiny import float_model, quantize_act_np, ternary_checkpoint
 
 import mlx_ternary
 from mlx_ternary import format as F
-from mlx_ternary.runtime import dispatch
 from mlx_ternary.errors import FormatError, TernaryError
+from mlx_ternary.runtime import dispatch
 from mlx_ternary.runtime.layers import TernaryLinear, ternary_layers
-
-from mlx.utils import tree_flatten
-
-from tiny import float_model, ternary_checkpoint, quantize_act_np
 
 # Float32 throughout: a ternary layer and the float reference differ only in summation
 # order, so relative errors stay near 1e-6; the bound below leaves room for K up to ~300.
@@ -34,8 +31,9 @@ def _layer(k, n, packing, scale, group, bias, act, seed=0):
 
 
 @pytest.mark.parametrize("packing", F.PACKINGS)
-@pytest.mark.parametrize("scale,group", [("tensor", None), ("row", None), ("group", 64),
-                                         ("group", 128), ("group", 256)])
+@pytest.mark.parametrize(
+    "scale,group", [("tensor", None), ("row", None), ("group", 64), ("group", 128), ("group", 256)]
+)
 @pytest.mark.parametrize("k", [7, 33, 130, 300])
 @pytest.mark.parametrize("act", [None, 8])
 def test_ternary_linear_matches_numpy(packing, scale, group, k, act):
@@ -98,12 +96,15 @@ def test_model_with_activation_quant_matches_quantized_twin(tmp_path):
             return self.lin(mx.array(quantize_act_np(np.array(x)).astype(np.float32)))
 
     from mlx_ternary.runtime.layers import swap_modules
-    swap_modules(twin, lambda p, m: ActQuant(m) if isinstance(m, nn.Linear)
-                 and p != "lm_head" else None)
+
+    swap_modules(
+        twin, lambda p, m: ActQuant(m) if isinstance(m, nn.Linear) and p != "lm_head" else None
+    )
     ids = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     want = np.array(twin(ids))
-    np.testing.assert_allclose(np.array(model(ids)), want, rtol=1e-4,
-                               atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(
+        np.array(model(ids)), want, rtol=1e-4, atol=1e-4 * np.abs(want).max()
+    )
 
 
 def test_runtime_packing_on_cpu_is_fast_and_compact_on_request(tmp_path):
@@ -163,7 +164,7 @@ def test_greedy_tokens_match_manual_argmax(tmp_path):
     ids = list(prompt)
     for _ in range(6):  # no cache: the whole sequence each time
         ids.append(int(mx.argmax(model(mx.array([ids]))[0, -1])))
-    assert got == ids[len(prompt):]
+    assert got == ids[len(prompt) :]
 
 
 # --------------------------------------------------------------------------- errors
@@ -234,17 +235,24 @@ def test_missing_shard(tmp_path):
 def test_float_model_without_ternary_weights_is_refused(tmp_path):
     path = _checkpoint(tmp_path)
     _edit_config(path, quantization=None)  # packed tensors, but no native section
-    with pytest.raises(TernaryError, match=r"tensor model\.layers\.0\.\w+\.\w+_proj\.packed "
-                                           "is not a parameter of the model"):
+    with pytest.raises(
+        TernaryError,
+        match=r"tensor model\.layers\.0\.\w+\.\w+_proj\.packed "
+        "is not a parameter of the model",
+    ):
         mlx_ternary.load(path)
     float_dir = tmp_path / "float"  # a plain float model: its first linear weight is named
     model, config = float_model("llama")
     float_dir.mkdir()
-    mx.save_safetensors(str(float_dir / "model.safetensors"),
-                        dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(
+        str(float_dir / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
     (float_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(TernaryError, match=r"model\.layers\.0\.\w+\.\w+_proj\.weight: not "
-                                           "ternary-valued.*never re-quantizes"):
+    with pytest.raises(
+        TernaryError,
+        match=r"model\.layers\.0\.\w+\.\w+_proj\.weight: not "
+        "ternary-valued.*never re-quantizes",
+    ):
         mlx_ternary.load(float_dir)
 
 

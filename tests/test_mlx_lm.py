@@ -17,18 +17,22 @@ import pytest
 from click.testing import CliRunner
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, compute_bits_per_weight, get_total_parameters
+from tiny import float_model, ternary_checkpoint, write_tokenizer
 
 import mlx_ternary
-from mlx_ternary.runtime import layers as tnn
+from mlx_ternary.checkpoint.load import load_model
+from mlx_ternary.checkpoint.writers.native import save_model
 from mlx_ternary.cli import main
 from mlx_ternary.errors import TernaryError
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.lm import routed
-from mlx_ternary.checkpoint.load import load_model
-from mlx_ternary.runtime.layers import FusedTernaryLinear, TernaryLinear, ternarize_model, ternary_layers
-from mlx_ternary.checkpoint.writers.native import save_model
-
-from tiny import float_model, ternary_checkpoint, write_tokenizer
+from mlx_ternary.runtime import layers as tnn
+from mlx_ternary.runtime.layers import (
+    FusedTernaryLinear,
+    TernaryLinear,
+    ternarize_model,
+    ternary_layers,
+)
 
 EMBEDDED = str(EMBEDDED_MODEL)
 
@@ -75,7 +79,8 @@ def test_hugging_face_bitnet_routes_to_the_ternary_loader():
 
 
 def test_non_ternary_models_load_exactly_as_mlx_lm_loads_them(tmp_path):
-    from mlx_lm.utils import quantize_model, save_model as mlx_save_model
+    from mlx_lm.utils import quantize_model
+    from mlx_lm.utils import save_model as mlx_save_model
 
     model, config = float_model("llama")
     write_tokenizer(tmp_path / "float")
@@ -90,8 +95,9 @@ def test_non_ternary_models_load_exactly_as_mlx_lm_loads_them(tmp_path):
         stock, _ = mlx_lm.load(str(tmp_path / name))
         with routed():
             ours, _ = mlx_lm.load(str(tmp_path / name))
-        assert [type(m) for _, m in ours.named_modules()] == \
-            [type(m) for _, m in stock.named_modules()]
+        assert [type(m) for _, m in ours.named_modules()] == [
+            type(m) for _, m in stock.named_modules()
+        ]
         assert mx.array_equal(ours(ids), stock(ids)).item()
 
 
@@ -116,9 +122,22 @@ def test_mlx_lm_server_serves_a_native_checkpoint_to_the_openai_client(embedded)
     from openai import OpenAI
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_ternary.cli", "lm", "server",
-                             "--model", EMBEDDED, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlx_ternary.cli",
+            "lm",
+            "server",
+            "--model",
+            EMBEDDED,
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -130,8 +149,9 @@ def test_mlx_lm_server_serves_a_native_checkpoint_to_the_openai_client(embedded)
                     pytest.fail(f"mlx-lm's server did not start:\n{proc.stdout.read()}")
                 time.sleep(0.5)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        reply = client.completions.create(model="default_model", prompt="ROMEO:",
-                                          max_tokens=16, temperature=0.0)
+        reply = client.completions.create(
+            model="default_model", prompt="ROMEO:", max_tokens=16, temperature=0.0
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -145,13 +165,48 @@ def test_lm_cache_prompt_then_generate_continues_as_one_prompt(tmp_path):
     # mlx-lm's cache_prompt and generate tools, chained over a ternary model's KV cache.
     runner = CliRunner()
     cache = str(tmp_path / "prompt.safetensors")
-    saved = runner.invoke(main, ["lm", "cache_prompt", "--model", EMBEDDED, "--prompt",
-                                 "ROMEO: But soft, what light", "--prompt-cache-file", cache])
+    saved = runner.invoke(
+        main,
+        [
+            "lm",
+            "cache_prompt",
+            "--model",
+            EMBEDDED,
+            "--prompt",
+            "ROMEO: But soft, what light",
+            "--prompt-cache-file",
+            cache,
+        ],
+    )
     assert saved.exit_code == 0, saved.output
-    cached = runner.invoke(main, ["lm", "generate", "--model", EMBEDDED, "--prompt-cache-file",
-                                  cache, "--prompt", " through yonder", "-m", "12"])
-    whole = runner.invoke(main, ["lm", "generate", "--model", EMBEDDED, "--prompt",
-                                 "ROMEO: But soft, what light through yonder", "-m", "12"])
+    cached = runner.invoke(
+        main,
+        [
+            "lm",
+            "generate",
+            "--model",
+            EMBEDDED,
+            "--prompt-cache-file",
+            cache,
+            "--prompt",
+            " through yonder",
+            "-m",
+            "12",
+        ],
+    )
+    whole = runner.invoke(
+        main,
+        [
+            "lm",
+            "generate",
+            "--model",
+            EMBEDDED,
+            "--prompt",
+            "ROMEO: But soft, what light through yonder",
+            "-m",
+            "12",
+        ],
+    )
     text = [r.output.split("==========")[-2].strip() for r in (cached, whole)]
     assert cached.exit_code == 0 and whole.exit_code == 0 and text[0]
     assert text[0] == text[1]
@@ -159,10 +214,12 @@ def test_lm_cache_prompt_then_generate_continues_as_one_prompt(tmp_path):
 
 # --------------------------------------------------------------------------- LoRA via the CLI
 
-TRAIN = ["ROMEO: The answer is forty-two, my lord.",
-         "JULIET: Forty-two it is, and ever shall be.",
-         "ROMEO: What is the answer? Forty-two, sweet love.",
-         "JULIET: Then forty-two I swear by, and by no other."]
+TRAIN = [
+    "ROMEO: The answer is forty-two, my lord.",
+    "JULIET: Forty-two it is, and ever shall be.",
+    "ROMEO: What is the answer? Forty-two, sweet love.",
+    "JULIET: Then forty-two I swear by, and by no other.",
+]
 
 
 def _loss(model, tokenizer):
@@ -182,11 +239,34 @@ def trained_adapter(tmp_path_factory):
     (root / "data").mkdir()
     for split, n in (("train", 8), ("valid", 4)):
         (root / "data" / f"{split}.jsonl").write_text(
-            "".join(json.dumps({"text": TRAIN[i % 4]}) + "\n" for i in range(n)))
-    result = CliRunner().invoke(main, [
-        "lm", "lora", "--model", EMBEDDED, "--train", "--data", str(root / "data"),
-        "--iters", "5", "--batch-size", "4", "--num-layers", "-1", "--learning-rate", "1e-3",
-        "--val-batches", "1", "--steps-per-eval", "5", "--adapter-path", str(root / "adapter")])
+            "".join(json.dumps({"text": TRAIN[i % 4]}) + "\n" for i in range(n))
+        )
+    result = CliRunner().invoke(
+        main,
+        [
+            "lm",
+            "lora",
+            "--model",
+            EMBEDDED,
+            "--train",
+            "--data",
+            str(root / "data"),
+            "--iters",
+            "5",
+            "--batch-size",
+            "4",
+            "--num-layers",
+            "-1",
+            "--learning-rate",
+            "1e-3",
+            "--val-batches",
+            "1",
+            "--steps-per-eval",
+            "5",
+            "--adapter-path",
+            str(root / "adapter"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     return root / "adapter"
 
@@ -209,8 +289,14 @@ def test_batched_decoding_of_an_adapted_model_matches_one_at_a_time(trained_adap
     from mlx_lm.generate import BatchGenerator, stream_generate
 
     model, tokenizer = mlx_ternary.load(EMBEDDED, adapter_path=str(trained_adapter))
-    prompts = [tokenizer.encode(p) for p in ("ROMEO:", "JULIET: What is the answer?",
-                                             "First Citizen: Before we proceed any further")]
+    prompts = [
+        tokenizer.encode(p)
+        for p in (
+            "ROMEO:",
+            "JULIET: What is the answer?",
+            "First Citizen: Before we proceed any further",
+        )
+    ]
     gen = BatchGenerator(model, stop_tokens=tokenizer.eos_token_ids, max_tokens=1)
     uids = gen.insert(prompts)
     batched = {r.uid: r.logprobs for r in gen.next_generated()}
@@ -222,8 +308,7 @@ def test_batched_decoding_of_an_adapted_model_matches_one_at_a_time(trained_adap
 def test_generate_with_adapter_path_changes_the_output(trained_adapter):
     runner = CliRunner()
     plain = runner.invoke(main, ["generate", "-m", "8"])
-    adapted = runner.invoke(main, ["generate", "-m", "8", "--adapter-path",
-                                   str(trained_adapter)])
+    adapted = runner.invoke(main, ["generate", "-m", "8", "--adapter-path", str(trained_adapter)])
     assert plain.exit_code == 0 and adapted.exit_code == 0, adapted.output
     assert plain.output != adapted.output
     missing = runner.invoke(main, ["generate", "--adapter-path", str(trained_adapter.parent)])
@@ -255,8 +340,15 @@ def test_serve_with_adapter_path_serves_the_adapted_model(trained_adapter, monke
 
 def test_lm_fuse_keeps_the_base_ternary_unless_asked_to_dequantize(trained_adapter, tmp_path):
     runner = CliRunner()
-    args = ["lm", "fuse", "--model", EMBEDDED, "--adapter-path", str(trained_adapter),
-            "--save-path"]
+    args = [
+        "lm",
+        "fuse",
+        "--model",
+        EMBEDDED,
+        "--adapter-path",
+        str(trained_adapter),
+        "--save-path",
+    ]
     refused = runner.invoke(main, args + [str(tmp_path / "kept")])
     assert refused.exit_code == 1 and "pass --dequantize" in refused.output
     fused = runner.invoke(main, args + [str(tmp_path / "float"), "--dequantize"])
@@ -276,10 +368,13 @@ def test_lm_tools_fail_with_one_clear_line(monkeypatch, tmp_path):
     monkeypatch.delitem(sys.modules, "mlx_lm.evaluate", raising=False)
     result = runner.invoke(main, ["lm", "evaluate", "--model", EMBEDDED])
     assert result.exit_code == 1
-    assert result.output.strip() == ("Error: mlx-lm's evaluate needs the Python package "
-                                     "lm-eval, which is not installed: pip install lm-eval")
-    result = runner.invoke(main, ["lm", "convert", "--hf-path", EMBEDDED, "--mlx-path",
-                                  str(tmp_path / "q"), "-q"])
+    assert result.output.strip() == (
+        "Error: mlx-lm's evaluate needs the Python package "
+        "lm-eval, which is not installed: pip install lm-eval"
+    )
+    result = runner.invoke(
+        main, ["lm", "convert", "--hf-path", EMBEDDED, "--mlx-path", str(tmp_path / "q"), "-q"]
+    )
     assert result.exit_code == 1 and "Use `mlx-ternary convert`" in result.output
     assert not (tmp_path / "q").exists()
     result = runner.invoke(main, ["lm", "train"])
@@ -293,16 +388,19 @@ def test_lm_tools_fail_with_one_clear_line(monkeypatch, tmp_path):
 
 def _float_count(model_class_args):
     model_class, args_class, config = model_class_args
-    return sum(v.size for _, v in tree_flatten(model_class(args_class.from_dict(config))
-                                                .parameters()))
+    return sum(
+        v.size for _, v in tree_flatten(model_class(args_class.from_dict(config)).parameters())
+    )
 
 
 def test_mlx_lm_counters_are_true_for_ternary_models(embedded, tmp_path):
     config = json.loads((EMBEDDED_MODEL / "config.json").read_text())
     model_class, args_class = _get_classes(config)
     cases = [(embedded[0], _float_count((model_class, args_class, config)))]
-    for arch, packing, scale, group in (("qwen3", "fast", "row", None),  # K = 80: padding
-                                        ("llama", "compact", "group", 64)):
+    for arch, packing, scale, group in (
+        ("qwen3", "fast", "row", None),  # K = 80: padding
+        ("llama", "compact", "group", 64),
+    ):
         path, twin = ternary_checkpoint(tmp_path, arch, packing, scale, group)
         model, _ = load_model(path)
         cases.append((model, sum(v.size for _, v in tree_flatten(twin.parameters()))))
@@ -318,19 +416,42 @@ def test_mlx_lm_counters_are_true_for_ternary_models(embedded, tmp_path):
 
 # --------------------------------------------------------------------------- skip rules
 
-AFM7 = dict(model_type="afm7", vocab_size=128, hidden_dim=64, num_layers=4,
-            num_kv_reuse_layers=2, num_heads=4, num_kv_heads=2)
+AFM7 = dict(
+    model_type="afm7",
+    vocab_size=128,
+    hidden_dim=64,
+    num_layers=4,
+    num_kv_reuse_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+)
 GEMMA3N_TEXT = dict(
-    model_type="gemma3n", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
-    num_attention_heads=4, head_dim=16, rms_norm_eps=1e-5, vocab_size=128,
-    num_key_value_heads=2, num_kv_shared_layers=0, vocab_size_per_layer_input=128,
-    sliding_window=8, max_position_embeddings=256, rope_local_base_freq=1.0,
-    rope_theta=1000.0, final_logit_softcapping=30.0,
-    layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.0, 0.0],
-    hidden_size_per_layer_input=32, altup_num_inputs=4, altup_coef_clip=1.0,
-    altup_correct_scale=True, altup_active_idx=0, laurel_rank=8)
-GEMMA3N = dict(model_type="gemma3n", vocab_size=128, num_hidden_layers=2,
-               text_config=GEMMA3N_TEXT)
+    model_type="gemma3n",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    num_attention_heads=4,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    vocab_size=128,
+    num_key_value_heads=2,
+    num_kv_shared_layers=0,
+    vocab_size_per_layer_input=128,
+    sliding_window=8,
+    max_position_embeddings=256,
+    rope_local_base_freq=1.0,
+    rope_theta=1000.0,
+    final_logit_softcapping=30.0,
+    layer_types=["sliding_attention", "full_attention"],
+    activation_sparsity_pattern=[0.0, 0.0],
+    hidden_size_per_layer_input=32,
+    altup_num_inputs=4,
+    altup_coef_clip=1.0,
+    altup_correct_scale=True,
+    altup_active_idx=0,
+    laurel_rank=8,
+)
+GEMMA3N = dict(model_type="gemma3n", vocab_size=128, num_hidden_layers=2, text_config=GEMMA3N_TEXT)
 
 
 def _seeded(config):
@@ -345,8 +466,9 @@ def _ternary_and_twin(config):
     """A ternarized model and its float twin holding the dequantized weights."""
     model, twin = _seeded(config), _seeded(config)
     ternarize_model(model, activation_bits=None)
-    twin.load_weights([(f"{p}.weight", m.dequantize()) for p, m in ternary_layers(model)],
-                      strict=False)
+    twin.load_weights(
+        [(f"{p}.weight", m.dequantize()) for p, m in ternary_layers(model)], strict=False
+    )
     return model, twin
 
 

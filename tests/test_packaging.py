@@ -24,8 +24,12 @@ def test_metal_sources_found_from_the_checkout():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                          str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr
     (whl,) = out.glob("mlx_ternary-*.whl")
     return whl
@@ -48,11 +52,19 @@ def test_wheel_contains_metal_sources_and_assets(wheel):
 def test_installed_wheel_finds_its_metal_sources(wheel, tmp_path):
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)  # what a --no-deps install lays down
-    code = ("import json, mlx_ternary.runtime.metal.sources as m; d = m.metal_dir(); "
-            "print(d); print(json.dumps(sorted(p.name for p in d.iterdir())))")
+    code = (
+        "import json, mlx_ternary.runtime.metal.sources as m; d = m.metal_dir(); "
+        "print(d); print(json.dumps(sorted(p.name for p in d.iterdir())))"
+    )
     env = dict(os.environ, PYTHONPATH=str(target))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env, cwd=tmp_path, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     found_dir, listing = res.stdout.splitlines()
     assert Path(found_dir).resolve() == (target / "mlx_ternary" / "metal").resolve()

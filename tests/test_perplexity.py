@@ -7,12 +7,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from tiny import ternary_checkpoint
 
 import mlx_ternary
 from mlx_ternary import TernaryError
 from mlx_ternary.cli import main
 from mlx_ternary.perplexity import chunk_bounds, file_perplexity, perplexity
-from tiny import ternary_checkpoint
 
 TEXT = "When shall we three meet again\nIn thunder, lightning, or in rain?\n"
 
@@ -54,8 +54,9 @@ def test_window_boundaries_matter(tiny):
     # Negative control for the reference above: a shorter context must change the result.
     _, model, tok, _ = tiny
     ids = tok.encode(TEXT)[:40]
-    assert abs(perplexity(model, ids, context=3).nll - perplexity(model, ids, context=64).nll) \
-        > 1e-3
+    assert (
+        abs(perplexity(model, ids, context=3).nll - perplexity(model, ids, context=64).nll) > 1e-3
+    )
 
 
 def test_batch_size_does_not_change_the_result(tiny):
@@ -93,8 +94,9 @@ def test_cli_json_equals_the_library(tiny, tmp_path):
     path, model, tok, _ = tiny
     data = tmp_path / "data.txt"
     data.write_text(TEXT)
-    res = CliRunner().invoke(main, ["perplexity", "--model", str(path), "--data", str(data),
-                                    "--context", "16", "--json"])
+    res = CliRunner().invoke(
+        main, ["perplexity", "--model", str(path), "--data", str(data), "--context", "16", "--json"]
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     want = file_perplexity(model, tok, data, context=16)
@@ -107,8 +109,9 @@ def test_cli_text_output_and_max_tokens(tiny, tmp_path):
     path, _, _, _ = tiny
     data = tmp_path / "data.txt"
     data.write_text(TEXT)
-    res = CliRunner().invoke(main, ["perplexity", "--model", str(path), "--data", str(data),
-                                    "--max-tokens", "20"])
+    res = CliRunner().invoke(
+        main, ["perplexity", "--model", str(path), "--data", str(data), "--max-tokens", "20"]
+    )
     assert res.exit_code == 0, res.output
     assert "Perplexity:" in res.output and "tokens-per-sec" in res.output
     assert "Tokens evaluated: 20 in 1 windows of 2048" in res.output
@@ -116,7 +119,8 @@ def test_cli_text_output_and_max_tokens(tiny, tmp_path):
 
 def test_cli_missing_data_is_one_line(tiny, tmp_path):
     path, _, _, _ = tiny
-    res = CliRunner().invoke(main, ["perplexity", "--model", str(path),
-                                    "--data", str(tmp_path / "nope.txt")])
+    res = CliRunner().invoke(
+        main, ["perplexity", "--model", str(path), "--data", str(tmp_path / "nope.txt")]
+    )
     assert res.exit_code == 1
     assert "no such data file" in res.output and "Traceback" not in res.output

@@ -6,26 +6,56 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_map
 
-from mlx_ternary.runtime.layers import ternarize_model
 from mlx_ternary.checkpoint.writers.native import save_model
+from mlx_ternary.runtime.layers import ternarize_model
+
+TESTS = Path(__file__).resolve().parent
+FIXTURES = TESTS / "fixtures"
+ROOT = TESTS.parent  # the checkout
 
 VOCAB = 128
 
 CONFIGS = {
-    "llama": dict(model_type="llama", hidden_size=64, num_hidden_layers=2,
-                  intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                  rms_norm_eps=1e-5, vocab_size=VOCAB, tie_word_embeddings=False,
-                  rope_theta=10000.0),
-    "qwen3": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2,
-                  intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, rms_norm_eps=1e-6, vocab_size=VOCAB,
-                  tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=512),
-    "bitnet": dict(model_type="bitnet", hidden_size=64, num_hidden_layers=2,
-                   intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
-                   rms_norm_eps=1e-5, vocab_size=VOCAB, tie_word_embeddings=True,
-                   rope_theta=500000.0),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=80,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=512,
+    ),
+    "bitnet": dict(
+        model_type="bitnet",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=112,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -42,10 +72,16 @@ def write_tokenizer(out_dir: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "model_max_length": 512,
-    }))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "model_max_length": 512,
+            }
+        )
+    )
 
 
 def float_model(arch: str, seed: int = 0, **overrides):
@@ -61,19 +97,33 @@ def float_model(arch: str, seed: int = 0, **overrides):
         from mlx_ternary.runtime.layers import linear_paths, swap_modules
 
         dims = linear_paths(model)
-        swap_modules(model, lambda p, m: nn.Linear(*dims[p][:2], bias=dims[p][2])
-                     if p in dims else None)
+        swap_modules(
+            model, lambda p, m: nn.Linear(*dims[p][:2], bias=dims[p][2]) if p in dims else None
+        )
     rng = np.random.default_rng(seed)
-    params = tree_map(lambda a: mx.array(rng.normal(0, 0.5, a.shape).astype(np.float32))
-                      if a.ndim >= 2 else mx.ones(a.shape) + 0.1 * mx.array(
-                          rng.normal(size=a.shape).astype(np.float32)), model.parameters())
+    params = tree_map(
+        lambda a: (
+            mx.array(rng.normal(0, 0.5, a.shape).astype(np.float32))
+            if a.ndim >= 2
+            else mx.ones(a.shape) + 0.1 * mx.array(rng.normal(size=a.shape).astype(np.float32))
+        ),
+        model.parameters(),
+    )
     model.update(params)
     mx.eval(model.parameters())
     return model, config
 
 
-def ternary_checkpoint(tmp: Path, arch: str, packing="compact", scale="tensor",
-                       group_size=None, activation_bits=None, seed=0, **overrides):
+def ternary_checkpoint(
+    tmp: Path,
+    arch: str,
+    packing="compact",
+    scale="tensor",
+    group_size=None,
+    activation_bits=None,
+    seed=0,
+    **overrides,
+):
     """Write a native checkpoint of a random ternary `arch` model; returns (dir, float twin).
 
     The float twin is the same architecture with plain Linear layers holding the

@@ -16,11 +16,23 @@ from .. import format as fmt
 # Apple silicon memory bandwidth (GB/s = 1e9 bytes/s) by chip and GPU core count, from
 # Apple's published specifications (collected in the project notes on Apple GPUs).
 APPLE_CHIPS: List[Tuple[str, int, float]] = [
-    ("M1", 8, 68), ("M1 Pro", 16, 200), ("M1 Max", 32, 400), ("M1 Ultra", 64, 800),
-    ("M2", 10, 100), ("M2 Pro", 19, 200), ("M2 Max", 38, 400), ("M2 Ultra", 76, 800),
-    ("M3", 10, 100), ("M3 Pro", 18, 150), ("M3 Max", 30, 300), ("M3 Max", 40, 400),
+    ("M1", 8, 68),
+    ("M1 Pro", 16, 200),
+    ("M1 Max", 32, 400),
+    ("M1 Ultra", 64, 800),
+    ("M2", 10, 100),
+    ("M2 Pro", 19, 200),
+    ("M2 Max", 38, 400),
+    ("M2 Ultra", 76, 800),
+    ("M3", 10, 100),
+    ("M3 Pro", 18, 150),
+    ("M3 Max", 30, 300),
+    ("M3 Max", 40, 400),
     ("M3 Ultra", 80, 819),
-    ("M4", 10, 120), ("M4 Pro", 20, 273), ("M4 Max", 32, 410), ("M4 Max", 40, 546),
+    ("M4", 10, 120),
+    ("M4 Pro", 20, 273),
+    ("M4 Max", 32, 410),
+    ("M4 Max", 40, 546),
 ]
 
 # What a Metal run holds per format: 16-bit float parameters, KV cache and MLX affine
@@ -68,8 +80,7 @@ def linear_bytes(shape: LinearShape, format_name: str) -> int:
     raise ValueError(f"unknown format {format_name!r}")
 
 
-def decode_bytes(weight_bytes: int, kv_bytes_per_token: int, state_bytes: int,
-                 context: int) -> int:
+def decode_bytes(weight_bytes: int, kv_bytes_per_token: int, state_bytes: int, context: int) -> int:
     """Bytes read to decode one token at `context` tokens of history."""
     return weight_bytes + kv_bytes_per_token * context + state_bytes
 
@@ -79,36 +90,59 @@ def ceiling_tps(bytes_per_token: int, bandwidth_gbs: float) -> float:
     return bandwidth_gbs * 1e9 / bytes_per_token
 
 
-def metal_decode_bytes(linears: List[LinearShape], format_name: str,
-                       float_elements_read: int, kv_elements_per_token: int,
-                       state_elements: int, context: int) -> int:
+def metal_decode_bytes(
+    linears: List[LinearShape],
+    format_name: str,
+    float_elements_read: int,
+    kv_elements_per_token: int,
+    state_elements: int,
+    context: int,
+) -> int:
     """Bytes per decoded token for a format as a Metal run holds it (16-bit floats)."""
     weights = sum(linear_bytes(s, format_name) for s in linears)
     weights += float_elements_read * METAL_FLOAT_BYTES
-    return decode_bytes(weights, kv_elements_per_token * METAL_FLOAT_BYTES,
-                        state_elements * METAL_FLOAT_BYTES, context)
+    return decode_bytes(
+        weights,
+        kv_elements_per_token * METAL_FLOAT_BYTES,
+        state_elements * METAL_FLOAT_BYTES,
+        context,
+    )
 
 
-def apple_table(linears: List[LinearShape], formats: List[str], float_elements_read: int,
-                kv_elements_per_token: int, state_elements: int,
-                context: int) -> List[Dict]:
+def apple_table(
+    linears: List[LinearShape],
+    formats: List[str],
+    float_elements_read: int,
+    kv_elements_per_token: int,
+    state_elements: int,
+    context: int,
+) -> List[Dict]:
     """Ceiling tokens/s for each format on each Apple chip of APPLE_CHIPS.
 
     Returns:
         [{"chip", "bandwidth_gbs", "tps": {format: tokens/s}}], one per chip variant.
     """
-    per_format = {f: metal_decode_bytes(linears, f, float_elements_read,
-                                        kv_elements_per_token, state_elements, context)
-                  for f in formats}
-    return [{"chip": chip_label(chip, cores), "bandwidth_gbs": bw,
-             "tps": {f: ceiling_tps(b, bw) for f, b in per_format.items()}}
-            for chip, cores, bw in APPLE_CHIPS]
+    per_format = {
+        f: metal_decode_bytes(
+            linears, f, float_elements_read, kv_elements_per_token, state_elements, context
+        )
+        for f in formats
+    }
+    return [
+        {
+            "chip": chip_label(chip, cores),
+            "bandwidth_gbs": bw,
+            "tps": {f: ceiling_tps(b, bw) for f, b in per_format.items()},
+        }
+        for chip, cores, bw in APPLE_CHIPS
+    ]
 
 
 def _gpu_cores() -> Optional[int]:
     try:
-        out = subprocess.run(["ioreg", "-rc", "AGXAccelerator"], capture_output=True,
-                             text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["ioreg", "-rc", "AGXAccelerator"], capture_output=True, text=True, timeout=10
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():

@@ -27,13 +27,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import ceiling, llamacpp
-from ..runtime import dispatch
 from .. import format as fmt
-from ..errors import TernaryError
 from ..checkpoint.load import get_classes, load_model, resolve_model_path
+from ..errors import TernaryError
+from ..runtime import dispatch
 from ..runtime.cpu.layers import HalfEmbedding, adopt
 from ..runtime.layers import TernaryLinear, swap_modules, ternary_layers
+from . import ceiling, llamacpp
 
 FORMATS = ("compact", "fast", "q2", "q4", "bf16", "f32")
 DEFAULT_FORMATS = ("compact", "fast", "q2", "q4", "bf16")
@@ -60,10 +60,10 @@ class FormatResult:
     reason: str = ""
     runs_as: str = ""
     dtype: str = ""
-    weight_bytes: int = 0          # unique bytes of all parameters held
-    linear_bytes: int = 0          # of those, the ternary layers' (shared arrays once)
-    linear_weights: int = 0        # number of weights in the ternary layers
-    read_bytes: int = 0            # weight bytes one decode step reads
+    weight_bytes: int = 0  # unique bytes of all parameters held
+    linear_bytes: int = 0  # of those, the ternary layers' (shared arrays once)
+    linear_weights: int = 0  # number of weights in the ternary layers
+    read_bytes: int = 0  # weight bytes one decode step reads
     kv_bytes_per_token: int = 0
     state_bytes: int = 0
     runs: List[Run] = field(default_factory=list)
@@ -100,9 +100,15 @@ class BenchResult:
         return ceiling.ceiling_tps(b, self.bandwidth_gbs)
 
     def to_dict(self) -> dict:
-        out = {"model": self.model, "device": self.device, "settings": self.settings,
-               "bandwidth_gbs": self.bandwidth_gbs, "bandwidth_source": self.bandwidth_source,
-               "formats": [], "apple_ceiling": self.apple}
+        out = {
+            "model": self.model,
+            "device": self.device,
+            "settings": self.settings,
+            "bandwidth_gbs": self.bandwidth_gbs,
+            "bandwidth_source": self.bandwidth_source,
+            "formats": [],
+            "apple_ceiling": self.apple,
+        }
         for r in self.formats:
             d = asdict(r)
             d["bits_per_weight"] = r.bits_per_weight
@@ -122,8 +128,9 @@ def runtime_packing(packing: str, backend: Optional[str] = None) -> str:
     return "fast" if dispatch.resolve_backend(backend) == "reference" else packing
 
 
-def _group_scales(scales: mx.array, out_features: int, in_features: int,
-                  group_size: Optional[int]) -> mx.array:
+def _group_scales(
+    scales: mx.array, out_features: int, in_features: int, group_size: Optional[int]
+) -> mx.array:
     """Ternary scales of any granularity -> one per (row, group of Q_GROUP_SIZE)."""
     groups = in_features // Q_GROUP_SIZE
     if scales.shape[1] != 1:
@@ -137,6 +144,7 @@ def _fast_to_q4(packed: mx.array) -> mx.array:
     Each half word holds 8 codes; spreading 2-bit fields to 4-bit ones is three
     shift-or-mask steps (8 codes in 16 bits -> 8 codes in 32 bits).
     """
+
     def spread(x):
         x = (x | (x << 8)) & 0x00FF00FF
         x = (x | (x << 4)) & 0x0F0F0F0F
@@ -153,11 +161,22 @@ def make_layer(layer: TernaryLinear, name: str, backend=None) -> nn.Module:
     fast = layer.packed if layer.packing == "fast" else None
     if name in ("compact", "fast"):
         packing = runtime_packing(name, backend)
-        new = TernaryLinear(k, n, bias is not None, packing=packing, scale=layer.scale,
-                            group_size=layer.group_size, scale_dtype=layer.scales.dtype,
-                            activation_bits=layer.activation_bits, backend=backend)
-        new.packed = (layer.packed if packing == layer.packing
-                      else fmt.pack_mx(layer.trits(), packing, layer.group_size))
+        new = TernaryLinear(
+            k,
+            n,
+            bias is not None,
+            packing=packing,
+            scale=layer.scale,
+            group_size=layer.group_size,
+            scale_dtype=layer.scales.dtype,
+            activation_bits=layer.activation_bits,
+            backend=backend,
+        )
+        new.packed = (
+            layer.packed
+            if packing == layer.packing
+            else fmt.pack_mx(layer.trits(), packing, layer.group_size)
+        )
         new.scales = layer.scales
     elif name in ("q2", "q4"):
         bits = ceiling.Q_BITS[name]
@@ -181,8 +200,10 @@ def check_format(name: str, layers) -> str:
     if name in ("q2", "q4"):
         for path, m in layers:
             if m.in_features % Q_GROUP_SIZE:
-                return (f"{path}: in_features {m.in_features} is not a multiple of MLX's "
-                        f"group size {Q_GROUP_SIZE}")
+                return (
+                    f"{path}: in_features {m.in_features} is not a multiple of MLX's "
+                    f"group size {Q_GROUP_SIZE}"
+                )
     return ""
 
 
@@ -212,9 +233,7 @@ def _layer_arrays(m: nn.Module, dtype) -> list:
     """The arrays a layer holds: parameters, plus the reference fast path's unit scale/bias
     arrays (the native and Metal kernels need none)."""
     arrays = [a for _, a in tree_flatten(m.parameters())]
-    if isinstance(m, TernaryLinear) and m.reads_affine():
-        arrays += list(m._fast_affine(dtype)[:2])  # TernaryLinear builds them
-    return arrays
+    return arrays + (m.runtime_arrays(dtype) if isinstance(m, TernaryLinear) else [])
 
 
 def _embedding_overcount(model: nn.Module, paths) -> int:
@@ -223,22 +242,32 @@ def _embedding_overcount(model: nn.Module, paths) -> int:
     tied = not any(p.split(".")[-1] == "lm_head" for p, _ in leaves)
     if tied:
         return 0
-    return sum(m.weight.nbytes - m.weight.nbytes // m.weight.shape[0]
-               for _, m in leaves if isinstance(m, (nn.Embedding, HalfEmbedding)))
+    return sum(
+        m.weight.nbytes - m.weight.nbytes // m.weight.shape[0]
+        for _, m in leaves
+        if isinstance(m, (nn.Embedding, HalfEmbedding))
+    )
 
 
-def build_variants(base: nn.Module, config: dict, model_path: Path, formats: List[str],
-                   backend=None, progress: Callable[[str], None] = lambda s: None):
+def build_variants(
+    base: nn.Module,
+    config: dict,
+    model_path: Path,
+    formats: List[str],
+    backend=None,
+    progress: Callable[[str], None] = lambda s: None,
+):
     """{format: (model or None, FormatResult)} sharing the base's non-ternary arrays."""
     model_class, args_class = get_classes(config, model_path)
     layers = ternary_layers(base)
     if not layers:
         raise TernaryError(f"{model_path}: the model has no ternary layers to compare")
     paths = {p for p, _ in layers}
-    rest = [(k, v) for k, v in tree_flatten(base.parameters())
-            if k.rsplit(".", 1)[0] not in paths]
-    float_dtype = next((v.dtype for _, v in rest if mx.issubdtype(v.dtype, mx.floating)
-                        and v.ndim == 1), mx.float32)  # the norms' (tables may stay float16)
+    rest = [(k, v) for k, v in tree_flatten(base.parameters()) if k.rsplit(".", 1)[0] not in paths]
+    float_dtype = next(
+        (v.dtype for _, v in rest if mx.issubdtype(v.dtype, mx.floating) and v.ndim == 1),
+        mx.float32,
+    )  # the norms' (tables may stay float16)
     out = {}
     for name in formats:
         res = FormatResult(name, loads=False)
@@ -247,15 +276,18 @@ def build_variants(base: nn.Module, config: dict, model_path: Path, formats: Lis
         estimate = sum(ceiling.linear_bytes(_shape(m), name) for _, m in layers)
         free = available_bytes()
         if not res.reason and free is not None and estimate > free:
-            res.reason = (f"needs about {estimate / 1e9:.1f} GB for its linear layers, "
-                          f"{free / 1e9:.1f} GB available")
+            res.reason = (
+                f"needs about {estimate / 1e9:.1f} GB for its linear layers, "
+                f"{free / 1e9:.1f} GB available"
+            )
         if res.reason:
             continue
         progress(f"building {name}")
         dtype = mx.bfloat16 if name == "bf16" else float_dtype
         try:
-            model, new = _assemble(model_class(args_class.from_dict(config)), layers, rest,
-                                   name, dtype, backend)
+            model, new = _assemble(
+                model_class(args_class.from_dict(config)), layers, rest, name, dtype, backend
+            )
         except (MemoryError, RuntimeError, ValueError) as e:  # e.g. an allocation refused
             res.reason = f"building it failed: {str(e).splitlines()[0]}"
             continue
@@ -283,17 +315,27 @@ def _assemble(model: nn.Module, layers, rest, name: str, dtype, backend):
     # As load() builds them: on the native backend, native attention and float16 tables.
     native = name in ("compact", "fast") and dispatch.resolve_backend(backend) == "native"
     keep = adopt(model, dict(rest)) if native else set()
-    model.load_weights([(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                         and v.dtype != dtype and k not in keep else v) for k, v in rest],
-                       strict=False)
+    model.load_weights(
+        [
+            (
+                k,
+                v.astype(dtype)
+                if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and k not in keep
+                else v,
+            )
+            for k, v in rest
+        ],
+        strict=False,
+    )
     mx.eval(model.parameters())
     model.eval()
     return model, new
 
 
 def _shape(m: TernaryLinear) -> ceiling.LinearShape:
-    return ceiling.LinearShape(m.out_features, m.in_features, tuple(m.scales.shape),
-                               m.scales.dtype.size, m.group_size)
+    return ceiling.LinearShape(
+        m.out_features, m.in_features, tuple(m.scales.shape), m.scales.dtype.size, m.group_size
+    )
 
 
 def _runs_as(name: str, new: Dict[str, nn.Module], backend) -> str:
@@ -338,8 +380,9 @@ def measure(model: nn.Module, prompt: mx.array, gen_tokens: int):
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prefill_s, n = 0.0, 0
-    for n, _ in enumerate(generate_step(prompt, model, max_tokens=gen_tokens,
-                                        prompt_cache=cache), 1):
+    for n, _ in enumerate(
+        generate_step(prompt, model, max_tokens=gen_tokens, prompt_cache=cache), 1
+    ):
         if n == 1:
             prefill_s = time.perf_counter() - tic
             tic = time.perf_counter()
@@ -373,12 +416,21 @@ def _version(pkg: str) -> str:
         return "unknown"
 
 
-def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
-              gen_tokens: int = 128, repeats: int = 3, context: Optional[int] = None,
-              bandwidth_gbs: Optional[float] = None, seed: int = 0, backend=None,
-              progress: Callable[[str], None] = lambda s: None,
-              llama_cpp: Optional[str] = None, gguf: Optional[str] = None,
-              llama_threads: Optional[int] = None) -> BenchResult:
+def run_bench(
+    model: str,
+    formats=DEFAULT_FORMATS,
+    prompt_tokens: int = 512,
+    gen_tokens: int = 128,
+    repeats: int = 3,
+    context: Optional[int] = None,
+    bandwidth_gbs: Optional[float] = None,
+    seed: int = 0,
+    backend=None,
+    progress: Callable[[str], None] = lambda s: None,
+    llama_cpp: Optional[str] = None,
+    gguf: Optional[str] = None,
+    llama_threads: Optional[int] = None,
+) -> BenchResult:
     """Build each format of `model`, time interleaved generations, and compute ceilings.
 
     Args:
@@ -402,11 +454,11 @@ def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
     """
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
-        raise TernaryError(f"unknown format(s) {', '.join(bad) or '(none)'}; choose from "
-                           f"{', '.join(FORMATS)}")
+        raise TernaryError(
+            f"unknown format(s) {', '.join(bad) or '(none)'}; choose from {', '.join(FORMATS)}"
+        )
     if prompt_tokens < 1 or gen_tokens < 2 or repeats < 1:
-        raise TernaryError("bench needs --prompt-tokens >= 1, --gen-tokens >= 2 and "
-                           "--repeats >= 1")
+        raise TernaryError("bench needs --prompt-tokens >= 1, --gen-tokens >= 2 and --repeats >= 1")
     node = llamacpp.find(llama_cpp)
     llama = _llama_row(gguf, llama_threads) if node else None
     model_path = resolve_model_path(model)
@@ -429,11 +481,18 @@ def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
         for f in order[k:] + order[:k]:
             progress(f"repeat {r + 1}/{repeats}: {f}")
             if f == LLAMA:  # a fresh node process: peak = its RSS
-                out = llamacpp.run(node, Path(gguf), threads=llama_threads or _threads(),
-                                   prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
-                                   seed=seed, vocab=vocab)
-                llama.runs += [Run(x["prefill_tps"], x["decode_tps"], out["peak_rss"])
-                               for x in out["runs"]]
+                out = llamacpp.run(
+                    node,
+                    Path(gguf),
+                    threads=llama_threads or _threads(),
+                    prompt_tokens=prompt_tokens,
+                    gen_tokens=gen_tokens,
+                    seed=seed,
+                    vocab=vocab,
+                )
+                llama.runs += [
+                    Run(x["prefill_tps"], x["decode_tps"], out["peak_rss"]) for x in out["runs"]
+                ]
                 continue
             model_, res = variants[f]
             run, kv, state = measure(model_, prompt, gen_tokens)
@@ -448,17 +507,27 @@ def run_bench(model: str, formats=DEFAULT_FORMATS, prompt_tokens: int = 512,
     elif not bandwidth_gbs:
         source = "unknown for a CPU; pass --bandwidth GB/S"
     context = context or prompt_tokens + gen_tokens
-    settings = {"formats": list(formats), "prompt_tokens": prompt_tokens,
-                "gen_tokens": gen_tokens, "repeats": repeats, "seed": seed,
-                "ceiling_context": context}
+    settings = {
+        "formats": list(formats),
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "repeats": repeats,
+        "seed": seed,
+        "ceiling_context": context,
+    }
     results = [variants[f][1] for f in formats] + ([llama] if llama is not None else [])
     apple = []
     if live:  # KV elements per token and recurrent state from a measured run's cache
         r = variants[live[0]][1]
         size = mx.bfloat16.size if r.dtype == "bfloat16" else getattr(mx, r.dtype).size
-        apple = ceiling.apple_table(shapes, list(formats), float_elements,
-                                    r.kv_bytes_per_token // size, r.state_bytes // size,
-                                    context)
+        apple = ceiling.apple_table(
+            shapes,
+            list(formats),
+            float_elements,
+            r.kv_bytes_per_token // size,
+            r.state_bytes // size,
+            context,
+        )
     return BenchResult(str(model), device, settings, results, bandwidth_gbs, source, apple)
 
 
@@ -479,8 +548,9 @@ def _llama_row(gguf: Optional[str], threads: Optional[int]) -> FormatResult:
         return res
     total, tern_bytes, tern_weights = llamacpp.gguf_bytes(Path(gguf))
     res.loads, res.dtype = True, "float32"
-    res.runs_as = (f"llama.cpp via node-llama-cpp, {threads or _threads()} threads "
-                   "(peak: process RSS)")
+    res.runs_as = (
+        f"llama.cpp via node-llama-cpp, {threads or _threads()} threads (peak: process RSS)"
+    )
     res.weight_bytes = res.read_bytes = total
     res.linear_bytes, res.linear_weights = tern_bytes, tern_weights
     return res
@@ -517,8 +587,19 @@ def _fmt_stat(s: Dict[str, float], scale: float = 1.0, digits: int = 2) -> str:
 
 def table_rows(result: BenchResult) -> List[List[str]]:
     """The measured table, header first: one row per format."""
-    rows = [["format", "loads", "runs as", "bits/w", "weights MB", "peak MB",
-             "prefill tok/s", "decode tok/s", "% of ceiling"]]
+    rows = [
+        [
+            "format",
+            "loads",
+            "runs as",
+            "bits/w",
+            "weights MB",
+            "peak MB",
+            "prefill tok/s",
+            "decode tok/s",
+            "% of ceiling",
+        ]
+    ]
     for r in result.formats:
         if not r.loads:
             rows.append([r.name, "no: " + r.reason] + [""] * 7)
@@ -526,9 +607,19 @@ def table_rows(result: BenchResult) -> List[List[str]]:
         ceil_ = result.ceiling_tps(r)
         dec = r.stat("decode_tps")
         frac = f"{100 * dec['median'] / ceil_:.0f}% of {ceil_:.1f}" if ceil_ and dec else "-"
-        rows.append([r.name, "yes", r.runs_as, f"{r.bits_per_weight:.2f}",
-                     f"{r.weight_bytes / 1e6:.1f}", _fmt_stat(r.stat("peak_bytes"), 1e-6, 1),
-                     _fmt_stat(r.stat("prefill_tps")), _fmt_stat(r.stat("decode_tps")), frac])
+        rows.append(
+            [
+                r.name,
+                "yes",
+                r.runs_as,
+                f"{r.bits_per_weight:.2f}",
+                f"{r.weight_bytes / 1e6:.1f}",
+                _fmt_stat(r.stat("peak_bytes"), 1e-6, 1),
+                _fmt_stat(r.stat("prefill_tps")),
+                _fmt_stat(r.stat("decode_tps")),
+                frac,
+            ]
+        )
     return rows
 
 
@@ -539,8 +630,9 @@ def apple_rows(result: BenchResult) -> List[List[str]]:
     formats = list(result.apple[0]["tps"])
     rows = [["chip", "GB/s"] + formats]
     for row in result.apple:
-        rows.append([row["chip"], f"{row['bandwidth_gbs']:g}"]
-                    + [f"{row['tps'][f]:.1f}" for f in formats])
+        rows.append(
+            [row["chip"], f"{row['bandwidth_gbs']:g}"] + [f"{row['tps'][f]:.1f}" for f in formats]
+        )
     return rows
 
 
@@ -582,8 +674,10 @@ def plot(result: BenchResult, path) -> None:
     ax2.set_xticks(x, names)
     ax2.set_ylabel("MB")
     ax2.legend()
-    fig.suptitle(f"{Path(result.model).name} on {result.device['device']} "
-                 f"(MLX {result.device['mlx']}, {result.device['mlx_device']})")
+    fig.suptitle(
+        f"{Path(result.model).name} on {result.device['device']} "
+        f"(MLX {result.device['mlx']}, {result.device['mlx_device']})"
+    )
     fig.tight_layout()
     fig.savefig(str(path), dpi=120)
     plt.close(fig)

@@ -41,8 +41,7 @@ class _StubKernel:
     def __init__(self):
         self._bases = {}
 
-    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes,
-                 **_):
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
         if len(output_shapes) == 1:
             return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
         key = tuple(output_shapes)
@@ -59,8 +58,12 @@ def stubbed_metal():
     """Within the block the Metal path runs with stubbed launches: Metal reported present,
     kernels built by the stub, no first-use checks (the stub's output is not real), no tuning."""
     stub = _StubKernel()
-    saved = (mx.metal.is_available, mx.fast.metal_kernel, os.environ.get(tune.ENV_TUNE),
-             cpu.available)
+    saved = (
+        mx.metal.is_available,
+        mx.fast.metal_kernel,
+        os.environ.get(tune.ENV_TUNE),
+        cpu.available,
+    )
     mx.metal.is_available = lambda: True
     mx.fast.metal_kernel = lambda **kw: stub
     cpu.available = lambda: False  # on a Mac the GPU is the default device
@@ -85,7 +88,7 @@ class HostRow:
     act: bool
     us_min: float
     us_median: float
-    ratio: float = 0.0   # us_min / nn.QuantizedLinear's us_min
+    ratio: float = 0.0  # us_min / nn.QuantizedLinear's us_min
 
 
 def _interleaved(fns: Dict[str, callable], rounds: int, calls: int) -> Dict[str, List[float]]:
@@ -111,8 +114,9 @@ def _ternary(k: int, n: int, act: bool, backend: str, train: bool = False) -> Te
     return layer
 
 
-def layer_overhead(k: int = 2560, n: int = 2560, dtype=mx.float16, rounds: int = ROUNDS,
-                   calls: int = CALLS) -> List[HostRow]:
+def layer_overhead(
+    k: int = 2560, n: int = 2560, dtype=mx.float16, rounds: int = ROUNDS, calls: int = CALLS
+) -> List[HostRow]:
     """Host µs per call of each path for one k -> n layer, one token of `dtype`.
 
     Returns rows, nn.QuantizedLinear first; ratio is against its best time.
@@ -126,15 +130,21 @@ def layer_overhead(k: int = 2560, n: int = 2560, dtype=mx.float16, rounds: int =
             layer.eval()
             mx.eval(layer(x))
     with stubbed_metal() as stub:
-        paths = {("nn.QuantizedLinear 2-bit g64", False): stock,
-                 ("stub launch alone (one MLX op)", False): lambda x_: stub(
-                     inputs=[x_], template=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                     output_shapes=[(1, 1, n)], output_dtypes=[dtype])}
+        paths = {
+            ("nn.QuantizedLinear 2-bit g64", False): stock,
+            ("stub launch alone (one MLX op)", False): lambda x_: stub(
+                inputs=[x_],
+                template=[],
+                grid=(1, 1, 1),
+                threadgroup=(1, 1, 1),
+                output_shapes=[(1, 1, n)],
+                output_dtypes=[dtype],
+            ),
+        }
         for act in (False, True):
             paths[("metal, launch stubbed", act)] = _ternary(k, n, act, "metal")
             paths[("reference", act)] = _ternary(k, n, act, "reference")
-            paths[("metal, training mode (custom VJP)", act)] = _ternary(k, n, act, "metal",
-                                                                           True)
+            paths[("metal, training mode (custom VJP)", act)] = _ternary(k, n, act, "metal", True)
         for layer in paths.values():
             if isinstance(layer, TernaryLinear) and not layer.training:
                 layer.eval()
@@ -142,8 +152,10 @@ def layer_overhead(k: int = 2560, n: int = 2560, dtype=mx.float16, rounds: int =
         fns = {key: (lambda f=f: f(x)) for key, f in paths.items()}
         times = _interleaved(fns, rounds, calls)
     base = min(times[("nn.QuantizedLinear 2-bit g64", False)])
-    return [HostRow(name, act, min(v), statistics.median(v), min(v) / base)
-            for (name, act), v in times.items()]
+    return [
+        HostRow(name, act, min(v), statistics.median(v), min(v) / base)
+        for (name, act), v in times.items()
+    ]
 
 
 def _decode_model(layers: int, act: bool):
@@ -152,9 +164,17 @@ def _decode_model(layers: int, act: bool):
 
     from ..runtime.layers import ternarize_model
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=layers,
-                           intermediate_size=512, num_attention_heads=4, rms_norm_eps=1e-5,
-                           vocab_size=512, num_key_value_heads=2, tie_word_embeddings=True)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=256,
+        num_hidden_layers=layers,
+        intermediate_size=512,
+        num_attention_heads=4,
+        rms_norm_eps=1e-5,
+        vocab_size=512,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     mx.random.seed(0)
     model = llama.Model(args)
     ternarize_model(model, packing="fast", scale="row", activation_bits=8 if act else None)
@@ -167,8 +187,8 @@ def _variant(base, name: str):
     "q4")."""
     import copy
 
-    from .formats import make_layer
     from ..runtime.layers import swap_modules, ternary_layers
+    from .formats import make_layer
 
     model = copy.deepcopy(base)
     layers = dict(ternary_layers(base))
@@ -182,8 +202,9 @@ def _variant(base, name: str):
     return model
 
 
-def decode_overhead(layers: int = 30, act: bool = True, steps: int = 8,
-                    rounds: int = 15) -> Dict[str, Dict[str, float]]:
+def decode_overhead(
+    layers: int = 30, act: bool = True, steps: int = 8, rounds: int = 15
+) -> Dict[str, Dict[str, float]]:
     """Host ms to build one decode step's graph: {variant: {"ms_min", "ms_median"}}.
 
     The step runs mlx-lm's model call with a KV cache; its evaluation is not timed.
@@ -195,12 +216,17 @@ def decode_overhead(layers: int = 30, act: bool = True, steps: int = 8,
     native_models = {}
     if cpu.available():  # planned before the stub, which hides the native backend
         native_models["native"] = _variant(base, "native")
-        mx.eval(native_models["native"](mx.array([[3]]),
-                                        cache=make_prompt_cache(native_models["native"])))
+        mx.eval(
+            native_models["native"](
+                mx.array([[3]]), cache=make_prompt_cache(native_models["native"])
+            )
+        )
         names = ("native", *names)
     with stubbed_metal():
-        models = {**native_models, **{name: _variant(base, name) for name in names
-                                      if name not in native_models}}
+        models = {
+            **native_models,
+            **{name: _variant(base, name) for name in names if name not in native_models},
+        }
         caches = {name: make_prompt_cache(m) for name, m in models.items()}
         tok = mx.array([[3]])
         for name, m in models.items():
@@ -213,40 +239,54 @@ def decode_overhead(layers: int = 30, act: bool = True, steps: int = 8,
                     y = m(tok, cache=caches[name])
                     times[name].append((time.perf_counter() - t0) * 1e3)
                     mx.eval(y)
-    return {name: {"ms_min": min(v), "ms_median": statistics.median(v)}
-            for name, v in times.items()}
+    return {
+        name: {"ms_min": min(v), "ms_median": statistics.median(v)} for name, v in times.items()
+    }
 
 
 def report(k: int = 2560, n: int = 2560, layers: int = 30, rounds: int = ROUNDS) -> dict:
     """Both measurements and the targets, as one JSON-able dict."""
     rows = layer_overhead(k, n, rounds=rounds)
-    decode = {("act" if act else "no_act"): decode_overhead(layers, act, rounds=max(5, rounds // 3))
-              for act in (False, True)}
-    return {"rounds": rounds,
-            "layer": {"in": k, "out": n, "dtype": "float16", "tokens": 1,
-                      "rows": [asdict(r) for r in rows]},
-            "decode_step": {"layers": layers, "ms": decode},
-            "targets": {"no_act": TARGETS[False], "act": TARGETS[True]},
-            "mlx": mx.__version__}
+    decode = {
+        ("act" if act else "no_act"): decode_overhead(layers, act, rounds=max(5, rounds // 3))
+        for act in (False, True)
+    }
+    return {
+        "rounds": rounds,
+        "layer": {
+            "in": k,
+            "out": n,
+            "dtype": "float16",
+            "tokens": 1,
+            "rows": [asdict(r) for r in rows],
+        },
+        "decode_step": {"layers": layers, "ms": decode},
+        "targets": {"no_act": TARGETS[False], "act": TARGETS[True]},
+        "mlx": mx.__version__,
+    }
 
 
 def lines(result: dict) -> List[str]:
     """The report as text lines (the CLI and the script print them)."""
     lay = result["layer"]
-    out = [f"host us per call, {lay['in']} -> {lay['out']}, 1 token {lay['dtype']}, "
-           f"best (median) of {result['rounds']} rounds; ratio = best / nn.QuantizedLinear's "
-           "best",
-           f"{'path':36} {'int8 x':>6} {'us':>14} {'ratio':>6} {'target':>7}"]
+    out = [
+        f"host us per call, {lay['in']} -> {lay['out']}, 1 token {lay['dtype']}, "
+        f"best (median) of {result['rounds']} rounds; ratio = best / nn.QuantizedLinear's "
+        "best",
+        f"{'path':36} {'int8 x':>6} {'us':>14} {'ratio':>6} {'target':>7}",
+    ]
     for r in lay["rows"]:
         stock = r["name"].startswith(("nn.", "stub"))
         target = "" if stock else f"<= {result['targets']['act' if r['act'] else 'no_act']}"
-        out.append(f"{r['name']:36} {('yes' if r['act'] else 'no'):>6} "
-                   f"{r['us_min']:6.2f} ({r['us_median']:5.2f}) {r['ratio']:6.2f} {target:>7}")
+        out.append(
+            f"{r['name']:36} {('yes' if r['act'] else 'no'):>6} "
+            f"{r['us_min']:6.2f} ({r['us_median']:5.2f}) {r['ratio']:6.2f} {target:>7}"
+        )
     dec = result["decode_step"]
-    out.append(f"host ms per decode token, {dec['layers']}-layer model (graph only), "
-               "best (median)")
+    out.append(f"host ms per decode token, {dec['layers']}-layer model (graph only), best (median)")
     for act, rows in dec["ms"].items():
-        cells = "  ".join(f"{name} {v['ms_min']:.2f} ({v['ms_median']:.2f})"
-                          for name, v in rows.items())
+        cells = "  ".join(
+            f"{name} {v['ms_min']:.2f} ({v['ms_median']:.2f})" for name, v in rows.items()
+        )
         out.append(f"  {'int8 x' if act == 'act' else 'float x'}: {cells}")
     return out

@@ -30,11 +30,11 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import numpy as np
 
-from . import ceiling
-from ..runtime.metal import launch
-from ..runtime import probe, reference
 from .. import format as fmt
 from ..errors import TernaryError
+from ..runtime import probe, reference
+from ..runtime.metal import launch
+from . import ceiling
 
 SHAPES = {  # name: (K in, N out)
     "2B qkv/o 2560->2560": (2560, 2560),
@@ -45,13 +45,13 @@ SHAPES = {  # name: (K in, N out)
     "wide 4096->32768": (4096, 32768),
 }
 TOKENS = (1, 2, 4, 8, 16, 64, 256, 512)
-SWEEP_TOKENS = (1, 64)        # scale modes and dtypes are swept at these token counts
+SWEEP_TOKENS = (1, 64)  # scale modes and dtypes are swept at these token counts
 SMOKE_SHAPES = {"smoke 256->96": (256, 96), "smoke 320->512": (320, 512)}
 SMOKE_TOKENS = (1, 3, 16, 64)  # one GEMV, split GEMV and GEMM each
-CHAIN = 50                    # dependent calls per timed evaluation (>= 50)
+CHAIN = 50  # dependent calls per timed evaluation (>= 50)
 TRIALS = 5
-ROTATE_BYTES = 512 * 2**20    # weights cycled per chain: well past any GPU cache
-COPY_BYTES = 256 * 2**20      # the bandwidth probe's buffer
+ROTATE_BYTES = 512 * 2**20  # weights cycled per chain: well past any GPU cache
+COPY_BYTES = 256 * 2**20  # the bandwidth probe's buffer
 STOCK_GROUP = 64
 TOL = {mx.float16: 1e-2, mx.bfloat16: 6e-2, mx.float32: 1e-3}
 
@@ -68,9 +68,9 @@ class Row:
     scale: str
     dtype: str
     variant: str
-    bytes: int                         # weights + scales (+ biases) one call reads
-    check: str = "ok"                  # "ok" or why the result was wrong
-    error: float = 0.0                 # max |y - twin| / max |twin|
+    bytes: int  # weights + scales (+ biases) one call reads
+    check: str = "ok"  # "ok" or why the result was wrong
+    error: float = 0.0  # max |y - twin| / max |twin|
     us_median: Optional[float] = None
     us_min: Optional[float] = None
     gbs: Optional[float] = None
@@ -96,17 +96,24 @@ def _layer(k: int, n: int, scale: str, dtype, seed: int = 0) -> dict:
     qs = mx.contiguous(mx.broadcast_to(wide, (n, groups)))
     from .formats import _fast_to_q4
 
-    return {"t": t, "group": g, "scales": scales, "fast": fast,
-            "compact": mx.array(pt_compact.packed), "q2": (fast, qs, -qs),
-            "q4": (_fast_to_q4(fast), qs, -qs)}
+    return {
+        "t": t,
+        "group": g,
+        "scales": scales,
+        "fast": fast,
+        "compact": mx.array(pt_compact.packed),
+        "q2": (fast, qs, -qs),
+        "q4": (_fast_to_q4(fast), qs, -qs),
+    }
 
 
 def _nbytes(arrays) -> int:
     return sum(a.nbytes for a in arrays)
 
 
-def _variants(layer: dict, k: int, n: int, m: int, act: bool, dtype, backend: str,
-              decodes: bool) -> Dict[str, tuple]:
+def _variants(
+    layer: dict, k: int, n: int, m: int, act: bool, dtype, backend: str, decodes: bool
+) -> Dict[str, tuple]:
     """{name: (make, arrays)}: make(w) -> (x -> y) for one copy w of the layer's arrays,
     with everything but x decided (so a timed chain only launches)."""
     out = {}
@@ -117,25 +124,49 @@ def _variants(layer: dict, k: int, n: int, m: int, act: bool, dtype, backend: st
         if decodes and packing == "fast" and m <= launch.MAX_GEMV_TOKENS:
             choices = list(launch.FAST_DECODES)
         for decode in choices:
+
             def make(w, packing=packing, decode=decode):
-                spec = launch.check_layer(w[0], w[1], None, packing=packing, in_features=k,
-                                             group_size=g, activation_bits=bits)
-                return launch.prepare(spec, w[0], w[1], None, dtype, shape, backend,
-                                         decode=decode)[0]
+                spec = launch.check_layer(
+                    w[0],
+                    w[1],
+                    None,
+                    packing=packing,
+                    in_features=k,
+                    group_size=g,
+                    activation_bits=bits,
+                )
+                return launch.prepare(spec, w[0], w[1], None, dtype, shape, backend, decode=decode)[
+                    0
+                ]
+
             kind = launch.choose_kernel(m)
             label = f"{packing}/{decode or (kind if kind != 'gemv' else 'default')}"
             out[label] = (make, (layer[packing], layer["scales"]))
 
     def ref(w):
-        return reference.prepare(w[0], w[1], None, packing="fast", in_features=k,
-                                 group_size=g, activation_bits=bits, dtype=dtype)
+        return reference.prepare(
+            w[0],
+            w[1],
+            None,
+            packing="fast",
+            in_features=k,
+            group_size=g,
+            activation_bits=bits,
+            dtype=dtype,
+        )
+
     out["reference (qmm + MLX act quant)" if act else "reference (qmm)"] = (
-        ref, (layer["fast"], layer["scales"]))
+        ref,
+        (layer["fast"], layer["scales"]),
+    )
     if not act:
         for bits_ in (2, 4):
+
             def stock(w, bits_=bits_):
-                return lambda x: mx.quantized_matmul(x, *w, transpose=True,
-                                                     group_size=STOCK_GROUP, bits=bits_)
+                return lambda x: mx.quantized_matmul(
+                    x, *w, transpose=True, group_size=STOCK_GROUP, bits=bits_
+                )
+
             name = "stock 2-bit g64 (same words)" if bits_ == 2 else "stock 4-bit g64"
             out[name] = (stock, layer[f"q{bits_}"])
     return out
@@ -159,15 +190,16 @@ def _glue(k: int, n: int) -> Callable[[mx.array], mx.array]:
         if n < k:
             y = mx.concatenate([y] * reps, axis=-1)
         return y[..., :k] * scale
+
     return link
 
 
-def chain_seconds(steps: List[Callable], x: mx.array, length: int,
-                  trials: int) -> List[float]:
+def chain_seconds(steps: List[Callable], x: mx.array, length: int, trials: int) -> List[float]:
     """Seconds per call of `length` dependent calls (step i % len(steps)), one evaluation each.
 
     The graph is built before the clock starts: only its evaluation is timed.
     """
+
     def build():
         y = x
         for i in range(length):
@@ -207,16 +239,35 @@ def _check(fn, x, twin) -> tuple:
     return ("ok" if err <= TOL[x.dtype] else f"error {err:.3g} > {TOL[x.dtype]:g}"), err
 
 
-def measure_point(shape: str, k: int, n: int, m: int, act: bool, scale: str, dtype,
-                  backend: str, bandwidth: Optional[float], nominal: Optional[float],
-                  decodes: bool, chain: int, trials: int, rotate_bytes: int) -> List[Row]:
+def measure_point(
+    shape: str,
+    k: int,
+    n: int,
+    m: int,
+    act: bool,
+    scale: str,
+    dtype,
+    backend: str,
+    bandwidth: Optional[float],
+    nominal: Optional[float],
+    decodes: bool,
+    chain: int,
+    trials: int,
+    rotate_bytes: int,
+) -> List[Row]:
     """All variants at one point: checked, then (if correct) timed against the same glue."""
     layer = _layer(k, n, scale, dtype)
     rng = np.random.default_rng(1)
     x = mx.array(rng.normal(size=(m, k)).astype(np.float32)).astype(dtype)
-    twin = reference.ternary_matmul(x, layer["fast"], layer["scales"], packing="fast",
-                                    in_features=k, group_size=layer["group"],
-                                    activation_bits=8 if act else None)
+    twin = reference.ternary_matmul(
+        x,
+        layer["fast"],
+        layer["scales"],
+        packing="fast",
+        in_features=k,
+        group_size=layer["group"],
+        activation_bits=8 if act else None,
+    )
     link = _glue(k, n)
     glue = None
     rows = []
@@ -234,8 +285,11 @@ def measure_point(shape: str, k: int, n: int, m: int, act: bool, scale: str, dty
         steps = [lambda y, fn=make(w): link(fn(y)) for w in _copies(arrays, copies)]
         times = chain_seconds(steps, x, chain, trials)
         if glue is None:  # the links alone: a broadcast view in place of the layer
-            glue = min(chain_seconds([lambda y: link(mx.broadcast_to(y[..., :1], (m, n)))],
-                                     x, chain, trials))
+            glue = min(
+                chain_seconds(
+                    [lambda y: link(mx.broadcast_to(y[..., :1], (m, n)))], x, chain, trials
+                )
+            )
         per_call = [max(t - glue, 1e-9) for t in times]
         row.us_median, row.us_min = statistics.median(per_call) * 1e6, min(per_call) * 1e6
         sec = row.us_min / 1e6
@@ -251,8 +305,11 @@ def measure_point(shape: str, k: int, n: int, m: int, act: bool, scale: str, dty
 
 def _against_stock(rows: List[Row]) -> None:
     """Fill vs_stock_q2: stock 2-bit's time at the same point (float x) / each row's time."""
-    stock = {(r.shape, r.m, r.scale, r.dtype): r.us_min for r in rows
-             if r.variant.startswith("stock 2-bit") and r.us_min}
+    stock = {
+        (r.shape, r.m, r.scale, r.dtype): r.us_min
+        for r in rows
+        if r.variant.startswith("stock 2-bit") and r.us_min
+    }
     for r in rows:
         base = stock.get((r.shape, r.m, r.scale, r.dtype))
         if base and r.us_min:
@@ -293,16 +350,27 @@ def context() -> dict:
     """Versions and device, which decide MLX's own kernel choices (qmv_fast/qmv_wide)."""
     info = {}
     try:
-        info = {k: (v if isinstance(v, (int, float, str)) else str(v))
-                for k, v in mx.device_info().items()}
+        info = {
+            k: (v if isinstance(v, (int, float, str)) else str(v))
+            for k, v in mx.device_info().items()
+        }
     except (RuntimeError, ValueError):
         pass
-    return {"mlx": mx.__version__, "device_info": info, "platform": platform.platform(),
-            "macos": platform.mac_ver()[0], "chip": probe.chip()}
+    return {
+        "mlx": mx.__version__,
+        "device_info": info,
+        "platform": platform.platform(),
+        "macos": platform.mac_ver()[0],
+        "chip": probe.chip(),
+    }
 
 
-def run(backend: str = "metal", quick: bool = False, bandwidth_gbs: Optional[float] = None,
-        progress: Callable[[str], None] = lambda s: None) -> dict:
+def run(
+    backend: str = "metal",
+    quick: bool = False,
+    bandwidth_gbs: Optional[float] = None,
+    progress: Callable[[str], None] = lambda s: None,
+) -> dict:
     """Measure the plan; returns a JSON-able dict (rows, bandwidths, context, settings).
 
     Raises:
@@ -311,54 +379,89 @@ def run(backend: str = "metal", quick: bool = False, bandwidth_gbs: Optional[flo
     if backend not in ("metal", "emulate"):
         raise TernaryError(f"bench --kernels runs backend 'metal' or 'emulate', not {backend!r}")
     if backend == "metal" and not mx.metal.is_available():
-        raise TernaryError("bench --kernels times the Metal kernels and needs a Mac with Metal; "
-                           "off a Mac, `--backend emulate` runs it as a smoke test (no timing)")
+        raise TernaryError(
+            "bench --kernels times the Metal kernels and needs a Mac with Metal; "
+            "off a Mac, `--backend emulate` runs it as a smoke test (no timing)"
+        )
     emulate = backend == "emulate"
     chain, trials = (2, 1) if emulate else (CHAIN, TRIALS)
     rotate = 0 if emulate else ROTATE_BYTES
     progress("measuring copy bandwidth")
-    measured = copy_bandwidth(2**20 if emulate else COPY_BYTES, 2 if emulate else 10,
-                              1 if emulate else TRIALS)
+    measured = copy_bandwidth(
+        2**20 if emulate else COPY_BYTES, 2 if emulate else 10, 1 if emulate else TRIALS
+    )
     nominal, source = (bandwidth_gbs, "--bandwidth") if bandwidth_gbs else (None, "")
     if nominal is None and not emulate:
-        nominal, source = ceiling.device_bandwidth(context()["device_info"].get(
-            "device_name", ""))
+        nominal, source = ceiling.device_bandwidth(context()["device_info"].get("device_name", ""))
     rows = []
     points = plan_points(backend, quick)
     for i, (name, k, n, m, act, scale, dtype, decodes) in enumerate(points):
-        progress(f"[{i + 1}/{len(points)}] {name} M={m} act={'int8' if act else 'off'} "
-                 f"{scale} {str(dtype).split('.')[-1]}")
-        rows += measure_point(name, k, n, m, act, scale, dtype, backend, measured, nominal,
-                              decodes, chain, trials, rotate)
+        progress(
+            f"[{i + 1}/{len(points)}] {name} M={m} act={'int8' if act else 'off'} "
+            f"{scale} {str(dtype).split('.')[-1]}"
+        )
+        rows += measure_point(
+            name,
+            k,
+            n,
+            m,
+            act,
+            scale,
+            dtype,
+            backend,
+            measured,
+            nominal,
+            decodes,
+            chain,
+            trials,
+            rotate,
+        )
     _against_stock(rows)
-    return {"backend": backend, "timing_claims": not emulate, "context": context(),
-            "copy_bandwidth_gbs": measured, "nominal_bandwidth_gbs": nominal,
-            "nominal_source": source, "chain": chain, "trials": trials,
-            "rows": [asdict(r) for r in rows]}
+    return {
+        "backend": backend,
+        "timing_claims": not emulate,
+        "context": context(),
+        "copy_bandwidth_gbs": measured,
+        "nominal_bandwidth_gbs": nominal,
+        "nominal_source": source,
+        "chain": chain,
+        "trials": trials,
+        "rows": [asdict(r) for r in rows],
+    }
 
 
 def lines(result: dict) -> List[str]:
     """The result as a text table, then the verdicts (the CLI prints these)."""
     c = result["context"]
-    out = [f"{c['chip']}, MLX {c['mlx']}, macOS {c['macos'] or '-'}; copy bandwidth "
-           f"{result['copy_bandwidth_gbs']:.1f} GB/s measured, nominal "
-           f"{result['nominal_bandwidth_gbs'] or '?'} ({result['nominal_source'] or 'unknown'})"]
+    out = [
+        f"{c['chip']}, MLX {c['mlx']}, macOS {c['macos'] or '-'}; copy bandwidth "
+        f"{result['copy_bandwidth_gbs']:.1f} GB/s measured, nominal "
+        f"{result['nominal_bandwidth_gbs'] or '?'} ({result['nominal_source'] or 'unknown'})"
+    ]
     if not result["timing_claims"]:
         out.append("EMULATED (CPU): results are checked, times are not GPU times")
-    out.append(f"{'shape':22} {'M':>4} {'x':>5} {'scale':>6} {'dtype':>8} {'variant':34} "
-               f"{'check':>6} {'us/call':>9} {'GB/s':>7} {'%meas':>6} {'TFLOPS':>7} {'q2/this':>7}")
+    out.append(
+        f"{'shape':22} {'M':>4} {'x':>5} {'scale':>6} {'dtype':>8} {'variant':34} "
+        f"{'check':>6} {'us/call':>9} {'GB/s':>7} {'%meas':>6} {'TFLOPS':>7} {'q2/this':>7}"
+    )
     for r in result["rows"]:
+
         def f(v, fmt_):
             return format(v, fmt_) if v is not None else "-"
+
         pct = f"{100 * r['of_measured']:.0f}%" if r["of_measured"] else "-"
-        out.append(f"{r['shape'][:22]:22} {r['m']:4d} {'int8' if r['act'] else 'float':>5} "
-                   f"{r['scale']:>6} {r['dtype']:>8} {r['variant'][:34]:34} "
-                   f"{'ok' if r['check'] == 'ok' else 'FAIL':>6} {f(r['us_min'], '.1f'):>9} "
-                   f"{f(r['gbs'], '.1f'):>7} {pct:>6} {f(r['tflops'], '.2f'):>7} "
-                   f"{f(r['vs_stock_q2'], '.2f'):>7}")
+        out.append(
+            f"{r['shape'][:22]:22} {r['m']:4d} {'int8' if r['act'] else 'float':>5} "
+            f"{r['scale']:>6} {r['dtype']:>8} {r['variant'][:34]:34} "
+            f"{'ok' if r['check'] == 'ok' else 'FAIL':>6} {f(r['us_min'], '.1f'):>9} "
+            f"{f(r['gbs'], '.1f'):>7} {pct:>6} {f(r['tflops'], '.2f'):>7} "
+            f"{f(r['vs_stock_q2'], '.2f'):>7}"
+        )
     failed = [r for r in result["rows"] if r["check"] != "ok"]
     for r in failed:
         out.append(f"FAILED CHECK: {r['variant']} {r['shape']} M={r['m']}: {r['check']}")
-    out.append(f"{len(result['rows']) - len(failed)} of {len(result['rows'])} results "
-               "checked against the reference twin before timing")
+    out.append(
+        f"{len(result['rows']) - len(failed)} of {len(result['rows'])} results "
+        "checked against the reference twin before timing"
+    )
     return out

@@ -70,16 +70,28 @@ def find(node_modules: Optional[str] = None) -> Optional[Path]:
     if (p / "node_modules").is_dir() and not (p / "node-llama-cpp").is_dir():
         p = p / "node_modules"
     if not (p / "node-llama-cpp" / "dist" / "index.js").exists():
-        raise TernaryError(f"{where}: no node-llama-cpp here; pass the node_modules directory "
-                           "of an `npm install node-llama-cpp` (or its parent)")
+        raise TernaryError(
+            f"{where}: no node-llama-cpp here; pass the node_modules directory "
+            "of an `npm install node-llama-cpp` (or its parent)"
+        )
     if shutil.which("node") is None:
         raise TernaryError("node is not on PATH; llama.cpp runs through node-llama-cpp")
     return p
 
 
-def run(node_modules: Path, gguf: Path, *, threads: int, prompt_tokens: int, gen_tokens: int,
-        repeats: int = 1, context: int = 0, seed: int = 0, vocab: int = 32000,
-        timeout: float = 3600) -> Dict:
+def run(
+    node_modules: Path,
+    gguf: Path,
+    *,
+    threads: int,
+    prompt_tokens: int,
+    gen_tokens: int,
+    repeats: int = 1,
+    context: int = 0,
+    seed: int = 0,
+    vocab: int = 32000,
+    timeout: float = 3600,
+) -> Dict:
     """Time llama.cpp on `gguf` in a fresh node process.
 
     Returns:
@@ -92,8 +104,18 @@ def run(node_modules: Path, gguf: Path, *, threads: int, prompt_tokens: int, gen
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "run.mjs"
         script.write_text(_RUNNER)
-        cmd = ["node", str(script), str(node_modules), str(gguf), str(threads),
-               str(prompt_tokens), str(gen_tokens), str(repeats), str(context), str(seed)]
+        cmd = [
+            "node",
+            str(script),
+            str(node_modules),
+            str(gguf),
+            str(threads),
+            str(prompt_tokens),
+            str(gen_tokens),
+            str(repeats),
+            str(context),
+            str(seed),
+        ]
         env = {**os.environ, "MLXT_VOCAB": str(vocab)}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
@@ -111,5 +133,8 @@ def gguf_bytes(gguf: Path) -> Tuple[int, int, int]:
         raise TernaryError(f"{gguf}: no such GGUF file")
     tensors = GGUFReader(str(gguf)).tensors
     tern = [t for t in tensors if t.tensor_type.name in ("TQ1_0", "TQ2_0")]
-    return (int(sum(t.n_bytes for t in tensors)), int(sum(t.n_bytes for t in tern)),
-            int(sum(t.n_elements for t in tern)))
+    return (
+        int(sum(t.n_bytes for t in tensors)),
+        int(sum(t.n_bytes for t in tern)),
+        int(sum(t.n_elements for t in tern)),
+    )

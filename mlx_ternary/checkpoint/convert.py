@@ -16,9 +16,9 @@ from typing import Callable, List, Optional, Union
 import mlx.core as mx
 import numpy as np
 
-from ..runtime import dispatch
 from ..errors import FormatError, TernaryError, read_json
 from ..format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig
+from ..runtime import dispatch
 from .hub import model_dir
 from .readers import open_source as open_path
 from .readers import with_model
@@ -28,7 +28,7 @@ from .writers import gguf as gguf_writer
 from .writers import mlx_affine as affine_writer
 from .writers.native import MAX_SHARD_BYTES, ShardWriter, native_config, write_manifest
 
-DEFAULT_PACKING = getattr(kernels, "DEFAULT_PACKING", "compact")
+DEFAULT_PACKING = getattr(dispatch, "DEFAULT_PACKING", "compact")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
@@ -65,8 +65,12 @@ class ConvertReport:
         return 8 * self.ternary_bytes / self.ternary_weights if self.ternary_weights else None
 
 
-def open_source(hf_path: Union[str, Path], packing: str = DEFAULT_PACKING,
-                revision: Optional[str] = None, group_size: int = 128) -> Source:
+def open_source(
+    hf_path: Union[str, Path],
+    packing: str = DEFAULT_PACKING,
+    revision: Optional[str] = None,
+    group_size: int = 128,
+) -> Source:
     """The Source of a directory, hub repo id or .gguf file (readers.READERS decides).
 
     Args:
@@ -76,8 +80,9 @@ def open_source(hf_path: Union[str, Path], packing: str = DEFAULT_PACKING,
     p = Path(str(hf_path)).expanduser()
     if p.is_file():
         if p.suffix != ".gguf":
-            raise TernaryError(f"{p}: a single file must be a .gguf; otherwise pass the "
-                               "model directory")
+            raise TernaryError(
+                f"{p}: a single file must be a .gguf; otherwise pass the model directory"
+            )
         return open_path(p, packing)
     return open_path(model_dir(str(hf_path), revision), packing, group_size)
 
@@ -99,15 +104,31 @@ def _float(arr: mx.array, dtype) -> mx.array:
     return arr
 
 
-def _ternary_tensors(name: str, item: PackedTernary, report: ConvertReport, written: dict,
-                     *, packing, q_bits, q_group_size, dequantize, dtype):
+def _ternary_tensors(
+    name: str,
+    item: PackedTernary,
+    report: ConvertReport,
+    written: dict,
+    *,
+    packing,
+    q_bits,
+    q_group_size,
+    dequantize,
+    dtype,
+):
     """The tensors one ternary layer becomes, with its round-trip error recorded."""
     ref = item.dequantize(np.float32)
     if q_bits or dequantize:
-        tensors = (affine_writer.affine_tensors(name, item, q_bits, q_group_size, dtype)
-                   if q_bits else affine_writer.dequantized(name, item, dtype))
-        back = (mx.dequantize(*(t for _, t in tensors), group_size=q_group_size,
-                              bits=q_bits) if q_bits else tensors[0][1])
+        tensors = (
+            affine_writer.affine_tensors(name, item, q_bits, q_group_size, dtype)
+            if q_bits
+            else affine_writer.dequantized(name, item, dtype)
+        )
+        back = (
+            mx.dequantize(*(t for _, t in tensors), group_size=q_group_size, bits=q_bits)
+            if q_bits
+            else tensors[0][1]
+        )
         back = np.array(back.astype(mx.float32))
         kind = f"affine {q_bits}-bit g{q_group_size}" if q_bits else "float"
     else:
@@ -118,13 +139,13 @@ def _ternary_tensors(name: str, item: PackedTernary, report: ConvertReport, writ
         written.setdefault("groups", set()).add(pt.group_size)
         report.ternary_bytes += pt.nbytes
     report.ternary_weights += item.out_features * item.in_features
-    report.tensors.append(TensorReport(name, kind, _max_err(back, ref),
-                                       getattr(item, "note", "")))
+    report.tensors.append(TensorReport(name, kind, _max_err(back, ref), getattr(item, "note", "")))
     return tensors
 
 
-def _affine_tensors(name: str, at: AffineTensor, report: ConvertReport, written: dict,
-                    *, dequantize, dtype):
+def _affine_tensors(
+    name: str, at: AffineTensor, report: ConvertReport, written: dict, *, dequantize, dtype
+):
     """An affine layer stays quantized (its three arrays as stored), or becomes floats
     with -d; the layer is recorded for the quantization block."""
     if dequantize:
@@ -132,13 +153,26 @@ def _affine_tensors(name: str, at: AffineTensor, report: ConvertReport, written:
         return [(f"{name}.weight", at.dequantize(dtype or at.scales.dtype))]
     written.setdefault("affine", {})[name] = at.entry
     report.tensors.append(TensorReport(name, f"affine {at.bits}-bit g{at.group_size} (kept)"))
-    return [(f"{name}.weight", at.weight), (f"{name}.scales", at.scales),
-            (f"{name}.biases", at.biases)]
+    return [
+        (f"{name}.weight", at.weight),
+        (f"{name}.scales", at.scales),
+        (f"{name}.biases", at.biases),
+    ]
 
 
-def _write_tensors(source: Source, out: Path, report: ConvertReport, *, packing: str,
-                   q_bits: Optional[int], q_group_size: int, dequantize: bool, dtype,
-                   max_shard_bytes: int, progress: Optional[Progress]) -> dict:
+def _write_tensors(
+    source: Source,
+    out: Path,
+    report: ConvertReport,
+    *,
+    packing: str,
+    q_bits: Optional[int],
+    q_group_size: int,
+    dequantize: bool,
+    dtype,
+    max_shard_bytes: int,
+    progress: Optional[Progress],
+) -> dict:
     """Stream every item of `source` into shards in `out`.
 
     Returns {"groups": ternary scale groups written, "affine": {path: entry} kept}.
@@ -149,12 +183,21 @@ def _write_tensors(source: Source, out: Path, report: ConvertReport, *, packing:
     for name, item in source.items():
         check.item(name, item)
         if isinstance(item, PackedTernary):
-            tensors = _ternary_tensors(name, item, report, written, packing=packing,
-                                       q_bits=q_bits, q_group_size=q_group_size,
-                                       dequantize=dequantize, dtype=dtype)
+            tensors = _ternary_tensors(
+                name,
+                item,
+                report,
+                written,
+                packing=packing,
+                q_bits=q_bits,
+                q_group_size=q_group_size,
+                dequantize=dequantize,
+                dtype=dtype,
+            )
         elif isinstance(item, AffineTensor):
-            tensors = _affine_tensors(name, item, report, written, dequantize=dequantize,
-                                      dtype=dtype)
+            tensors = _affine_tensors(
+                name, item, report, written, dequantize=dequantize, dtype=dtype
+            )
         else:
             arr = _float(item, dtype)
             err = _max_err(arr, item) if arr.dtype != item.dtype else 0.0
@@ -173,12 +216,18 @@ def _write_tensors(source: Source, out: Path, report: ConvertReport, *, packing:
 def _quantization(source: Source, packing: str, written: dict) -> QuantizationConfig:
     groups = written.get("groups", set()) - {None}
     if len(groups) > 1:
-        raise FormatError(f"{source.path}: layers use scale groups of {sorted(groups)} "
-                          "columns; the native format holds one group size per model")
+        raise FormatError(
+            f"{source.path}: layers use scale groups of {sorted(groups)} "
+            "columns; the native format holds one group size per model"
+        )
     g = groups.pop() if groups else None
-    return QuantizationConfig(packing=packing, scale="group" if g else "row", group_size=g,
-                              activation_bits=source.activation_bits,
-                              layers=written.get("affine", {}))
+    return QuantizationConfig(
+        packing=packing,
+        scale="group" if g else "row",
+        group_size=g,
+        activation_bits=source.activation_bits,
+        layers=written.get("affine", {}),
+    )
 
 
 def _mx(a) -> mx.array:
@@ -219,12 +268,21 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = None,
-                   q_group_size: int = 64, packing: str = DEFAULT_PACKING,
-                   dtype: Optional[str] = None, dequantize: bool = False,
-                   to_gguf=None, gguf_type: str = "TQ2_0", force: bool = False,
-                   max_shard_bytes: int = MAX_SHARD_BYTES,
-                   progress: Optional[Progress] = None) -> ConvertReport:
+def convert_source(
+    source: Source,
+    mlx_path=None,
+    *,
+    q_bits: Optional[int] = None,
+    q_group_size: int = 64,
+    packing: str = DEFAULT_PACKING,
+    dtype: Optional[str] = None,
+    dequantize: bool = False,
+    to_gguf=None,
+    gguf_type: str = "TQ2_0",
+    force: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: Optional[Progress] = None,
+) -> ConvertReport:
     """Write an opened Source (see `convert` for the arguments)."""
     source = with_model(source)
     if packing not in PACKINGS:
@@ -232,16 +290,19 @@ def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = Non
     if dtype is not None and dtype not in DTYPES:
         raise TernaryError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if (mlx_path is None) == (to_gguf is None):
-        raise TernaryError("give exactly one destination: mlx_path (--mlx-path) or to_gguf "
-                           "(--to-gguf)")
+        raise TernaryError(
+            "give exactly one destination: mlx_path (--mlx-path) or to_gguf (--to-gguf)"
+        )
     if q_bits and dequantize:
         raise TernaryError("-q/--q-bits and -d/--dequantize exclude each other")
     if q_bits:
         affine_writer.check_args(q_bits, q_group_size)
         if source.config.get("model_type") == "bitnet" or is_hadamard(source.config):
-            raise TernaryError(f"{source.path}: mlx-lm's {source.config['model_type']} class "
-                               "has no stock quantized layers to load an affine checkpoint "
-                               "into; convert to the native format instead")
+            raise TernaryError(
+                f"{source.path}: mlx-lm's {source.config['model_type']} class "
+                "has no stock quantized layers to load an affine checkpoint "
+                "into; convert to the native format instead"
+            )
     mx_dtype = DTYPES.get(dtype)
     dst = Path(to_gguf if to_gguf is not None else mlx_path).expanduser()
     if (dst.exists() or dst.is_symlink()) and not force:
@@ -261,22 +322,37 @@ def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = Non
             _write_gguf(source, tmp, gguf_type, mx_dtype, report, progress)
         else:
             tmp.mkdir()
-            written = _write_tensors(source, tmp, report, packing=packing, q_bits=q_bits,
-                                     q_group_size=q_group_size, dequantize=dequantize,
-                                     dtype=mx_dtype, max_shard_bytes=max_shard_bytes,
-                                     progress=progress)
+            written = _write_tensors(
+                source,
+                tmp,
+                report,
+                packing=packing,
+                q_bits=q_bits,
+                q_group_size=q_group_size,
+                dequantize=dequantize,
+                dtype=mx_dtype,
+                max_shard_bytes=max_shard_bytes,
+                progress=progress,
+            )
             if q_bits or dequantize:
-                config = (affine_writer.affine_config(source.config, q_bits, q_group_size,
-                                                      written.get("affine", {}))
-                          if q_bits else dict(source.config))
-                (tmp / "README.md").write_text(affine_writer.model_card(
-                    source.path.name, source.kind, q_bits, q_group_size,
-                    source.activation_bits))
+                config = (
+                    affine_writer.affine_config(
+                        source.config, q_bits, q_group_size, written.get("affine", {})
+                    )
+                    if q_bits
+                    else dict(source.config)
+                )
+                (tmp / "README.md").write_text(
+                    affine_writer.model_card(
+                        source.path.name, source.kind, q_bits, q_group_size, source.activation_bits
+                    )
+                )
                 if source.activation_bits:
                     report.notes.append(
                         f"the source quantizes activations to int{source.activation_bits}; "
                         "stock mlx-lm does not, so this checkpoint matches the ternary model "
-                        "with activation quantization off (stated in its README.md)")
+                        "with activation quantization off (stated in its README.md)"
+                    )
             else:
                 config = native_config(source.config, _quantization(source, packing, written))
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -289,8 +365,14 @@ def convert_source(source: Source, mlx_path=None, *, q_bits: Optional[int] = Non
     return report
 
 
-def _write_gguf(source: Source, tmp: Path, qtype: str, dtype, report: ConvertReport,
-                progress: Optional[Progress]) -> None:
+def _write_gguf(
+    source: Source,
+    tmp: Path,
+    qtype: str,
+    dtype,
+    report: ConvertReport,
+    progress: Optional[Progress],
+) -> None:
     gguf_writer.check_config(source.config)
     tok_json, tok_cfg = source.tokenizer_files.get("tokenizer.json"), {}
     if source.tokenizer_dir is not None:
@@ -318,18 +400,37 @@ def _write_gguf(source: Source, tmp: Path, qtype: str, dtype, report: ConvertRep
         if progress:
             progress(name, done[0], source.count)
 
-    gguf_writer.write(tmp, source.config, items(), qtype, tok_json, tok_cfg, on_tensor,
-                      activation_bits=source.activation_bits)
+    gguf_writer.write(
+        tmp,
+        source.config,
+        items(),
+        qtype,
+        tok_json,
+        tok_cfg,
+        on_tensor,
+        activation_bits=source.activation_bits,
+    )
     check.finish()
 
 
-def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: int = 64, *,
-            packing: Optional[str] = None, dtype: Optional[str] = None,
-            dequantize: bool = False, to_gguf=None, gguf_type: str = "TQ2_0",
-            force: bool = False, revision: Optional[str] = None, group_size: int = 128,
-            activation_bits: Optional[int] = None,
-            max_shard_bytes: int = MAX_SHARD_BYTES,
-            progress: Optional[Progress] = None) -> ConvertReport:
+def convert(
+    hf_path,
+    mlx_path=None,
+    q_bits: Optional[int] = None,
+    q_group_size: int = 64,
+    *,
+    packing: Optional[str] = None,
+    dtype: Optional[str] = None,
+    dequantize: bool = False,
+    to_gguf=None,
+    gguf_type: str = "TQ2_0",
+    force: bool = False,
+    revision: Optional[str] = None,
+    group_size: int = 128,
+    activation_bits: Optional[int] = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: Optional[Progress] = None,
+) -> ConvertReport:
     """Convert a ternary checkpoint to the native format, stock MLX, or GGUF.
 
     Reads the native format, Hugging Face BitNet (packed, both scale semantics, or float
@@ -371,15 +472,29 @@ def convert(hf_path, mlx_path=None, q_bits: Optional[int] = None, q_group_size: 
     if dst is not None and Path(dst).expanduser().exists() and not force:
         raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
     if activation_bits not in (None, 0, 8):
-        raise TernaryError(f"activation_bits must be 8, 0 (none) or None (as the source says), "
-                           f"got {activation_bits!r}")
-    source = open_source(hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing,
-                         revision, group_size)
+        raise TernaryError(
+            f"activation_bits must be 8, 0 (none) or None (as the source says), "
+            f"got {activation_bits!r}"
+        )
+    source = open_source(
+        hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing, revision, group_size
+    )
     if activation_bits is not None:
         source.activation_bits = activation_bits or None
-        source.notes.append(f"activation quantization set by the caller: "
-                            f"{'int8' if activation_bits else 'none'}")
-    return convert_source(source, mlx_path, q_bits=q_bits, q_group_size=q_group_size,
-                          packing=packing, dtype=dtype, dequantize=dequantize,
-                          to_gguf=to_gguf, gguf_type=gguf_type, force=force,
-                          max_shard_bytes=max_shard_bytes, progress=progress)
+        source.notes.append(
+            f"activation quantization set by the caller: {'int8' if activation_bits else 'none'}"
+        )
+    return convert_source(
+        source,
+        mlx_path,
+        q_bits=q_bits,
+        q_group_size=q_group_size,
+        packing=packing,
+        dtype=dtype,
+        dequantize=dequantize,
+        to_gguf=to_gguf,
+        gguf_type=gguf_type,
+        force=force,
+        max_shard_bytes=max_shard_bytes,
+        progress=progress,
+    )

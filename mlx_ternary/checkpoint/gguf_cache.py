@@ -47,8 +47,11 @@ def cache_dir(path: Path) -> Path:
     return cache_root() / f"{path.stem}-{_path_key(path)}-{_content_key(path)}"
 
 
-def native_dir(path: Path, notify: Optional[Callable[[str], None]] = None,
-               progress: Optional[Callable[[str, int, int], None]] = None) -> Path:
+def native_dir(
+    path: Path,
+    notify: Optional[Callable[[str], None]] = None,
+    progress: Optional[Callable[[str, int, int], None]] = None,
+) -> Path:
     """The native-format directory for a GGUF file, converting it on first use.
 
     Args:
@@ -62,8 +65,10 @@ def native_dir(path: Path, notify: Optional[Callable[[str], None]] = None,
     if (out / "config.json").is_file():
         return out
     if notify:
-        notify(f"{path}: converting the GGUF file to mlx-ternary's format once, into {out} "
-               "(later runs load it from there)")
+        notify(
+            f"{path}: converting the GGUF file to mlx-ternary's format once, into {out} "
+            "(later runs load it from there)"
+        )
     try:
         convert(str(path), out, progress=progress)
     except TernaryError:

@@ -69,13 +69,24 @@ ARCHITECTURES = {
     "qwen2": Arch("qwen2", "qwen2", False, {**COMMON_NAMES, **QKV_BIAS_NAMES}),
     "qwen3": Arch("qwen3", "qwen3", False, {**COMMON_NAMES, **QK_NORM_NAMES}),
     # mainline llama.cpp (convert_hf_to_gguf BitnetModel): silu unless hidden_activation
-    "bitnet": Arch("bitnet", "bitnet", False, {**COMMON_NAMES, **BITNET_NAMES},
-                   always_tied=True),
+    "bitnet": Arch("bitnet", "bitnet", False, {**COMMON_NAMES, **BITNET_NAMES}, always_tied=True),
     # bitnet.cpp (microsoft/BitNet's fork): BitNet b1.58 2B4T, relu2 always
-    "bitnet-b1.58": Arch("bitnet-b1.58", "bitnet", False, {**COMMON_NAMES, **BITNET_NAMES},
-                         hidden_act="relu2", always_tied=True),
-    "bitnet-25": Arch("bitnet-25", "bitnet", False, {**COMMON_NAMES, **BITNET_NAMES},
-                      hidden_act="relu2", always_tied=True),
+    "bitnet-b1.58": Arch(
+        "bitnet-b1.58",
+        "bitnet",
+        False,
+        {**COMMON_NAMES, **BITNET_NAMES},
+        hidden_act="relu2",
+        always_tied=True,
+    ),
+    "bitnet-25": Arch(
+        "bitnet-25",
+        "bitnet",
+        False,
+        {**COMMON_NAMES, **BITNET_NAMES},
+        hidden_act="relu2",
+        always_tied=True,
+    ),
 }
 # mlx-lm model_type -> the GGUF architecture the writer emits
 WRITE_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "bitnet": "bitnet"}
@@ -134,12 +145,18 @@ def rotary_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 # The split patterns, as Hugging Face tokenizer.json files spell them.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -163,13 +180,28 @@ PRE_TOKENIZERS = {
 }
 # Other names llama.cpp gives the same splitting (its llama-vocab.cpp groups them).
 PRE_ALIASES = {
-    **dict.fromkeys(("llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-                     "lfm2"), "llama-bpe"),
-    **dict.fromkeys(("phi-2", "mpt", "olmo", "jais", "trillion", "jina-es", "jina-de",
-                     "jina-v2-es", "jina-v2-de", "jina-v2-code"), "gpt-2"),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"), "llama-bpe"
+    ),
+    **dict.fromkeys(
+        (
+            "phi-2",
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "jina-es",
+            "jina-de",
+            "jina-v2-es",
+            "jina-v2-de",
+            "jina-v2-code",
+        ),
+        "gpt-2",
+    ),
     **dict.fromkeys(("stablelm2", "hunyuan", "deepseek-r1-qwen", "megrez"), "qwen2"),
-    **dict.fromkeys(("starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-                    "smollm"),
+    **dict.fromkeys(
+        ("starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"), "smollm"
+    ),
 }
 # Order in which the writer tries them against a tokenizer's own pre-tokenizer.
 PRE_DETECT_ORDER = ("gpt-2", "llama-bpe", "qwen2", "qwen35", "smollm", "falcon")
@@ -185,4 +217,5 @@ def hf_pre_tokenizer(pre: PreTokenizer):
 
     return pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in pre.splits]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )

@@ -7,17 +7,25 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from ..runtime import dispatch
 from ..errors import TernaryError
 from ..format import PACKINGS, AffineTensor, PackedTernary
-from .hub import model_dir
+from ..runtime import dispatch
 from ..runtime.cpu import layers as native_layers
-from ..runtime.layers import HadamardTernaryLinear, QuantizedEmbedding, TernaryLinear, affine_layer, model_quantization, replacement, ternary_layers
-from .readers import gguf, open_source
-from .readers.arch import Checker, hadamard_paths
-from .readers.arch import get_classes, normalize_config, read_config  # noqa: F401 (re-exported)
-from .readers.common import Source
+from ..runtime.layers import (
+    HadamardTernaryLinear,
+    QuantizedEmbedding,
+    TernaryLinear,
+    affine_layer,
+    model_quantization,
+    replacement,
+    ternary_layers,
+)
 from ..runtime.shard import make_shardable
+from .hub import model_dir
+from .readers import gguf, open_source
+from .readers.arch import Checker, get_classes, hadamard_paths, normalize_config, read_config  # noqa: F401 (re-exported)
+from .readers.common import Source
+
 
 def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
     """A local model directory: the directory itself, a .gguf file's converted copy in the
@@ -59,8 +67,9 @@ def read_layers(source: Source, model: nn.Module, *, backend: Optional[str] = No
         if isinstance(item, PackedTernary):
             kw = dict(block=blocks[name]) if name in blocks else {}
             cls = HadamardTernaryLinear if name in blocks else TernaryLinear
-            layers[name] = cls.from_packed(item, activation_bits=source.activation_bits,
-                                           backend=backend, **kw)
+            layers[name] = cls.from_packed(
+                item, activation_bits=source.activation_bits, backend=backend, **kw
+            )
             if source.targets[name][2]:  # its bias arrives as its own tensor
                 layers[name].bias = mx.zeros((item.out_features,))
             layers[name] = replacement(modules[name], layers[name])
@@ -72,8 +81,14 @@ def read_layers(source: Source, model: nn.Module, *, backend: Optional[str] = No
     return weights, layers
 
 
-def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
-               backend: Optional[str] = None, lazy: bool = False) -> Tuple[nn.Module, dict]:
+def load_model(
+    model_path: Path,
+    *,
+    dtype=None,
+    packing: Optional[str] = None,
+    backend: Optional[str] = None,
+    lazy: bool = False,
+) -> Tuple[nn.Module, dict]:
     """Build mlx-lm's model class for the checkpoint with ternary layers swapped in.
 
     Args:
@@ -92,13 +107,21 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
     weights, layers = read_layers(source, model, backend=backend)
     model.update_modules(tree_unflatten(list(layers.items())))
     # Native CPU backend: native attention; embeddings / output layer stay float16/bfloat16.
-    keep = (native_layers.adopt(model, weights, dtype)
-            if dispatch.resolve_backend(backend) == "native" else set())
+    keep = (
+        native_layers.adopt(model, weights, dtype)
+        if dispatch.resolve_backend(backend) == "native"
+        else set()
+    )
     dtype = dtype or default_dtype()
     if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating)
-                   and not k.endswith((".scales", ".biases")) and k not in keep else v
-                   for k, v in weights.items()}
+        weights = {
+            k: v.astype(dtype)
+            if mx.issubdtype(v.dtype, mx.floating)
+            and not k.endswith((".scales", ".biases"))
+            and k not in keep
+            else v
+            for k, v in weights.items()
+        }
         for _, m in model.named_modules():  # quantized embeddings give rows in `dtype`
             if isinstance(m, QuantizedEmbedding):
                 m.out_dtype = dtype
@@ -116,10 +139,18 @@ def load_model(model_path: Path, *, dtype=None, packing: Optional[str] = None,
     return make_shardable(model), config  # model.shard(group) knows TernaryLinear
 
 
-def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
-         dtype=None, packing: Optional[str] = None, backend: Optional[str] = None,
-         lazy: bool = False, revision: Optional[str] = None, return_config: bool = False,
-         adapter_path: Optional[str] = None):
+def load(
+    path_or_hf_repo: str,
+    *,
+    tokenizer_config: Optional[dict] = None,
+    dtype=None,
+    packing: Optional[str] = None,
+    backend: Optional[str] = None,
+    lazy: bool = False,
+    revision: Optional[str] = None,
+    return_config: bool = False,
+    adapter_path: Optional[str] = None,
+):
     """Load a ternary model as an mlx-lm model plus mlx-lm's TokenizerWrapper.
 
     Reads every format `convert` reads (readers.READERS, in that order): the native
@@ -149,17 +180,19 @@ def load(path_or_hf_repo: str, *, tokenizer_config: Optional[dict] = None,
     from mlx_lm.utils import load_tokenizer
 
     model_path = resolve_model_path(path_or_hf_repo, revision)
-    model, config = load_model(model_path, dtype=dtype, packing=packing, backend=backend,
-                               lazy=lazy)
+    model, config = load_model(model_path, dtype=dtype, packing=packing, backend=backend, lazy=lazy)
     if adapter_path is not None:
         from ..runtime.adapters import load_adapters
 
         load_adapters(model, adapter_path)
         model.eval()
     try:
-        tokenizer = load_tokenizer(model_path, tokenizer_config,
-                                   eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(
+            model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
+        )
     except (OSError, ValueError) as e:
-        raise TernaryError(f"{model_path}: cannot load the tokenizer ({e}); the directory needs "
-                           "tokenizer.json or tokenizer.model with tokenizer_config.json") from None
+        raise TernaryError(
+            f"{model_path}: cannot load the tokenizer ({e}); the directory needs "
+            "tokenizer.json or tokenizer.model with tokenizer_config.json"
+        ) from None
     return (model, tokenizer, config) if return_config else (model, tokenizer)

@@ -52,11 +52,15 @@ def _check_manifest(path: Path, report: VerifyReport) -> None:
         if not f.is_file():
             report.problems.append(f"{f}: listed in {MANIFEST_FILE} but missing")
         elif f.stat().st_size != meta["size"]:
-            report.problems.append(f"{f}: {f.stat().st_size} bytes, the manifest says "
-                                   f"{meta['size']}; re-download or re-convert it")
+            report.problems.append(
+                f"{f}: {f.stat().st_size} bytes, the manifest says "
+                f"{meta['size']}; re-download or re-convert it"
+            )
         elif sha256_file(f) != meta["sha256"]:
-            report.problems.append(f"{f}: sha256 differs from the manifest; the file is "
-                                   "corrupt: re-download or re-convert it")
+            report.problems.append(
+                f"{f}: sha256 differs from the manifest; the file is "
+                "corrupt: re-download or re-convert it"
+            )
         report.files += 1
 
 
@@ -65,10 +69,15 @@ def _stock_model(path: Path, config: dict, names) -> nn.Module:
     model = model_class(args_class.from_dict(config))
     q = config.get("quantization")
     if q:  # as mlx-lm's load does: a layer's own entry wins over the global one
-        nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
-                    mode=q.get("mode", "affine"),
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized")
-                    and f"{p}.scales" in names and q.get(p, True))
+        nn.quantize(
+            model,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: (
+                hasattr(m, "to_quantized") and f"{p}.scales" in names and q.get(p, True)
+            ),
+        )
     return model
 
 

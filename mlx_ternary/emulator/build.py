@@ -81,9 +81,7 @@ def _digest(*parts) -> str:
 
 @lru_cache(maxsize=1)
 def _header_bytes() -> bytes:
-    return b"".join(
-        (CSRC / name).read_bytes() for name in ("metal_compat.h", "emu_abi.h")
-    )
+    return b"".join((CSRC / name).read_bytes() for name in ("metal_compat.h", "emu_abi.h"))
 
 
 def _compile(source_path: Path, out_path: Path, flags: list[str], what: str) -> None:
@@ -103,7 +101,7 @@ def _trim(stderr: str, limit: int = 60) -> str:
     lines = [l for l in stderr.splitlines() if "In instantiation of" not in l]
     errors = [i for i, l in enumerate(lines) if "error" in l]
     if errors:
-        lines = lines[max(0, errors[0] - 2):]
+        lines = lines[max(0, errors[0] - 2) :]
     return "\n".join(lines[:limit])
 
 
@@ -115,7 +113,9 @@ def runtime() -> ctypes.CDLL:
             return _runtime
         flags = list(_RUNTIME_FLAGS)
         if os.environ.get("MLX_TERNARY_EMULATOR_UCONTEXT") == "1":
-            flags.append("-DEMU_USE_UCONTEXT")  # the portable fiber switch, for testing it on x86-64
+            flags.append(
+                "-DEMU_USE_UCONTEXT"
+            )  # the portable fiber switch, for testing it on x86-64
         src = (CSRC / "runtime.cpp").read_bytes()
         key = _digest(src, _header_bytes(), flags, _compiler_id(compiler()))
         path = cache_dir() / f"libmtlemu_rt-{key}.so"

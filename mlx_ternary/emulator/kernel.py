@@ -48,7 +48,14 @@ _ATTRIBUTE_EXPRESSIONS = {
 
 _SCHEDULES = {"forward": 0, "reverse": 1}
 _STRICT_SIMD = 2
-_COUNTER_NAMES = ("threadgroups", "threads", "simd_ops", "divergent_simd_ops", "barriers", "switches")
+_COUNTER_NAMES = (
+    "threadgroups",
+    "threads",
+    "simd_ops",
+    "divergent_simd_ops",
+    "barriers",
+    "switches",
+)
 _BUF_DEVICE, _BUF_CONSTANT = 0, 1
 _BUF_ALIGN = 64  # bytes: where the emulator puts a buffer that is not aligned already
 
@@ -133,7 +140,7 @@ def _aligned_copy(view: np.ndarray) -> np.ndarray:
     """A copy of a contiguous array at an aligned address: Metal buffers start aligned, and
     a kernel's 16-byte vector loads (float4) compile to aligned host moves."""
     raw, start = _aligned_raw(view.nbytes)
-    out = raw[start:start + view.nbytes].view(view.dtype).reshape(view.shape)
+    out = raw[start : start + view.nbytes].view(view.dtype).reshape(view.shape)
     out[...] = view
     return out
 
@@ -218,8 +225,15 @@ class MetalKernel:
 
     def _signature(self, kernel_name, inputs, output_dtypes, template) -> str:
         return signature.write_signature(
-            kernel_name, self.header, self.source, self.input_names, inputs,
-            self.output_names, output_dtypes, template, self.atomic_outputs,
+            kernel_name,
+            self.header,
+            self.source,
+            self.input_names,
+            inputs,
+            self.output_names,
+            output_dtypes,
+            template,
+            self.atomic_outputs,
         )
 
     def metal_source(self, inputs, output_dtypes, template=None) -> str:
@@ -266,7 +280,9 @@ class MetalKernel:
         if len(grid) != 3 or len(threadgroup) != 3:
             raise ValueError("[metal_kernel] grid and threadgroup must be 3-tuples.")
         if any(g < 0 for g in grid) or any(t <= 0 for t in threadgroup):
-            raise ValueError(f"[metal_kernel] grid {grid} must be >= 0 and threadgroup {threadgroup} > 0.")
+            raise ValueError(
+                f"[metal_kernel] grid {grid} must be >= 0 and threadgroup {threadgroup} > 0."
+            )
         tg_size = threadgroup[0] * threadgroup[1] * threadgroup[2]
         if tg_size > _MAX_THREADS_PER_THREADGROUP:
             raise ValueError(
@@ -280,9 +296,13 @@ class MetalKernel:
                 )
         for dtype in output_dtypes:
             if dtype not in _NUMPY_TYPES:
-                raise ValueError(f"[metal_kernel] The emulator does not support output dtype {dtype}.")
+                raise ValueError(
+                    f"[metal_kernel] The emulator does not support output dtype {dtype}."
+                )
         if self.schedule not in _SCHEDULES:
-            raise ValueError(f"schedule must be one of {sorted(_SCHEDULES)}, got {self.schedule!r}.")
+            raise ValueError(
+                f"schedule must be one of {sorted(_SCHEDULES)}, got {self.schedule!r}."
+            )
 
     def _bind_inputs(self, binding: _Binding, inputs) -> None:
         infos = signature.shape_infos(self.input_names, self.source)
@@ -299,20 +319,26 @@ class MetalKernel:
             kind = _BUF_CONSTANT if arr.size < signature.MAX_CONSTANT_ARRAY_SIZE else _BUF_DEVICE
             binding.buffer(view, name, kind, "const " + ctype)
             if has_shape:
-                binding.buffer(np.array(arr.shape, np.int32), name + "_shape", _BUF_CONSTANT, "const int")
+                binding.buffer(
+                    np.array(arr.shape, np.int32), name + "_shape", _BUF_CONSTANT, "const int"
+                )
             if has_strides:
                 strides = [s // view.itemsize for s in view.strides]
-                binding.buffer(np.array(strides, np.int64), name + "_strides", _BUF_CONSTANT, "const int64_t")
+                binding.buffer(
+                    np.array(strides, np.int64), name + "_strides", _BUF_CONSTANT, "const int64_t"
+                )
             if has_ndim:
                 binding.scalar(np.array(arr.ndim, np.int32), "int")
 
-    def _bind_outputs(self, binding: _Binding, output_shapes, output_dtypes, init_value) -> list[np.ndarray]:
+    def _bind_outputs(
+        self, binding: _Binding, output_shapes, output_dtypes, init_value
+    ) -> list[np.ndarray]:
         views = []
         for name, shape, dtype in zip(self.output_names, output_shapes, output_dtypes):
             np_type = _NUMPY_TYPES[dtype]
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_type).itemsize
             raw, start = _aligned_raw(nbytes)
-            view = raw[start:start + nbytes].view(np_type)
+            view = raw[start : start + nbytes].view(np_type)
             if init_value is not None:
                 view[...] = _fill_value(init_value, dtype)
             elif os.environ.get("MLX_TERNARY_EMULATOR_POISON", "1") != "0":
@@ -360,8 +386,10 @@ class MetalKernel:
         inputs = [_to_array(x) for x in inputs]
         kernel_name = signature.kernel_name(self.name, inputs, output_dtypes, template)
         if verbose:
-            print(f"Generated source code for `{self.name}`:\n```\n"
-                  f"{self.metal_source(inputs, output_dtypes, template)}\n```")
+            print(
+                f"Generated source code for `{self.name}`:\n```\n"
+                f"{self.metal_source(inputs, output_dtypes, template)}\n```"
+            )
 
         binding = _Binding()
         self._bind_inputs(binding, inputs)
@@ -395,10 +423,21 @@ class MetalKernel:
 
         t0 = time.perf_counter()
         rc = build.runtime().emu_launch(
-            ctypes.cast(lib.emu_kernel_entry, ctypes.c_void_p), self.name.encode(),
-            ctypes.addressof(grid_arr), ctypes.addressof(tg_arr), n, ctypes.addressof(bufs),
-            ctypes.addressof(scalars), _num_workers(), mode, stack, ctypes.addressof(read),
-            ctypes.addressof(written), ctypes.addressof(counters), error, len(error),
+            ctypes.cast(lib.emu_kernel_entry, ctypes.c_void_p),
+            self.name.encode(),
+            ctypes.addressof(grid_arr),
+            ctypes.addressof(tg_arr),
+            n,
+            ctypes.addressof(bufs),
+            ctypes.addressof(scalars),
+            _num_workers(),
+            mode,
+            stack,
+            ctypes.addressof(read),
+            ctypes.addressof(written),
+            ctypes.addressof(counters),
+            error,
+            len(error),
         )
         seconds = time.perf_counter() - t0
 
@@ -406,7 +445,11 @@ class MetalKernel:
         for i, name in enumerate(binding.names):
             self.last_stats[name] = {"read": read[i], "written": written[i]}
         self.last_launch = LaunchInfo(
-            kernel_name, grid, threadgroup, seconds, str(cpp_path),
+            kernel_name,
+            grid,
+            threadgroup,
+            seconds,
+            str(cpp_path),
             **{k: counters[i] for i, k in enumerate(_COUNTER_NAMES)},
         )
         if rc != 0:
@@ -447,8 +490,14 @@ def metal_kernel(
         ValueError: output_names is empty.
     """
     return MetalKernel(
-        name, input_names, output_names, source, header,
-        ensure_row_contiguous, atomic_outputs, compile_options,
+        name,
+        input_names,
+        output_names,
+        source,
+        header,
+        ensure_row_contiguous,
+        atomic_outputs,
+        compile_options,
     )
 
 

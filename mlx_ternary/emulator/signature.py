@@ -79,7 +79,10 @@ def kernel_name(name: str, inputs, output_dtypes, template) -> str:
     input type gets "s" when 0-d and "c" when in the constant space."""
     result = "custom_kernel_" + name
     if template:
-        result += "_" + write_template(template).replace("<", "_").replace(">", "_").replace(", ", "_")[:-1]
+        result += (
+            "_"
+            + write_template(template).replace("<", "_").replace(">", "_").replace(", ", "_")[:-1]
+        )
     for arr in inputs:
         result += "_" + type_string(arr.dtype)
         if arr.ndim == 0:
@@ -97,7 +100,10 @@ def attributes_used(source: str) -> list[tuple[str, str]]:
 
 def shape_infos(input_names, source: str) -> list[tuple[bool, bool, bool]]:
     """Per input: does the body use <name>_shape, _strides, _ndim."""
-    return [(n + "_shape" in source, n + "_strides" in source, n + "_ndim" in source) for n in input_names]
+    return [
+        (n + "_shape" in source, n + "_strides" in source, n + "_ndim" in source)
+        for n in input_names
+    ]
 
 
 def write_signature(
@@ -117,12 +123,16 @@ def write_signature(
     if template:
         params = []
         for pname, arg in template:
-            kind = "bool" if isinstance(arg, bool) else "int" if isinstance(arg, int) else "typename"
+            kind = (
+                "bool" if isinstance(arg, bool) else "int" if isinstance(arg, int) else "typename"
+            )
             params.append(f"{kind} {pname}")
         src += "template <" + ", ".join(params) + ">\n"
     src += f"[[kernel]] void {name}(\n"
     index = 0
-    for iname, arr, (has_shape, has_strides, has_ndim) in zip(input_names, inputs, shape_infos(input_names, source)):
+    for iname, arr, (has_shape, has_strides, has_ndim) in zip(
+        input_names, inputs, shape_infos(input_names, source)
+    ):
         location = "constant" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "device"
         ref = "&" if arr.ndim == 0 else "*"
         src += f"  const {location} {type_string(arr.dtype)}{ref} {iname} [[buffer({index})]],\n"

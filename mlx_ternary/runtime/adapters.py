@@ -25,8 +25,14 @@ mlx_linear_to_lora_layers = tuner.linear_to_lora_layers
 
 def _default_keys(model: nn.Module) -> Set[str]:
     """The block-relative paths mlx-lm's converter picks when the config names no keys."""
-    kinds = (nn.Linear, nn.QuantizedLinear, SwitchLinear, QuantizedSwitchLinear,
-             nn.Embedding, nn.QuantizedEmbedding)
+    kinds = (
+        nn.Linear,
+        nn.QuantizedLinear,
+        SwitchLinear,
+        QuantizedSwitchLinear,
+        nn.Embedding,
+        nn.QuantizedEmbedding,
+    )
     keys = set()
     for block in model.layers:
         for path, m in block.named_modules():
@@ -41,28 +47,37 @@ def _ternary_dora(model: nn.Module, num_layers: int, keys: Set[str], config: dic
 
     def convert(path, m):
         if isinstance(m, FusedTernaryLinear):
-            raise ValueError(f"{path}: a split-output (fused) layer does not support DoRA; "
-                             "use LoRA")
-        return TernaryDoRALinear.from_base(m, r=config["rank"], scale=config["scale"],
-                                           dropout=config["dropout"])
+            raise ValueError(
+                f"{path}: a split-output (fused) layer does not support DoRA; use LoRA"
+            )
+        return TernaryDoRALinear.from_base(
+            m, r=config["rank"], scale=config["scale"], dropout=config["dropout"]
+        )
 
     used = set()
-    for block in model.layers[-max(num_layers, 0):]:
-        new = [(k, convert(k, m)) for k, m in block.named_modules()
-               if k in keys and isinstance(m, TernaryLinear)]
+    for block in model.layers[-max(num_layers, 0) :]:
+        new = [
+            (k, convert(k, m))
+            for k, m in block.named_modules()
+            if k in keys and isinstance(m, TernaryLinear)
+        ]
         used.update(k for k, _ in new)
         if new:
             block.update_modules(tree_unflatten(new))
-    new = [(k, convert(k, m)) for k, m in model.named_modules()
-           if k in keys and isinstance(m, TernaryLinear)]
+    new = [
+        (k, convert(k, m))
+        for k, m in model.named_modules()
+        if k in keys and isinstance(m, TernaryLinear)
+    ]
     used.update(k for k, _ in new)
     if new:
         model.update_modules(tree_unflatten(new))
     return used
 
 
-def linear_to_lora_layers(model: nn.Module, num_layers: int, config: Dict,
-                          use_dora: bool = False) -> None:
+def linear_to_lora_layers(
+    model: nn.Module, num_layers: int, config: Dict, use_dora: bool = False
+) -> None:
     """mlx-lm's `linear_to_lora_layers`, with DoRA on ternary layers as well.
 
     Same arguments, key rules and result as mlx_lm.tuner.utils.linear_to_lora_layers;
@@ -91,28 +106,37 @@ def load_adapters(model: nn.Module, adapter_path) -> nn.Module:
     config_file, weights_file = path / "adapter_config.json", path / "adapters.safetensors"
     for f in (config_file, weights_file):
         if not f.is_file():
-            raise TernaryError(f"{f}: not found; --adapter-path takes the directory "
-                               "`mlx_lm.lora` (or `mlx-ternary lm lora`) saved the adapter in")
+            raise TernaryError(
+                f"{f}: not found; --adapter-path takes the directory "
+                "`mlx_lm.lora` (or `mlx-ternary lm lora`) saved the adapter in"
+            )
     config = read_json(config_file)
     kind = config.get("fine_tune_type", "lora")
     if kind not in ("lora", "dora"):
-        raise TernaryError(f"{config_file}: fine_tune_type {kind!r}; a ternary base loads "
-                           "LoRA or DoRA adapters (its packed weights are not trained)")
+        raise TernaryError(
+            f"{config_file}: fine_tune_type {kind!r}; a ternary base loads "
+            "LoRA or DoRA adapters (its packed weights are not trained)"
+        )
     for field in ("num_layers", "lora_parameters"):
         if field not in config:
             raise FormatError(f"{config_file}: no {field} field; is it mlx-lm's adapter config?")
-    linear_to_lora_layers(model, config["num_layers"], config["lora_parameters"],
-                          use_dora=kind == "dora")
+    linear_to_lora_layers(
+        model, config["num_layers"], config["lora_parameters"], use_dora=kind == "dora"
+    )
     weights = mx.load(str(weights_file))
     params = dict(tree_flatten(model.parameters()))
     for name, w in weights.items():
         if name.rsplit(".", 1)[-1] not in ADAPTER_LEAVES or name not in params:
-            raise FormatError(f"{weights_file}: tensor {name} is not an adapter parameter of "
-                              "this model; was the adapter trained on another model?")
+            raise FormatError(
+                f"{weights_file}: tensor {name} is not an adapter parameter of "
+                "this model; was the adapter trained on another model?"
+            )
         if tuple(w.shape) != tuple(params[name].shape):
-            raise FormatError(f"{weights_file}: tensor {name} has shape {tuple(w.shape)}, the "
-                              f"model's is {tuple(params[name].shape)}; was the adapter "
-                              "trained on another model?")
+            raise FormatError(
+                f"{weights_file}: tensor {name} has shape {tuple(w.shape)}, the "
+                f"model's is {tuple(params[name].shape)}; was the adapter "
+                "trained on another model?"
+            )
     model.load_weights(list(weights.items()), strict=False)
     return model
 

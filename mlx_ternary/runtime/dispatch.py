@@ -22,10 +22,10 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from .metal import launch
-from . import cpu, probe, reference, tune
 from ..errors import TernaryError
 from ..format import CODES_PER_WORD
+from . import cpu, probe, reference, tune
+from .metal import launch
 
 BACKENDS = ("metal", "emulate", "native", "reference")
 ENV_BACKEND = "MLX_TERNARY_BACKEND"
@@ -60,9 +60,11 @@ def resolve_backend(backend: Optional[str] = None) -> str:
             "Metal sources on the CPU)"
         )
     if backend == "native" and not cpu.available():
-        raise TernaryError(f"the native CPU backend was requested but is unavailable: "
-                           f"{cpu.unavailable_reason()}; unset ${ENV_BACKEND} or use "
-                           "backend='reference'")
+        raise TernaryError(
+            f"the native CPU backend was requested but is unavailable: "
+            f"{cpu.unavailable_reason()}; unset ${ENV_BACKEND} or use "
+            "backend='reference'"
+        )
     return backend
 
 
@@ -76,8 +78,7 @@ def host_matmul(backend: str) -> Callable:
         return cpu.ternary_matmul
     if backend == "reference":
         return reference.ternary_matmul
-    raise TernaryError(f"backend {backend!r} has no host matmul; expected 'native' or "
-                       "'reference'")
+    raise TernaryError(f"backend {backend!r} has no host matmul; expected 'native' or 'reference'")
 
 
 def with_input_gradient(run: Callable, grad_x: Callable) -> Callable:
@@ -98,21 +99,36 @@ class LayerPlan:
     any of them is replaced (mlx-lm's load_weights/update) or a setting changes.
     """
 
-    def __init__(self, packed: mx.array, scales: mx.array, bias: Optional[mx.array], *,
-                 packing: str, in_features: int, group_size: Optional[int],
-                 activation_bits: Optional[int], backend: Optional[str] = None):
+    def __init__(
+        self,
+        packed: mx.array,
+        scales: mx.array,
+        bias: Optional[mx.array],
+        *,
+        packing: str,
+        in_features: int,
+        group_size: Optional[int],
+        activation_bits: Optional[int],
+        backend: Optional[str] = None,
+    ):
         self.packed, self.scales, self.bias = packed, scales, bias
         self.packing, self.k, self.n = packing, in_features, packed.shape[0]
         self.group_size, self.activation_bits = group_size, activation_bits
         self.backend = resolve_backend(backend)
-        self.calls = {}        # (x shape, dtype) -> x -> y, inference
+        self.calls = {}  # (x shape, dtype) -> x -> y, inference
         self.train_calls = {}  # the same, differentiable w.r.t. x
-        self._affine = {}      # dtype -> reference.qmm_affine(...)
+        self._affine = {}  # dtype -> reference.qmm_affine(...)
         self.spec = None
         if self.backend in ("metal", "emulate"):
-            self.spec = launch.check_layer(packed, scales, bias, packing=packing,
-                                              in_features=in_features, group_size=group_size,
-                                              activation_bits=activation_bits)
+            self.spec = launch.check_layer(
+                packed,
+                scales,
+                bias,
+                packing=packing,
+                in_features=in_features,
+                group_size=group_size,
+                activation_bits=activation_bits,
+            )
 
     def __deepcopy__(self, memo):
         # A copied layer gets copied arrays, so it plans again (kernels, dtypes and
@@ -140,35 +156,49 @@ class LayerPlan:
     def host_call(self, dtype) -> Callable:
         """x -> y on the host backend (the reference twin on Metal): exact on every device."""
         backend = self.backend if self.backend not in ("metal", "emulate") else "reference"
-        args = dict(packing=self.packing, in_features=self.k, group_size=self.group_size,
-                    activation_bits=self.activation_bits)
+        args = dict(
+            packing=self.packing,
+            in_features=self.k,
+            group_size=self.group_size,
+            activation_bits=self.activation_bits,
+        )
         if backend == "reference" and dtype in launch.FLOAT_DTYPES:
             affine = self.affine(dtype) if self.packing == "fast" else None
-            return reference.prepare(self.packed, self.scales, self.bias, **args, dtype=dtype,
-                                     affine=affine)
+            return reference.prepare(
+                self.packed, self.scales, self.bias, **args, dtype=dtype, affine=affine
+            )
         fn, packed, scales, bias = host_matmul(backend), self.packed, self.scales, self.bias
         return lambda x: fn(x, packed, scales, bias, **args)
 
     def grad_x(self, g: mx.array) -> mx.array:
         """g @ W: the input gradient (the straight-through estimator's, with int8 x too)."""
         affine = self.affine(g.dtype) if self.packing == "fast" else None
-        return reference.input_grad(g, self.packed, self.scales, packing=self.packing,
-                                    in_features=self.k, group_size=self.group_size,
-                                    affine=affine)
+        return reference.input_grad(
+            g,
+            self.packed,
+            self.scales,
+            packing=self.packing,
+            in_features=self.k,
+            group_size=self.group_size,
+            affine=affine,
+        )
 
     def tune_key(self, dtype, m: int) -> str:
         spec = self.spec
-        return (f"{spec.packing}/{spec.n}x{spec.k}/scale{spec.mode}/g{spec.group_size or 0}/"
-                f"act{int(spec.act)}/bias{int(spec.has_bias)}/{str(dtype).split('.')[-1]}/"
-                f"m{m if m <= launch.MAX_GEMV_TOKENS else 'gemm'}")
+        return (
+            f"{spec.packing}/{spec.n}x{spec.k}/scale{spec.mode}/g{spec.group_size or 0}/"
+            f"act{int(spec.act)}/bias{int(spec.has_bias)}/{str(dtype).split('.')[-1]}/"
+            f"m{m if m <= launch.MAX_GEMV_TOKENS else 'gemm'}"
+        )
 
     def _kernel_call(self, dtype, shape: tuple) -> Optional[Callable]:
         """The prepared kernel launches, or None where the reference path must run."""
         spec = self.spec
         if spec is None or not spec.fits_kernels or dtype not in launch.FLOAT_DTYPES:
             return None
-        run, variant = launch.prepare(spec, self.packed, self.scales, self.bias, dtype,
-                                         shape, self.backend)
+        run, variant = launch.prepare(
+            spec, self.packed, self.scales, self.bias, dtype, shape, self.backend
+        )
         if self.backend != "metal":
             return run
         m = _tokens(shape)
@@ -176,8 +206,9 @@ class LayerPlan:
             return None
         if spec.packing == "fast" and tune.enabled():
             x = mx.random.normal(shape, key=mx.random.key(m)).astype(dtype)
-            choice = tune.choose(self.tune_key(dtype, m),
-                                 {"kernel": run, "stock": self.host_call(dtype)}, x)
+            choice = tune.choose(
+                self.tune_key(dtype, m), {"kernel": run, "stock": self.host_call(dtype)}, x
+            )
             if choice == "stock":
                 return None
         return run
@@ -221,10 +252,18 @@ def _empty(x: mx.array, n: int) -> mx.array:
     return mx.zeros((*x.shape[:-1], n), dtype=x.dtype)
 
 
-def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
-                   bias: Optional[mx.array] = None, *, packing: str, in_features: int,
-                   group_size: Optional[int] = None, activation_bits: Optional[int] = None,
-                   backend: Optional[str] = None) -> mx.array:
+def ternary_matmul(
+    x: mx.array,
+    packed: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array] = None,
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int] = None,
+    activation_bits: Optional[int] = None,
+    backend: Optional[str] = None,
+) -> mx.array:
     """y = act_quant(x) @ (s * t).T + bias for a packed ternary weight, one call.
 
     Plans and runs once; TernaryLinear keeps its plan between calls instead.
@@ -247,6 +286,14 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
         TernaryError: an unknown or unavailable backend.
         ValueError: (Metal kernels) shapes or dtypes that break a kernel's rule.
     """
-    plan = LayerPlan(packed, scales, bias, packing=packing, in_features=in_features,
-                     group_size=group_size, activation_bits=activation_bits, backend=backend)
+    plan = LayerPlan(
+        packed,
+        scales,
+        bias,
+        packing=packing,
+        in_features=in_features,
+        group_size=group_size,
+        activation_bits=activation_bits,
+        backend=backend,
+    )
     return plan(x)

@@ -9,10 +9,17 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import format as fmt
 from . import dispatch, reference
+from .cpu.layers import HalfEmbedding, HalfLinear
 
 # Settings a launch plan depends on besides the arrays; assigning one drops the plan.
-_PLAN_SETTINGS = ("packing", "in_features", "out_features", "group_size", "activation_bits",
-                  "backend")
+_PLAN_SETTINGS = (
+    "packing",
+    "in_features",
+    "out_features",
+    "group_size",
+    "activation_bits",
+    "backend",
+)
 
 
 class TernaryLinear(nn.Module):
@@ -40,10 +47,19 @@ class TernaryLinear(nn.Module):
     w.r.t. x with BitNet's straight-through estimator: grad_x = g @ (s * t).
     """
 
-    def __init__(self, input_dims: int, output_dims: int, bias: bool = False, *,
-                 packing: str = "compact", scale: str = "row",
-                 group_size: Optional[int] = None, scale_dtype=mx.float32,
-                 activation_bits: Optional[int] = None, backend: Optional[str] = None):
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        bias: bool = False,
+        *,
+        packing: str = "compact",
+        scale: str = "row",
+        group_size: Optional[int] = None,
+        scale_dtype=mx.float32,
+        activation_bits: Optional[int] = None,
+        backend: Optional[str] = None,
+    ):
         super().__init__()
         self.__dict__["_plan"] = None
         self.in_features = input_dims
@@ -61,13 +77,26 @@ class TernaryLinear(nn.Module):
             self.bias = mx.zeros((output_dims,))
 
     @classmethod
-    def from_packed(cls, pt: fmt.PackedTernary, bias: Optional[mx.array] = None,
-                    activation_bits: Optional[int] = None,
-                    backend: Optional[str] = None, **kwargs) -> "TernaryLinear":
+    def from_packed(
+        cls,
+        pt: fmt.PackedTernary,
+        bias: Optional[mx.array] = None,
+        activation_bits: Optional[int] = None,
+        backend: Optional[str] = None,
+        **kwargs,
+    ) -> "TernaryLinear":
         """A layer holding `pt` (its arrays are used as they are: lazy ones stay lazy)."""
-        layer = cls(pt.in_features, pt.out_features, bias is not None, packing=pt.packing,
-                    scale=pt.scale, group_size=pt.group_size,
-                    activation_bits=activation_bits, backend=backend, **kwargs)
+        layer = cls(
+            pt.in_features,
+            pt.out_features,
+            bias is not None,
+            packing=pt.packing,
+            scale=pt.scale,
+            group_size=pt.group_size,
+            activation_bits=activation_bits,
+            backend=backend,
+            **kwargs,
+        )
         layer.packed = _mx(pt.packed)
         layer.scales = _mx(pt.scales)
         if bias is not None:
@@ -75,9 +104,14 @@ class TernaryLinear(nn.Module):
         return layer
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, packing: str = "compact", scale: str = "tensor",
-                    group_size: Optional[int] = None,
-                    activation_bits: Optional[int] = None) -> "TernaryLinear":
+    def from_linear(
+        cls,
+        linear: nn.Module,
+        packing: str = "compact",
+        scale: str = "tensor",
+        group_size: Optional[int] = None,
+        activation_bits: Optional[int] = None,
+    ) -> "TernaryLinear":
         """Absmean-ternarize a float nn.Linear (BitNet b1.58 at `scale` granularity)."""
         t, s = fmt.ternarize(np.array(linear.weight.astype(mx.float32)), scale, group_size)
         pt = fmt.PackedTernary.from_trits(t, s, packing, group_size)
@@ -87,8 +121,14 @@ class TernaryLinear(nn.Module):
         scales = self.scales
         if scales.dtype == mx.bfloat16:
             scales = scales.astype(mx.float32)
-        return fmt.PackedTernary(self.packing, np.array(self.packed), np.array(scales),
-                                 self.out_features, self.in_features, self.group_size)
+        return fmt.PackedTernary(
+            self.packing,
+            np.array(self.packed),
+            np.array(scales),
+            self.out_features,
+            self.in_features,
+            self.group_size,
+        )
 
     @property
     def scale(self) -> str:
@@ -152,10 +192,16 @@ class TernaryLinear(nn.Module):
         """This layer's launch plan: made on first use, again after any change."""
         plan = self.__dict__.get("_plan")
         if plan is None:
-            plan = dispatch.LayerPlan(self["packed"], self["scales"], self.get("bias"),
-                                     packing=self.packing, in_features=self.in_features,
-                                     group_size=self.group_size,
-                                     activation_bits=self.activation_bits, backend=self.backend)
+            plan = dispatch.LayerPlan(
+                self["packed"],
+                self["scales"],
+                self.get("bias"),
+                packing=self.packing,
+                in_features=self.in_features,
+                group_size=self.group_size,
+                activation_bits=self.activation_bits,
+                backend=self.backend,
+            )
             # Not kept when the arrays are a trace's placeholders (mlx-lm compiles its
             # training step with the parameters as inputs, and MLX swaps them in and out
             # of the module without __setitem__): a kept plan would outlive the trace.
@@ -164,13 +210,15 @@ class TernaryLinear(nn.Module):
         return plan
 
     def reads_affine(self) -> bool:
-        """Whether this layer's calls read the reference path's MLX affine arrays
-        (`_fast_affine`): a fast-packed layer on the reference backend."""
+        """Whether this layer's calls read the reference path's MLX affine arrays: a
+        fast-packed layer on the reference backend."""
         return self.packing == "fast" and self.plan().backend == "reference"
 
-    def _fast_affine(self, dtype):
-        """The reference fast path's MLX affine (scales, biases, group) for `dtype`."""
-        return self.plan().affine(dtype)
+    def runtime_arrays(self, dtype) -> list:
+        """The arrays this layer's calls read besides its parameters, for activations of
+        `dtype`: the reference fast path's affine scales and biases (built on first use,
+        shared between layers where equal); none on the Metal and native backends."""
+        return list(self.plan().affine(dtype)[:2]) if self.reads_affine() else []
 
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._plan or self.plan()
@@ -179,9 +227,11 @@ class TernaryLinear(nn.Module):
         return (fn or plan.plan_call(x, training))(x)
 
     def _extra_repr(self) -> str:
-        return (f"input_dims={self.in_features}, output_dims={self.out_features}, "
-                f"packing={self.packing}, scale={self.scale}, "
-                f"activation_bits={self.activation_bits}, bias={'bias' in self}")
+        return (
+            f"input_dims={self.in_features}, output_dims={self.out_features}, "
+            f"packing={self.packing}, scale={self.scale}, "
+            f"activation_bits={self.activation_bits}, bias={'bias' in self}"
+        )
 
 
 class HadamardTernaryLinear(TernaryLinear):
@@ -191,8 +241,9 @@ class HadamardTernaryLinear(TernaryLinear):
     Parameters: packed, scales (as TernaryLinear) and signs (K,) float32 of +-1.
     """
 
-    def __init__(self, input_dims: int, output_dims: int, bias: bool = False, *,
-                 block: int = 0, **kwargs):
+    def __init__(
+        self, input_dims: int, output_dims: int, bias: bool = False, *, block: int = 0, **kwargs
+    ):
         super().__init__(input_dims, output_dims, bias, **kwargs)
         self.block = block
         if block:
@@ -226,8 +277,9 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         s, b = self["scales"][x], self["biases"][x]
         if self.out_dtype is not None:
             s, b = s.astype(self.out_dtype), b.astype(self.out_dtype)
-        return mx.dequantize(self["weight"][x], s, b, group_size=self.group_size,
-                             bits=self.bits, mode=self.mode)
+        return mx.dequantize(
+            self["weight"][x], s, b, group_size=self.group_size, bits=self.bits, mode=self.mode
+        )
 
 
 def affine_layer(module: nn.Module, at: fmt.AffineTensor, name: str = "layer") -> nn.Module:
@@ -237,14 +289,15 @@ def affine_layer(module: nn.Module, at: fmt.AffineTensor, name: str = "layer") -
         ValueError: `module` is not a Linear or Embedding (nothing to quantize).
     """
     if not isinstance(module, (nn.Linear, nn.Embedding)):
-        raise ValueError(f"{name}: a {type(module).__name__} cannot hold an affine-quantized "
-                         "weight (only Linear and Embedding layers can)")
+        raise ValueError(
+            f"{name}: a {type(module).__name__} cannot hold an affine-quantized "
+            "weight (only Linear and Embedding layers can)"
+        )
     n, k = at.shape
     if isinstance(module, nn.Embedding):
         layer = QuantizedEmbedding(n, k, group_size=at.group_size, bits=at.bits)
     else:
-        layer = nn.QuantizedLinear(k, n, "bias" in module, group_size=at.group_size,
-                                   bits=at.bits)
+        layer = nn.QuantizedLinear(k, n, "bias" in module, group_size=at.group_size, bits=at.bits)
         if "bias" in module:
             layer.bias = module.bias
     layer.weight, layer.scales, layer.biases = at.weight, at.scales, at.biases
@@ -256,10 +309,17 @@ class FusedTernaryLinear(TernaryLinear):
 
     @classmethod
     def from_ternary(cls, layer: TernaryLinear, indices) -> "FusedTernaryLinear":
-        fused = cls(layer.in_features, layer.out_features, "bias" in layer,
-                    packing=layer.packing, scale=layer.scale, group_size=layer.group_size,
-                    scale_dtype=layer.scales.dtype, activation_bits=layer.activation_bits,
-                    backend=layer.backend)
+        fused = cls(
+            layer.in_features,
+            layer.out_features,
+            "bias" in layer,
+            packing=layer.packing,
+            scale=layer.scale,
+            group_size=layer.group_size,
+            scale_dtype=layer.scales.dtype,
+            activation_bits=layer.activation_bits,
+            backend=layer.backend,
+        )
         fused.packed, fused.scales = layer.packed, layer.scales
         if "bias" in layer:
             fused.bias = layer.bias
@@ -353,16 +413,24 @@ def swap_modules(model: nn.Module, make: Callable[[str, nn.Module], Optional[nn.
     return model
 
 
-def ternarize_model(model: nn.Module, packing: str = "compact", scale: str = "tensor",
-                    group_size: Optional[int] = None, activation_bits: Optional[int] = None,
-                    skip=("lm_head",)) -> nn.Module:
+def ternarize_model(
+    model: nn.Module,
+    packing: str = "compact",
+    scale: str = "tensor",
+    group_size: Optional[int] = None,
+    activation_bits: Optional[int] = None,
+    skip=("lm_head",),
+) -> nn.Module:
     """Swap the float Linear layers of `linear_paths` (except `skip`) for absmean-ternarized
     TernaryLinear layers; what mlx-lm's quantize_model leaves float stays float."""
     paths = linear_paths(model)
 
     def make(path, m):
-        if (path in paths and isinstance(m, nn.Linear)
-                and not any(path.split(".")[-1] == s for s in skip)):
+        if (
+            path in paths
+            and isinstance(m, nn.Linear)
+            and not any(path.split(".")[-1] == s for s in skip)
+        ):
             return TernaryLinear.from_linear(m, packing, scale, group_size, activation_bits)
         return None
 
@@ -382,10 +450,37 @@ def model_quantization(model: nn.Module) -> fmt.QuantizationConfig:
     # A layer narrower than one group has row-shaped scales: take the group from any layer.
     groups = {m.group_size for m in layers if m.group_size}
     group = max(groups) if groups else None
-    affine = {p: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
-              for p, m in model.named_modules()
-              if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedEmbedding)}
+    affine = {
+        p: {"group_size": m.group_size, "bits": m.bits, "mode": m.mode}
+        for p, m in model.named_modules()
+        if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedEmbedding)
+    }
     # (not mlx-lm's own subclasses)
-    return fmt.QuantizationConfig(packing=first.packing,
-                                  scale="group" if group else first.scale, group_size=group,
-                                  activation_bits=first.activation_bits, layers=affine)
+    return fmt.QuantizationConfig(
+        packing=first.packing,
+        scale="group" if group else first.scale,
+        group_size=group,
+        activation_bits=first.activation_bits,
+        layers=affine,
+    )
+
+
+def activation_dtype(model: nn.Module):
+    """The float dtype activations (and the KV cache) run in: the embedding's (float32
+    where the native backend keeps a float16 table and widens what it looks up)."""
+    for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(m, (HalfEmbedding, HalfLinear)):
+            return mx.float32
+        for _, a in tree_flatten(m.parameters()):
+            if mx.issubdtype(a.dtype, mx.floating) and a.ndim == 2:
+                return a.dtype
+    return mx.float32
+
+
+def materialize(model: nn.Module, dtype=None) -> None:
+    """Evaluate the model's weights and its ternary layers' runtime arrays on this thread
+    (for activations of `dtype`, default the model's), so a thread that runs the model
+    later finds no lazy graph built on this thread's stream."""
+    mx.eval(model.parameters())
+    dtype = dtype or activation_dtype(model)
+    mx.eval([a for _, layer in ternary_layers(model) for a in layer.runtime_arrays(dtype)])

@@ -11,8 +11,8 @@ import mlx.nn as nn
 from mlx_lm.models.afm7 import FusedLoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 
-from . import reference
 from ..errors import TernaryError
+from . import reference
 
 FUSE_REFUSAL = (
     "the base model is ternary: folding a LoRA/DoRA update into weights in {-1, 0, +1} "
@@ -40,8 +40,9 @@ class TernaryLoRALinear(LoRALinear):
 
     @staticmethod
     def from_base(linear, r: int = 8, dropout: float = 0.0, scale: float = 20.0):
-        lora = TernaryLoRALinear(linear.in_features, linear.out_features, r=r,
-                                 dropout=dropout, scale=scale)
+        lora = TernaryLoRALinear(
+            linear.in_features, linear.out_features, r=r, dropout=dropout, scale=scale
+        )
         lora.linear = linear
         return lora
 
@@ -58,8 +59,9 @@ class FusedTernaryLoRALinear(FusedLoRALinear):
 
     @staticmethod
     def from_base(linear, r: int = 8, dropout: float = 0.0, scale: float = 20.0):
-        lora = FusedTernaryLoRALinear(linear.input_dims, linear.output_dims, r=r,
-                                      dropout=dropout, scale=scale)
+        lora = FusedTernaryLoRALinear(
+            linear.input_dims, linear.output_dims, r=r, dropout=dropout, scale=scale
+        )
         lora.linear = linear
         return lora
 
@@ -87,7 +89,7 @@ class TernaryDoRALinear(nn.Module):
         self.dropout = nn.Dropout(p=dropout)
         self.scale = scale
         k, n = linear.in_features, linear.out_features
-        bound = 1 / k ** 0.5
+        bound = 1 / k**0.5
         self.lora_a = mx.random.uniform(low=-bound, high=bound, shape=(k, r))
         self.lora_b = mx.zeros(shape=(r, n))
         base_sq = mx.square(linear.dequantize(mx.float32)).sum(axis=1)  # (N,)
@@ -99,15 +101,20 @@ class TernaryDoRALinear(nn.Module):
         """W @ a for a (K, r): the ternary matmul of a.T, without activation quantization."""
         lin = self.linear
         return reference.ternary_matmul(
-            a.T, lin.packed, lin.scales, packing=lin.packing, in_features=lin.in_features,
-            group_size=lin.group_size).T
+            a.T,
+            lin.packed,
+            lin.scales,
+            packing=lin.packing,
+            in_features=lin.in_features,
+            group_size=lin.group_size,
+        ).T
 
     def _adapted_norm(self) -> mx.array:
         a = mx.stop_gradient(self.lora_a).astype(mx.float32)
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
         cross = (self._weight_times(a) * b.T).sum(axis=1)  # <W_n, (A @ B).T_n>
         low = ((a.T @ a) @ b * b).sum(axis=0)  # ||(A @ B).T_n||^2
-        sq = self._base_sq + 2 * self.scale * cross + self.scale ** 2 * low
+        sq = self._base_sq + 2 * self.scale * cross + self.scale**2 * low
         return mx.sqrt(mx.maximum(sq, 0.0))
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import format as fmt
-from .metal import launch
 from . import reference
+from .metal import launch
 
 # Max |kernel - twin| / max |twin| a probe accepts, per activation dtype: the output's own
 # rounding plus the offset decode (docs/KERNELS.md), with room for another summation order.
@@ -26,7 +26,7 @@ PROBE_TOL = {mx.float32: 1e-3, mx.float16: 1e-2, mx.bfloat16: 6e-2}
 PROBE_ROWS = 24
 PROBE_TOKENS_GEMM = 70  # two 64-token tiles, the second partial
 
-_STATUS: Dict[tuple, bool] = {}   # variant -> passed
+_STATUS: Dict[tuple, bool] = {}  # variant -> passed
 _FAILURES: Dict[tuple, str] = {}  # variant -> why
 _trusted = False
 
@@ -85,11 +85,20 @@ def _probe_layer(spec: launch.LayerSpec, n: int, k: int, seed: int = 0):
     pt = fmt.PackedTernary.from_trits(t, s.astype(np.float32), spec.packing, spec.group_size)
     packed = mx.array(pt.packed)
     scales = mx.array(s.astype(np.float32)).astype(spec.scale_dtype)
-    bias = (mx.array(rng.normal(size=(n,)).astype(np.float32)).astype(spec.bias_dtype)
-            if spec.has_bias else None)
-    small = launch.check_layer(packed, scales, bias, packing=spec.packing, in_features=k,
-                                  group_size=spec.group_size,
-                                  activation_bits=8 if spec.act else None)
+    bias = (
+        mx.array(rng.normal(size=(n,)).astype(np.float32)).astype(spec.bias_dtype)
+        if spec.has_bias
+        else None
+    )
+    small = launch.check_layer(
+        packed,
+        scales,
+        bias,
+        packing=spec.packing,
+        in_features=k,
+        group_size=spec.group_size,
+        activation_bits=8 if spec.act else None,
+    )
     return small, packed, scales, bias
 
 
@@ -98,17 +107,22 @@ def _run_probe(spec, dtype, m, backend, variant) -> Optional[str]:
     n, k = probe_shape(spec)
     m = m if m <= launch.MAX_GEMV_TOKENS else PROBE_TOKENS_GEMM  # one GEMM variant
     small, packed, scales, bias = _probe_layer(spec, n, k)
-    run, got_variant = launch.prepare(small, packed, scales, bias, dtype, (m, small.k),
-                                         backend)
+    run, got_variant = launch.prepare(small, packed, scales, bias, dtype, (m, small.k), backend)
     if got_variant != variant:  # a probe shape of another binding class: use the real one
         small, packed, scales, bias = _probe_layer(spec, spec.n, spec.k)
-        run, got_variant = launch.prepare(small, packed, scales, bias, dtype, (m, small.k),
-                                             backend)
+        run, got_variant = launch.prepare(small, packed, scales, bias, dtype, (m, small.k), backend)
     rng = np.random.default_rng(1)
     x = mx.array(rng.normal(size=(m, small.k)).astype(np.float32)).astype(dtype)
-    twin = reference.ternary_matmul(x, packed, scales, bias, packing=small.packing,
-                                    in_features=small.k, group_size=small.group_size,
-                                    activation_bits=8 if small.act else None)
+    twin = reference.ternary_matmul(
+        x,
+        packed,
+        scales,
+        bias,
+        packing=small.packing,
+        in_features=small.k,
+        group_size=small.group_size,
+        activation_bits=8 if small.act else None,
+    )
     y = run(x)
     mx.eval(y, twin)
     got = np.array(y.astype(mx.float32)).astype(np.float64)
@@ -119,7 +133,9 @@ def _run_probe(spec, dtype, m, backend, variant) -> Optional[str]:
         return "non-finite output"
     err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-12))
     if err > PROBE_TOL[dtype]:
-        return f"max relative error {err:.3g} against the reference twin (limit {PROBE_TOL[dtype]:g})"
+        return (
+            f"max relative error {err:.3g} against the reference twin (limit {PROBE_TOL[dtype]:g})"
+        )
     return None
 
 
@@ -145,7 +161,10 @@ def check(spec: launch.LayerSpec, dtype, m: int, backend: str, variant: tuple) -
         warnings.warn(
             f"mlx-ternary: Metal kernel {name} [{templates}] failed its first-use check on "
             f"{chip()} ({why}); calls of this variant run the reference path (exact, slower) "
-            "for the rest of the process", KernelCheckWarning, stacklevel=3)
+            "for the rest of the process",
+            KernelCheckWarning,
+            stacklevel=3,
+        )
     return why is None
 
 

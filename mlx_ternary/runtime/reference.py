@@ -71,8 +71,9 @@ def qmm_group(padded_k: int, group_size: Optional[int]) -> int:
     raise AssertionError("padded K is always a multiple of 32")
 
 
-def qmm_affine(scales: mx.array, out_features: int, padded_k: int,
-               group_size: Optional[int], dtype) -> Tuple[mx.array, mx.array, int]:
+def qmm_affine(
+    scales: mx.array, out_features: int, padded_k: int, group_size: Optional[int], dtype
+) -> Tuple[mx.array, mx.array, int]:
     """Per-group (scales, biases, g) that make MLX's 2-bit affine decode trits.
 
     Tensor/row scales become unit groups (scale 1, bias -1) and are applied to the
@@ -116,9 +117,14 @@ def _row_scale(scales: mx.array) -> Optional[mx.array]:
     return scales.reshape(-1) if scales.shape[1] == 1 else None
 
 
-def matmul_fast(x: mx.array, packed: mx.array, scales: mx.array, in_features: int,
-                group_size: Optional[int] = None,
-                affine: Optional[Tuple[mx.array, mx.array, int]] = None) -> mx.array:
+def matmul_fast(
+    x: mx.array,
+    packed: mx.array,
+    scales: mx.array,
+    in_features: int,
+    group_size: Optional[int] = None,
+    affine: Optional[Tuple[mx.array, mx.array, int]] = None,
+) -> mx.array:
     """x (..., K) @ W.T for a fast-packed W: (N, Kp/16) uint32, scales as in format.py.
 
     `affine` is `qmm_affine(...)` precomputed at load; built here when absent.
@@ -128,17 +134,29 @@ def matmul_fast(x: mx.array, packed: mx.array, scales: mx.array, in_features: in
     return y if s is None else y * s.astype(y.dtype)
 
 
-def matmul_compact(x: mx.array, packed: mx.array, scales: mx.array, in_features: int,
-                   group_size: Optional[int] = None) -> mx.array:
+def matmul_compact(
+    x: mx.array,
+    packed: mx.array,
+    scales: mx.array,
+    in_features: int,
+    group_size: Optional[int] = None,
+) -> mx.array:
     """x (..., K) @ W.T for a compact-packed W: (N, row_bytes) uint8 base-3."""
     y = _trits_matmul_compact(x, packed, scales, in_features, group_size)
     s = _row_scale(scales)
     return y if s is None else y * s.astype(y.dtype)
 
 
-def input_grad(cotangent: mx.array, packed: mx.array, scales: mx.array, *, packing: str,
-               in_features: int, group_size: Optional[int] = None,
-               affine: Optional[Tuple[mx.array, mx.array, int]] = None) -> mx.array:
+def input_grad(
+    cotangent: mx.array,
+    packed: mx.array,
+    scales: mx.array,
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int] = None,
+    affine: Optional[Tuple[mx.array, mx.array, int]] = None,
+) -> mx.array:
     """The gradient of a ternary linear layer with respect to its input: g @ W, W = s * t.
 
     This is the rule for every backend, with or without activation quantization (BitNet's
@@ -177,6 +195,7 @@ _ZERO = mx.array([0.0])
 
 def _fast_layer(group: int, act: bool):
     """act_quant -> mx.quantized_matmul -> epilogue: the fast packing's whole layer."""
+
     def layer(x, packed, qs, qb, row_scale, bias):
         x_scale = _ONE
         if act:
@@ -192,18 +211,30 @@ def _fast_layer_compiled(group: int, act: bool):
     return mx.compile(_fast_layer(group, act), shapeless=True)
 
 
-def prepare(packed: mx.array, scales: mx.array, bias: Optional[mx.array] = None, *,
-            packing: str, in_features: int, group_size: Optional[int] = None,
-            activation_bits: Optional[int] = None, dtype=mx.float32,
-            affine: Optional[Tuple[mx.array, mx.array, int]] = None):
+def prepare(
+    packed: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array] = None,
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int] = None,
+    activation_bits: Optional[int] = None,
+    dtype=mx.float32,
+    affine: Optional[Tuple[mx.array, mx.array, int]] = None,
+):
     """`ternary_matmul` for x of `dtype` with everything but x decided: x -> y.
 
     The fast packing runs one mx.quantized_matmul (times the row scale, in x's dtype) when
     there is no bias and no activation quantization, else one function compiled for this
     layer, its arrays held as constants (traced again per input shape).
     """
-    kw = dict(packing=packing, in_features=in_features, group_size=group_size,
-              activation_bits=activation_bits)
+    kw = dict(
+        packing=packing,
+        in_features=in_features,
+        group_size=group_size,
+        activation_bits=activation_bits,
+    )
     n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
     if packing != "fast" or kp != in_features:
         return lambda x: ternary_matmul(x, packed, scales, bias, **kw, affine=affine)
@@ -214,34 +245,44 @@ def prepare(packed: mx.array, scales: mx.array, bias: Optional[mx.array] = None,
     materialize(qs, qb, row, bias)  # the closures below keep them
     if not activation_bits and bias is None:
         if row is None:
-            return lambda x: mx.quantized_matmul(x, packed, qs, qb, transpose=True,
-                                                 group_size=g, bits=2)
-        return lambda x: mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g,
-                                             bits=2) * row
+            return lambda x: mx.quantized_matmul(
+                x, packed, qs, qb, transpose=True, group_size=g, bits=2
+            )
+        return lambda x: (
+            mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g, bits=2) * row
+        )
     layer = _fast_layer(g, bool(activation_bits))
     row = _ONE if row is None else row
     bias = _ZERO if bias is None else bias
     return mx.compile(lambda x: layer(x, packed, qs, qb, row, bias))
 
 
-def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
-                   bias: Optional[mx.array] = None, *, packing: str, in_features: int,
-                   group_size: Optional[int] = None, activation_bits: Optional[int] = None,
-                   affine=None) -> mx.array:
+def ternary_matmul(
+    x: mx.array,
+    packed: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array] = None,
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int] = None,
+    activation_bits: Optional[int] = None,
+    affine=None,
+) -> mx.array:
     """The reference ternary linear layer: y = act_quant(x) @ (s * t).T + bias.
 
     Row scale, activation scale and bias are applied in one fused epilogue.
     """
     n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
     if packing == "fast" and kp == in_features:
-        qs, qb, g = affine if affine is not None else qmm_affine(scales, n, kp, group_size,
-                                                                  x.dtype)
+        qs, qb, g = affine if affine is not None else qmm_affine(scales, n, kp, group_size, x.dtype)
         row = _row_scale(scales)
         if not activation_bits and bias is None:
             y = mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g, bits=2)
             return y if row is None else y * row.astype(x.dtype)
         return _fast_layer_compiled(g, bool(activation_bits))(
-            x, packed, qs, qb, _ONE if row is None else row, _ZERO if bias is None else bias)
+            x, packed, qs, qb, _ONE if row is None else row, _ZERO if bias is None else bias
+        )
     x_scale = None
     if activation_bits:
         x, x_scale = quantize_activations(x)
@@ -252,5 +293,9 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
     row_scale = _row_scale(scales)
     if x_scale is None and row_scale is None and bias is None:
         return y
-    return _epilogue(y, _ONE if row_scale is None else row_scale,
-                     _ONE if x_scale is None else x_scale, _ZERO if bias is None else bias)
+    return _epilogue(
+        y,
+        _ONE if row_scale is None else row_scale,
+        _ONE if x_scale is None else x_scale,
+        _ZERO if bias is None else bias,
+    )

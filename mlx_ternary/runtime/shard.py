@@ -20,7 +20,6 @@ the call. BitNet's class has no `shard` (and its sub-norms span the sharded feat
 its plan lives here.
 """
 
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +31,7 @@ from mlx.nn.layers import distributed as mlx_distributed
 
 from .. import format as fmt
 from ..errors import TernaryError
+from . import patches
 from .layers import TernaryLinear
 from .reference import ACT_EPS, ACT_QMAX, ACT_QMIN
 
@@ -49,10 +49,10 @@ class TernaryParts:
     """
 
     name: str
-    packed: Any            # (N, row_bytes) uint8 compact | (N, Kp/16) uint32 fast
-    scales: Any            # (1, 1) | (N, 1) | (N, ceil(K / group_size))
-    bias: Any              # (N,) or None
-    packing: str           # the layout of `packed`
+    packed: Any  # (N, row_bytes) uint8 compact | (N, Kp/16) uint32 fast
+    scales: Any  # (1, 1) | (N, 1) | (N, ceil(K / group_size))
+    bias: Any  # (N,) or None
+    packing: str  # the layout of `packed`
     in_features: int
     out_features: int
     group_size: Optional[int] = None
@@ -62,9 +62,18 @@ class TernaryParts:
 
     @classmethod
     def of(cls, layer: TernaryLinear, name: str = "layer") -> "TernaryParts":
-        return cls(name, layer.packed, layer.scales, layer.get("bias"), layer.packing,
-                   layer.in_features, layer.out_features, layer.group_size,
-                   layer.activation_bits, layer.backend)
+        return cls(
+            name,
+            layer.packed,
+            layer.scales,
+            layer.get("bias"),
+            layer.packing,
+            layer.in_features,
+            layer.out_features,
+            layer.group_size,
+            layer.activation_bits,
+            layer.backend,
+        )
 
     @property
     def scale(self) -> str:
@@ -76,8 +85,15 @@ class TernaryParts:
 # --------------------------------------------------------------------------- #
 
 
-def rank_ranges(total: int, world: int, rank: int, segments: Segments = 1, *,
-                name: str = "layer", what: str = "output rows (N)") -> List[Tuple[int, int]]:
+def rank_ranges(
+    total: int,
+    world: int,
+    rank: int,
+    segments: Segments = 1,
+    *,
+    name: str = "layer",
+    what: str = "output rows (N)",
+) -> List[Tuple[int, int]]:
     """The [start, stop) ranges of `total` that `rank` holds: each segment split in `world`.
 
     `segments` follows mlx's shard_linear: a count of equal parts (a fused QKV is 3), or
@@ -85,8 +101,9 @@ def rank_ranges(total: int, world: int, rank: int, segments: Segments = 1, *,
     """
     if isinstance(segments, int):
         if total % segments:
-            raise TernaryError(f"{name}: its {total} {what} do not split into {segments} "
-                               "equal segments")
+            raise TernaryError(
+                f"{name}: its {total} {what} do not split into {segments} equal segments"
+            )
         bounds = [total * i // segments for i in range(segments + 1)]
     else:
         points = [int(p * total) if isinstance(p, float) else int(p) for p in segments]
@@ -98,7 +115,8 @@ def rank_ranges(total: int, world: int, rank: int, segments: Segments = 1, *,
             raise TernaryError(
                 f"{name}: cannot split its {total} {what}{seg} across {world} ranks: each "
                 f"rank must hold the same number; run on a number of ranks that divides "
-                f"{b - a}")
+                f"{b - a}"
+            )
         step = (b - a) // world
         out.append((a + rank * step, a + (rank + 1) * step))
     return out
@@ -109,8 +127,11 @@ def _concat(parts: List[mx.array], axis: int) -> mx.array:
 
 
 def _pad_cols(a: mx.array, width: int, value: int) -> mx.array:
-    return a if a.shape[1] == width else mx.pad(a, [(0, 0), (0, width - a.shape[1])],
-                                                constant_values=value)
+    return (
+        a
+        if a.shape[1] == width
+        else mx.pad(a, [(0, 0), (0, width - a.shape[1])], constant_values=value)
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -144,13 +165,14 @@ def _trits_cols(p: TernaryParts, packed: Any, c0: int, c1: int) -> mx.array:
         per = fmt.CODES_PER_WORD
         u0, u1 = c0 // per, -(-c1 // per)
         covered = fmt.unpack_fast_mx(packed[:, u0:u1], (u1 - u0) * per)
-        return covered[:, c0 - u0 * per: c1 - u0 * per]
+        return covered[:, c0 - u0 * per : c1 - u0 * per]
     block = p.group_size or fmt.TRITS_PER_BYTE
     per_block = -(-block // fmt.TRITS_PER_BYTE)
     b0, b1 = c0 // block, -(-c1 // block)
-    covered = fmt.unpack_compact_mx(packed[:, b0 * per_block: b1 * per_block],
-                                    (b1 - b0) * block, p.group_size)
-    return covered[:, c0 - b0 * block: c1 - b0 * block]
+    covered = fmt.unpack_compact_mx(
+        packed[:, b0 * per_block : b1 * per_block], (b1 - b0) * block, p.group_size
+    )
+    return covered[:, c0 - b0 * block : c1 - b0 * block]
 
 
 def _cols(p: TernaryParts, packed: Any, ranges: List[Tuple[int, int]], out: str) -> mx.array:
@@ -161,13 +183,14 @@ def _cols(p: TernaryParts, packed: Any, ranges: List[Tuple[int, int]], out: str)
     units = _aligned_units(p, *ranges[0]) if len(ranges) == 1 else None
     if units is not None and out == p.packing:
         pad = _FAST_PAD_WORD if out == "fast" else 0
-        return _pad_cols(packed[:, units[0]:units[1]], width, pad)
+        return _pad_cols(packed[:, units[0] : units[1]], width, pad)
     trits = _concat([_trits_cols(p, packed, c0, c1) for c0, c1 in ranges], axis=1)
     return fmt.pack_mx(trits, out, g)
 
 
-def local_parts(p: TernaryParts, sharding: str, world: int, rank: int,
-                segments: Segments = 1) -> Tuple[mx.array, mx.array, Optional[mx.array], int, int]:
+def local_parts(
+    p: TernaryParts, sharding: str, world: int, rank: int, segments: Segments = 1
+) -> Tuple[mx.array, mx.array, Optional[mx.array], int, int]:
     """(packed, scales, bias, in_features, out_features) of `rank`'s share of a weight.
 
     all-to-sharded keeps rows (and their scales and bias); sharded-to-all keeps columns
@@ -184,40 +207,65 @@ def local_parts(p: TernaryParts, sharding: str, world: int, rank: int,
     if sharding == "all-to-sharded":
         rows = rank_ranges(p.out_features, world, rank, segments, name=p.name)
         packed = _concat([p.packed[r0:r1] for r0, r1 in rows], axis=0)
-        scales = p.scales[:] if kind == "tensor" else _concat(
-            [p.scales[r0:r1] for r0, r1 in rows], axis=0)
+        scales = (
+            p.scales[:]
+            if kind == "tensor"
+            else _concat([p.scales[r0:r1] for r0, r1 in rows], axis=0)
+        )
         bias = None if p.bias is None else _concat([p.bias[r0:r1] for r0, r1 in rows], 0)
         if out != p.packing:
-            packed = fmt.pack_mx(fmt.unpack_mx(packed, p.packing, p.in_features, p.group_size),
-                                 out, p.group_size)
+            packed = fmt.pack_mx(
+                fmt.unpack_mx(packed, p.packing, p.in_features, p.group_size), out, p.group_size
+            )
         return packed, scales, bias, p.in_features, sum(r1 - r0 for r0, r1 in rows)
-    cols = rank_ranges(p.in_features, world, rank, segments, name=p.name,
-                       what="input columns (K)")
+    cols = rank_ranges(p.in_features, world, rank, segments, name=p.name, what="input columns (K)")
     g = p.group_size
     if kind == "group" and any(c0 % g or (c1 % g and c1 != p.in_features) for c0, c1 in cols):
         k_loc = cols[0][1] - cols[0][0]
-        fix = (f"run on a number of ranks that divides its {p.in_features // g} groups"
-               if p.in_features % g == 0 else "its last group is partial, so it cannot be split")
+        fix = (
+            f"run on a number of ranks that divides its {p.in_features // g} groups"
+            if p.in_features % g == 0
+            else "its last group is partial, so it cannot be split"
+        )
         raise TernaryError(
             f"{p.name}: cannot split its {p.in_features} input columns across {world} ranks: "
-            f"each rank's {k_loc} columns must be whole scale groups of {g}; {fix}")
+            f"each rank's {k_loc} columns must be whole scale groups of {g}; {fix}"
+        )
     packed = _cols(p, p.packed, cols, out)
     if kind == "group":
-        scales = _concat([p.scales[:, c0 // g: -(-c1 // g)] for c0, c1 in cols], axis=1)
+        scales = _concat([p.scales[:, c0 // g : -(-c1 // g)] for c0, c1 in cols], axis=1)
     else:
         scales = p.scales[:]
     bias = None if p.bias is None else p.bias[:]
     return packed, scales, bias, sum(c1 - c0 for c0, c1 in cols), p.out_features
 
 
-def _local_linear(p: TernaryParts, sharding: str, world: int, rank: int, segments: Segments,
-                  cls, activation_bits: Optional[int], with_bias: bool):
+def _local_linear(
+    p: TernaryParts,
+    sharding: str,
+    world: int,
+    rank: int,
+    segments: Segments,
+    cls,
+    activation_bits: Optional[int],
+    with_bias: bool,
+):
     # Copies, not views: a view would keep the whole weight's buffer alive.
-    packed, scales, bias, k, n = (mx.contiguous(a) if isinstance(a, mx.array) else a
-                                  for a in local_parts(p, sharding, world, rank, segments))
-    layer = cls(k, n, with_bias and bias is not None, packing=p.runtime_packing or p.packing,
-                scale=p.scale, group_size=p.group_size, scale_dtype=scales.dtype,
-                activation_bits=activation_bits, backend=p.backend)
+    packed, scales, bias, k, n = (
+        mx.contiguous(a) if isinstance(a, mx.array) else a
+        for a in local_parts(p, sharding, world, rank, segments)
+    )
+    layer = cls(
+        k,
+        n,
+        with_bias and bias is not None,
+        packing=p.runtime_packing or p.packing,
+        scale=p.scale,
+        group_size=p.group_size,
+        scale_dtype=scales.dtype,
+        activation_bits=activation_bits,
+        backend=p.backend,
+    )
     layer.packed, layer.scales = packed, scales
     if with_bias and bias is not None:
         layer.bias = bias
@@ -239,11 +287,24 @@ class AllToShardedTernaryLinear(TernaryLinear):
     group = None
 
     @classmethod
-    def from_parts(cls, p: TernaryParts, *, segments: Segments = 1,
-                   group: Optional[mx.distributed.Group] = None):
+    def from_parts(
+        cls,
+        p: TernaryParts,
+        *,
+        segments: Segments = 1,
+        group: Optional[mx.distributed.Group] = None,
+    ):
         group = group or mx.distributed.init()
-        layer, _ = _local_linear(p, "all-to-sharded", group.size(), group.rank(), segments,
-                                 cls, p.activation_bits, with_bias=True)
+        layer, _ = _local_linear(
+            p,
+            "all-to-sharded",
+            group.size(),
+            group.rank(),
+            segments,
+            cls,
+            p.activation_bits,
+            with_bias=True,
+        )
         layer.group = group
         return layer
 
@@ -276,8 +337,9 @@ class ShardedToAllTernaryLinear(nn.Module):
     quantization: that needs the whole row, so it happens here); `bias` is whole.
     """
 
-    def __init__(self, linear: TernaryLinear, bias: Optional[mx.array],
-                 activation_bits: Optional[int], group):
+    def __init__(
+        self, linear: TernaryLinear, bias: Optional[mx.array], activation_bits: Optional[int], group
+    ):
         super().__init__()
         self.linear = linear
         if bias is not None:
@@ -286,11 +348,24 @@ class ShardedToAllTernaryLinear(nn.Module):
         self.group = group
 
     @classmethod
-    def from_parts(cls, p: TernaryParts, *, segments: Segments = 1,
-                   group: Optional[mx.distributed.Group] = None):
+    def from_parts(
+        cls,
+        p: TernaryParts,
+        *,
+        segments: Segments = 1,
+        group: Optional[mx.distributed.Group] = None,
+    ):
         group = group or mx.distributed.init()
-        linear, bias = _local_linear(p, "sharded-to-all", group.size(), group.rank(),
-                                     segments, TernaryLinear, None, with_bias=False)
+        linear, bias = _local_linear(
+            p,
+            "sharded-to-all",
+            group.size(),
+            group.rank(),
+            segments,
+            TernaryLinear,
+            None,
+            with_bias=False,
+        )
         return cls(linear, bias, p.activation_bits, group)
 
     @property
@@ -310,9 +385,11 @@ class ShardedToAllTernaryLinear(nn.Module):
         return y + self["bias"] if "bias" in self else y
 
     def _extra_repr(self) -> str:
-        return (f"input_dims={self.in_features}, output_dims={self.out_features}, "
-                f"ranks={self.group.size()}, activation_bits={self.activation_bits}, "
-                f"bias={'bias' in self}")
+        return (
+            f"input_dims={self.in_features}, output_dims={self.out_features}, "
+            f"ranks={self.group.size()}, activation_bits={self.activation_bits}, "
+            f"bias={'bias' in self}"
+        )
 
 
 class ShardedRMSNorm(nn.Module):
@@ -330,14 +407,12 @@ class ShardedRMSNorm(nn.Module):
     @classmethod
     def from_norm(cls, norm: nn.Module, group, *, name: str = "norm") -> "ShardedRMSNorm":
         dims = norm.weight.shape[0]
-        ((a, b),) = rank_ranges(dims, group.size(), group.rank(), name=name,
-                                what="features")
+        ((a, b),) = rank_ranges(dims, group.size(), group.rank(), name=name, what="features")
         return cls(mx.contiguous(norm.weight[a:b]), dims, norm.eps, group)
 
     def __call__(self, x: mx.array) -> mx.array:
         x32 = x.astype(mx.float32)
-        ss = mx.distributed.all_sum(mx.square(x32).sum(axis=-1, keepdims=True),
-                                    group=self.group)
+        ss = mx.distributed.all_sum(mx.square(x32).sum(axis=-1, keepdims=True), group=self.group)
         return (x32 * mx.rsqrt(ss / self.dims + self.eps)).astype(x.dtype) * self.weight
 
 
@@ -346,9 +421,15 @@ class ShardedRMSNorm(nn.Module):
 # --------------------------------------------------------------------------- #
 
 
-def shard_linear(module: nn.Module, sharding: str, *, segments: Segments = 1,
-                 group: Optional[mx.distributed.Group] = None,
-                 parts: Optional[TernaryParts] = None, name: str = "layer"):
+def shard_linear(
+    module: nn.Module,
+    sharding: str,
+    *,
+    segments: Segments = 1,
+    group: Optional[mx.distributed.Group] = None,
+    parts: Optional[TernaryParts] = None,
+    name: str = "layer",
+):
     """mlx's shard_linear, extended to TernaryLinear (other layers go to mlx's).
 
     Args:
@@ -365,8 +446,10 @@ def shard_linear(module: nn.Module, sharding: str, *, segments: Segments = 1,
     if not isinstance(module, TernaryLinear):
         return mlx_distributed.shard_linear(module, sharding, segments=segments, group=group)
     if type(module) is not TernaryLinear:  # e.g. a rotation on the input, or sharded already
-        raise TernaryError(f"{name}: {type(module).__name__} layers cannot be sharded; tensor "
-                           "parallelism splits plain TernaryLinear layers")
+        raise TernaryError(
+            f"{name}: {type(module).__name__} layers cannot be sharded; tensor "
+            "parallelism splits plain TernaryLinear layers"
+        )
     if parts is None:
         parts = TernaryParts.of(module, name)
     if parts.runtime_packing is None:
@@ -394,20 +477,21 @@ def _check_heads(model: nn.Module, world: int) -> None:
                 raise TernaryError(
                     f"layers.{i}.self_attn: its {n} {what} heads do not split across {world} "
                     "ranks; tensor parallelism keeps whole heads on each rank, so run on a "
-                    f"number of ranks that divides {n}")
+                    f"number of ranks that divides {n}"
+                )
 
 
 @contextmanager
-def _ternary_aware(fn_globals: dict, names: Dict[int, str],
-                   sources: Dict[str, TernaryParts]):
+def _ternary_aware(fn_globals: dict, names: Dict[int, str], sources: Dict[str, TernaryParts]):
     """Within the block, the model modules that imported mlx's shard_linear /
     shard_inplace see versions that also know TernaryLinear; restored on exit."""
     mlx_linear, mlx_inplace = mlx_distributed.shard_linear, mlx_distributed.shard_inplace
 
     def linear(module, sharding, *, segments=1, group=None):
         name = names.get(id(module), type(module).__name__)
-        return shard_linear(module, sharding, segments=segments, group=group,
-                            parts=sources.get(name), name=name)
+        return shard_linear(
+            module, sharding, segments=segments, group=group, parts=sources.get(name), name=name
+        )
 
     def inplace(module, sharding, *, segments=1, group=None):
         for path, m in module.named_modules():
@@ -417,23 +501,12 @@ def _ternary_aware(fn_globals: dict, names: Dict[int, str],
                     f"{where}.{path}: the model's shard() shards this ternary layer in place "
                     "(shard_inplace), which cannot agree on activation scales across ranks; "
                     "tensor parallelism of this architecture is not supported for ternary "
-                    "layers")
+                    "layers"
+                )
         return mlx_inplace(module, sharding, segments=segments, group=group)
 
-    modules = [fn_globals] + [vars(m) for n, m in list(sys.modules.items())
-                              if n.startswith("mlx_lm.") and m is not None]
-    saved = []
-    for g in modules:
-        for key, original, new in (("shard_linear", mlx_linear, linear),
-                                   ("shard_inplace", mlx_inplace, inplace)):
-            if g.get(key) is original:
-                saved.append((g, key, original))
-                g[key] = new
-    try:
+    with patches.swapped({mlx_linear: linear, mlx_inplace: inplace}, extra=[fn_globals]):
         yield
-    finally:
-        for g, key, original in saved:
-            g[key] = original
 
 
 def _shard_bitnet(model: nn.Module, group, shard) -> None:
@@ -445,14 +518,16 @@ def _shard_bitnet(model: nn.Module, group, shard) -> None:
             setattr(attn, proj, shard(getattr(attn, proj), "all-to-sharded", group=group))
         attn.o_proj = shard(attn.o_proj, "sharded-to-all", group=group)
         attn.attn_sub_norm = ShardedRMSNorm.from_norm(
-            attn.attn_sub_norm, group, name=f"model.layers.{i}.self_attn.attn_sub_norm")
+            attn.attn_sub_norm, group, name=f"model.layers.{i}.self_attn.attn_sub_norm"
+        )
         attn.n_heads //= w
         attn.n_kv_heads //= w
         mlp.gate_proj = shard(mlp.gate_proj, "all-to-sharded", group=group)
         mlp.up_proj = shard(mlp.up_proj, "all-to-sharded", group=group)
         mlp.down_proj = shard(mlp.down_proj, "sharded-to-all", group=group)
         mlp.ffn_sub_norm = ShardedRMSNorm.from_norm(
-            mlp.ffn_sub_norm, group, name=f"model.layers.{i}.mlp.ffn_sub_norm")
+            mlp.ffn_sub_norm, group, name=f"model.layers.{i}.mlp.ffn_sub_norm"
+        )
 
 
 # Architectures whose mlx-lm class has no usable shard() for ternary layers.
@@ -460,12 +535,17 @@ PLANS = {"bitnet": _shard_bitnet}
 
 
 def model_type(model: nn.Module) -> Optional[str]:
-    return getattr(model, "model_type", None) or getattr(getattr(model, "args", None),
-                                                          "model_type", None)
+    return getattr(model, "model_type", None) or getattr(
+        getattr(model, "args", None), "model_type", None
+    )
 
 
-def shard_model(model: nn.Module, group: Optional[mx.distributed.Group] = None, *,
-                sources: Optional[Dict[str, TernaryParts]] = None) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    group: Optional[mx.distributed.Group] = None,
+    *,
+    sources: Optional[Dict[str, TernaryParts]] = None,
+) -> nn.Module:
     """Shard `model` in place across `group` for tensor parallelism, as mlx-lm's
     `model.shard(group)` does, with TernaryLinear layers split by this module.
 
@@ -484,17 +564,19 @@ def shard_model(model: nn.Module, group: Optional[mx.distributed.Group] = None, 
     _check_heads(getattr(model, "model", model), group.size())
     plan = PLANS.get(model_type(model))
     if plan is not None:
+
         def shard(module, sharding, *, group):
             name = names.get(id(module), type(module).__name__)
-            return shard_linear(module, sharding, group=group, parts=sources.get(name),
-                                name=name)
+            return shard_linear(module, sharding, group=group, parts=sources.get(name), name=name)
 
         plan(model, group, shard)
         return model
     method = getattr(type(model), "shard", None)
     if method is None:
-        raise TernaryError(f"the {model_type(model)!r} architecture has no tensor-parallel "
-                           "plan in mlx-lm (its model class has no shard method)")
+        raise TernaryError(
+            f"the {model_type(model)!r} architecture has no tensor-parallel "
+            "plan in mlx-lm (its model class has no shard method)"
+        )
     with _ternary_aware(method.__globals__, names, sources):
         method(model, group)
     return model
@@ -513,5 +595,8 @@ def make_shardable(model: nn.Module) -> nn.Module:
 
 def ternary_bytes(model: nn.Module) -> int:
     """Bytes of packed trits and scales this process holds."""
-    return sum(m.packed.nbytes + m.scales.nbytes for _, m in model.named_modules()
-               if isinstance(m, TernaryLinear))
+    return sum(
+        m.packed.nbytes + m.scales.nbytes
+        for _, m in model.named_modules()
+        if isinstance(m, TernaryLinear)
+    )

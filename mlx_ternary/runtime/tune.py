@@ -23,8 +23,8 @@ import mlx.core as mx
 from ..paths import cache_dir
 
 ENV_TUNE = "MLX_TERNARY_TUNE"
-TIME_BUDGET_S = 3.0      # per process, all shapes together
-CHAIN_SECONDS = 0.02     # one timed chain aims at this long
+TIME_BUDGET_S = 3.0  # per process, all shapes together
+CHAIN_SECONDS = 0.02  # one timed chain aims at this long
 CHAIN_MIN, CHAIN_MAX = 8, 64
 TRIALS = 3
 CANDIDATES = ("kernel", "stock")
@@ -65,8 +65,12 @@ def _save(path: Path, choices: Dict[str, str]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": FORMAT, "mlx": mx.__version__, "choices": choices}, f,
-                      indent=1, sort_keys=True)
+            json.dump(
+                {"format": FORMAT, "mlx": mx.__version__, "choices": choices},
+                f,
+                indent=1,
+                sort_keys=True,
+            )
         os.replace(tmp, path)
     except OSError:
         pass
@@ -86,11 +90,13 @@ def reset() -> None:
 
 def _glue(k: int) -> Callable[[mx.array], mx.array]:
     """Maps a layer output (..., N) back to an input (..., K): the chain's link."""
+
     def link(y):
         n = y.shape[-1]
         if n >= k:
             return y[..., :k]
         return mx.concatenate([y] * (-(-k // n)), axis=-1)[..., :k]
+
     return link
 
 
@@ -120,9 +126,13 @@ def time_candidate(name: str, fn: Callable, x: mx.array) -> float:
     return chain_seconds(fn, x, length)
 
 
-def choose(key: str, candidates: Dict[str, Callable], x: mx.array,
-           timer: Optional[Callable[[str, Callable, mx.array], float]] = None) -> str:
-    """"kernel" or "stock" for `key`: cached, else timed now (within the budget).
+def choose(
+    key: str,
+    candidates: Dict[str, Callable],
+    x: mx.array,
+    timer: Optional[Callable[[str, Callable, mx.array], float]] = None,
+) -> str:
+    """ "kernel" or "stock" for `key`: cached, else timed now (within the budget).
 
     Args:
         key: the layer shape class and token count (see kernels.LayerPlan).

@@ -9,16 +9,43 @@ content_block_start/delta/stop, message_delta, message_stop).
 import json
 import uuid
 
-from .openai import APIError, Request, ToolSplitter, field_, parse_request, split_answer, stop_strings
+from .openai import (
+    APIError,
+    Request,
+    ToolSplitter,
+    field_,
+    parse_request,
+    split_answer,
+    stop_strings,
+)
 
-SUPPORTED = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream",
-             "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata"}
+SUPPORTED = {
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "tools",
+    "tool_choice",
+    "metadata",
+}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
 def error_body(e: APIError) -> dict:
-    kind = ("not_found_error" if e.status == 404 else "overloaded_error" if e.code ==
-            "overloaded" else "api_error" if e.status >= 500 else "invalid_request_error")
+    kind = (
+        "not_found_error"
+        if e.status == 404
+        else "overloaded_error"
+        if e.code == "overloaded"
+        else "api_error"
+        if e.status >= 500
+        else "invalid_request_error"
+    )
     return {"type": "error", "error": {"type": kind, "message": e.message}}
 
 
@@ -34,8 +61,9 @@ def _block_text(content, where: str) -> str:
     parts = []
     for b in _blocks(content, where):
         if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise APIError(400, f"{where}: only text blocks are supported here, got "
-                           f"{b.get('type')!r}", where)
+            raise APIError(
+                400, f"{where}: only text blocks are supported here, got {b.get('type')!r}", where
+            )
         parts.append(b["text"])
     return "".join(parts)
 
@@ -51,15 +79,30 @@ def _message(m, i) -> list:
         if kind == "text" and isinstance(b.get("text"), str):
             text.append(b["text"])
         elif kind == "tool_use" and m["role"] == "assistant":
-            calls.append({"id": b.get("id"), "type": "function", "function": {
-                "name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
+            calls.append(
+                {
+                    "id": b.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": b.get("name"),
+                        "arguments": json.dumps(b.get("input", {})),
+                    },
+                }
+            )
         elif kind == "tool_result" and m["role"] == "user":
-            out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                        "content": _block_text(b.get("content", ""),
-                                               f"{where}.content[{j}].content")})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": b.get("tool_use_id"),
+                    "content": _block_text(b.get("content", ""), f"{where}.content[{j}].content"),
+                }
+            )
         else:
-            raise APIError(400, f"{where}.content[{j}]: a {kind!r} block is not supported "
-                           f"in a {m['role']} message", f"{where}.content")
+            raise APIError(
+                400,
+                f"{where}.content[{j}]: a {kind!r} block is not supported in a {m['role']} message",
+                f"{where}.content",
+            )
     if text or calls or not out:
         msg = {"role": m["role"], "content": "".join(text)}
         if calls:
@@ -76,8 +119,9 @@ def _tool_choice(choice):
         return {"type": "function", "function": {"name": choice.get("name")}}
     if kind in ("auto", "any", "none"):
         return {"auto": "auto", "any": "required", "none": "none"}[kind]
-    raise APIError(400, "'tool_choice' must be {'type': 'auto' | 'any' | 'none' | 'tool'}",
-                   "tool_choice")
+    raise APIError(
+        400, "'tool_choice' must be {'type': 'auto' | 'any' | 'none' | 'tool'}", "tool_choice"
+    )
 
 
 def parse(body, srv) -> Request:
@@ -99,13 +143,23 @@ def parse(body, srv) -> Request:
     if tools:
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-                raise APIError(400, f"tools[{i}] must be {{name, description, input_schema}}",
-                               f"tools[{i}]")
-        tools = [{"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema") or {"type": "object"}}} for t in tools]
-    openai = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k")
-              if k in body}
+                raise APIError(
+                    400, f"tools[{i}] must be {{name, description, input_schema}}", f"tools[{i}]"
+                )
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema") or {"type": "object"},
+                },
+            }
+            for t in tools
+        ]
+    openai = {
+        k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "top_k") if k in body
+    }
     openai.update(messages=chat, tools=tools, tool_choice=_tool_choice(body.get("tool_choice")))
     req = parse_request(openai, srv.tokenizer, srv.config, True, srv.grammars)
     req.job.stop = stop_strings(body, "stop_sequences", 16)
@@ -119,8 +173,12 @@ def _tool_block(call) -> dict:
         value = json.loads(args)
     except ValueError:
         value = {"text": args}
-    return {"type": "tool_use", "id": "toolu_" + call["id"][5:], "name": call["function"]["name"],
-            "input": value if isinstance(value, dict) else {"value": value}}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"][5:],
+        "name": call["function"]["name"],
+        "input": value if isinstance(value, dict) else {"value": value},
+    }
 
 
 def _stop(job, reason, calls):
@@ -132,13 +190,21 @@ def _stop(job, reason, calls):
 
 
 def _usage(job, output: int) -> dict:
-    return {"input_tokens": len(job.prompt) - job.cached_tokens, "output_tokens": output,
-            "cache_read_input_tokens": job.cached_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": len(job.prompt) - job.cached_tokens,
+        "output_tokens": output,
+        "cache_read_input_tokens": job.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _message_head(handler, req) -> dict:
-    return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
-            "model": handler.server.config.model_name}
+    return {
+        "id": "msg_" + uuid.uuid4().hex[:24],
+        "type": "message",
+        "role": "assistant",
+        "model": handler.server.config.model_name,
+    }
 
 
 def whole(handler, req: Request):
@@ -148,20 +214,35 @@ def whole(handler, req: Request):
     text, _, _, (_, reason, n) = got
     content, calls = split_answer(req, text)
     blocks = ([{"type": "text", "text": content}] if content else []) + [
-        _tool_block(c) for c in calls]
+        _tool_block(c) for c in calls
+    ]
     stop_reason, stop_sequence = _stop(req.job, reason, calls)
-    handler.send_json(200, dict(_message_head(handler, req), content=blocks,
-                                stop_reason=stop_reason, stop_sequence=stop_sequence,
-                                usage=_usage(req.job, n)))
+    handler.send_json(
+        200,
+        dict(
+            _message_head(handler, req),
+            content=blocks,
+            stop_reason=stop_reason,
+            stop_sequence=stop_sequence,
+            usage=_usage(req.job, n),
+        ),
+    )
 
 
 def stream(handler, req: Request):
     handler.start_sse()
     job = req.job
     send = lambda kind, **kw: handler.send_sse(dict(type=kind, **kw), event=kind)  # noqa: E731
-    send("message_start", message=dict(_message_head(handler, req), content=[],
-                                       stop_reason=None, stop_sequence=None,
-                                       usage=_usage(job, 0)))
+    send(
+        "message_start",
+        message=dict(
+            _message_head(handler, req),
+            content=[],
+            stop_reason=None,
+            stop_sequence=None,
+            usage=_usage(job, 0),
+        ),
+    )
     send("ping")
     splitter = ToolSplitter(req.tool_markers, req.tools) if req.tools else None
     state = {"index": -1, "open": None, "calls": 0}
@@ -178,19 +259,29 @@ def stream(handler, req: Request):
                     close()
                     state["index"] += 1
                     state["open"] = "text"
-                    send("content_block_start", index=state["index"],
-                         content_block={"type": "text", "text": ""})
-                send("content_block_delta", index=state["index"],
-                     delta={"type": "text_delta", "text": value})
+                    send(
+                        "content_block_start",
+                        index=state["index"],
+                        content_block={"type": "text", "text": ""},
+                    )
+                send(
+                    "content_block_delta",
+                    index=state["index"],
+                    delta={"type": "text_delta", "text": value},
+                )
             elif kind == "call":
                 close()
                 state["index"] += 1
                 state["calls"] += 1
                 block = _tool_block(value)
-                send("content_block_start", index=state["index"],
-                     content_block=dict(block, input={}))
-                send("content_block_delta", index=state["index"], delta={
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                send(
+                    "content_block_start", index=state["index"], content_block=dict(block, input={})
+                )
+                send(
+                    "content_block_delta",
+                    index=state["index"],
+                    delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                )
                 send("content_block_stop", index=state["index"])
 
     for event in handler.events(job):
@@ -204,7 +295,9 @@ def stream(handler, req: Request):
                 items(splitter.flush())
             close()
             stop_reason, stop_sequence = _stop(job, event[1], state["calls"])
-            send("message_delta", delta={"stop_reason": stop_reason,
-                                         "stop_sequence": stop_sequence},
-                 usage={"output_tokens": event[2]})
+            send(
+                "message_delta",
+                delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                usage={"output_tokens": event[2]},
+            )
             send("message_stop")

@@ -19,23 +19,83 @@ import numpy as np
 # rejects those it does not implement; anything outside this list is refused here, since a
 # validator would silently ignore it.
 SCHEMA_KEYWORDS = {
-    "$schema", "$id", "$ref", "$defs", "definitions", "$comment", "$anchor", "$vocabulary",
-    "$dynamicRef", "$dynamicAnchor", "title", "description", "default", "examples",
-    "deprecated", "readOnly", "writeOnly", "type", "enum", "const", "properties",
-    "required", "additionalProperties", "patternProperties", "propertyNames",
-    "minProperties", "maxProperties", "dependentRequired", "dependentSchemas", "items",
-    "prefixItems", "additionalItems", "contains", "minContains", "maxContains",
-    "minItems", "maxItems", "uniqueItems", "unevaluatedItems", "unevaluatedProperties",
-    "minLength", "maxLength", "pattern", "format", "contentEncoding", "contentMediaType",
-    "contentSchema", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-    "multipleOf", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+    "$schema",
+    "$id",
+    "$ref",
+    "$defs",
+    "definitions",
+    "$comment",
+    "$anchor",
+    "$vocabulary",
+    "$dynamicRef",
+    "$dynamicAnchor",
+    "title",
+    "description",
+    "default",
+    "examples",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "type",
+    "enum",
+    "const",
+    "properties",
+    "required",
+    "additionalProperties",
+    "patternProperties",
+    "propertyNames",
+    "minProperties",
+    "maxProperties",
+    "dependentRequired",
+    "dependentSchemas",
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "minItems",
+    "maxItems",
+    "uniqueItems",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "contentEncoding",
+    "contentMediaType",
+    "contentSchema",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "not",
+    "if",
+    "then",
+    "else",
 }
 # Keywords whose value is a map of names to subschemas, or a list of subschemas.
 _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 _SCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
-_SCHEMA_ONE = {"items", "additionalProperties", "propertyNames", "contains", "not", "if",
-               "then", "else", "additionalItems", "unevaluatedItems", "unevaluatedProperties",
-               "contentSchema"}
+_SCHEMA_ONE = {
+    "items",
+    "additionalProperties",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "additionalItems",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "contentSchema",
+}
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
@@ -53,8 +113,9 @@ def check_schema(schema, where: str = "schema"):
         if key.startswith("x-"):
             raise GrammarError(f"{where}.{key}: extension keywords are not supported")
         if key not in SCHEMA_KEYWORDS:
-            raise GrammarError(f"{where}.{key} is not a JSON Schema keyword this server "
-                               "enforces; remove it")
+            raise GrammarError(
+                f"{where}.{key} is not a JSON Schema keyword this server enforces; remove it"
+            )
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
                 check_schema(sub, f"{where}.{key}.{name}")
@@ -88,12 +149,15 @@ class Grammars:
                 tok = self._source
                 eos = sorted(getattr(tok, "eos_token_ids", None) or [tok.eos_token_id])
                 try:
-                    self._view = from_tokenizer(getattr(tok, "_tokenizer", tok),
-                                                n_vocab=self.vocab_size, eos_token=eos)
+                    self._view = from_tokenizer(
+                        getattr(tok, "_tokenizer", tok), n_vocab=self.vocab_size, eos_token=eos
+                    )
                 except (ValueError, TypeError, AttributeError) as e:
-                    raise GrammarError(f"constrained decoding is unavailable for this "
-                                       f"tokenizer ({e}); it needs a fast Hugging Face "
-                                       "tokenizer") from None
+                    raise GrammarError(
+                        f"constrained decoding is unavailable for this "
+                        f"tokenizer ({e}); it needs a fast Hugging Face "
+                        "tokenizer"
+                    ) from None
             return self._view
 
     def _check(self, grammar: str) -> str:
@@ -108,8 +172,7 @@ class Grammars:
         grammar = self._llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         return self._check(grammar)
 
-    def tool_call(self, tools: List[dict], start: str, end: str,
-                  name: Optional[str] = None) -> str:
+    def tool_call(self, tools: List[dict], start: str, end: str, name: Optional[str] = None) -> str:
         """The grammar of one call `start{"name": ..., "arguments": {...}}end` to one of
         `tools` (OpenAI function objects), or to the one named `name`."""
         options = []
@@ -119,19 +182,25 @@ class Grammars:
                 continue
             params = fn.get("parameters") or {"type": "object", "properties": {}}
             check_schema(params, f"tools[{fn['name']}].parameters")
-            options.append({"type": "object", "additionalProperties": False,
-                            "required": ["name", "arguments"],
-                            "properties": {"name": {"const": fn["name"]},
-                                           "arguments": params}})
+            options.append(
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name", "arguments"],
+                    "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                }
+            )
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         schema = dict(schema, **{"x-guidance": JSON_OPTIONS})
-        lark = (f"start: {json.dumps(start)} call {json.dumps(end)}\n"
-                f"call: %json {json.dumps(schema)}\n")
+        lark = (
+            f"start: {json.dumps(start)} call {json.dumps(end)}\ncall: %json {json.dumps(schema)}\n"
+        )
         return self._check(self._llg.LLMatcher.grammar_from_lark(lark))
 
     def processor(self, grammar: str) -> "GrammarProcessor":
-        return GrammarProcessor(self._llg.LLMatcher(self.tokenizer, grammar, log_level=0),
-                                self.vocab_size)
+        return GrammarProcessor(
+            self._llg.LLMatcher(self.tokenizer, grammar, log_level=0), self.vocab_size
+        )
 
 
 class GrammarProcessor:
@@ -144,13 +213,13 @@ class GrammarProcessor:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         n = tokens.size
         if self.seen is not None and n > self.seen:  # the tokens sampled since last time
-            for t in tokens[self.seen:].tolist():
+            for t in tokens[self.seen :].tolist():
                 self.matcher.consume_token(t)
         self.seen = n
         if self.matcher.is_error():
             raise RuntimeError(f"the grammar matcher failed: {self.matcher.get_error()}")
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[:logits.shape[-1]].astype(bool)
+        allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]].astype(bool)
         if allowed.size < logits.shape[-1]:
             allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.size))
         return mx.where(mx.array(allowed), logits, -mx.inf)

@@ -35,13 +35,13 @@ class Job:
     max_tokens: int
     sampling: dict
     stop: List[str] = field(default_factory=list)
-    logprobs: Optional[int] = None    # None: off; else how many top alternatives (0-20)
-    echo: bool = False                # prompt-token logprobs first (completions only)
-    grammar: Optional[str] = None     # an llguidance grammar the answer must follow
+    logprobs: Optional[int] = None  # None: off; else how many top alternatives (0-20)
+    echo: bool = False  # prompt-token logprobs first (completions only)
+    grammar: Optional[str] = None  # an llguidance grammar the answer must follow
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cached_tokens: int = 0
-    stop_hit: Optional[str] = None    # the stop string that ended the answer
+    stop_hit: Optional[str] = None  # the stop string that ended the answer
     uid: Optional[int] = None
     detokenizer: object = None
     pending: str = ""
@@ -70,7 +70,8 @@ def _seeded_sampler(temp, top_p, top_k, min_p, seed):
 
 def make_sampler(s: dict):
     """A sampler for one request's sampling dict (greedy at temperature 0)."""
-    from mlx_lm.sample_utils import greedy_sampler, make_sampler as mlx_sampler
+    from mlx_lm.sample_utils import greedy_sampler
+    from mlx_lm.sample_utils import make_sampler as mlx_sampler
 
     if s["temperature"] == 0:
         return greedy_sampler  # shared: the batch then samples in one call
@@ -95,16 +96,26 @@ def token_records(logprobs: mx.array, chosen: List[int], top: int) -> List[dict]
         mx.eval(picked)
         tops = [[] for _ in chosen]
     clamp = lambda v: max(float(v), MIN_LOGPROB)  # noqa: E731
-    return [{"id": t, "logprob": clamp(p), "top": [(i, clamp(v)) for i, v in tp]}
-            for t, p, tp in zip(chosen, picked.tolist(), tops)]
+    return [
+        {"id": t, "logprob": clamp(p), "top": [(i, clamp(v)) for i, v in tp]}
+        for t, p, tp in zip(chosen, picked.tolist(), tops)
+    ]
 
 
 class Engine:
     """The generation thread: admits jobs, steps the BatchGenerator, emits events."""
 
-    def __init__(self, model, tokenizer, max_concurrency: int = 8, prefill_step_size: int = 512,
-                 kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                 prompt_cache_bytes: int = 0, grammars=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_concurrency: int = 8,
+        prefill_step_size: int = 512,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+        prompt_cache_bytes: int = 0,
+        grammars=None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.max_concurrency = max_concurrency
         self.prefill_step_size = prefill_step_size
@@ -114,8 +125,7 @@ class Engine:
         self.inbox: queue.Queue = queue.Queue()
         self.active = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlx-ternary-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="mlx-ternary-engine", daemon=True)
         self.failed: Optional[str] = None
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
@@ -142,9 +152,13 @@ class Engine:
         from mlx_lm.generate import BatchGenerator, make_stop_sequences
 
         self._stops = make_stop_sequences(self.tokenizer)
-        return BatchGenerator(self.model, completion_batch_size=self.max_concurrency,
-                              prefill_batch_size=self.max_concurrency,
-                              prefill_step_size=self.prefill_step_size, stream=stream)
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=self.max_concurrency,
+            prefill_batch_size=self.max_concurrency,
+            prefill_step_size=self.prefill_step_size,
+            stream=stream,
+        )
 
     def _run(self):
         try:
@@ -211,14 +225,25 @@ class Engine:
         self.prompt_tokens_computed += len(job.prompt) - n
         s = job.sampling
         procs = make_logits_processors(
-            s.get("logit_bias"), s.get("repetition_penalty"), 20,
-            s.get("presence_penalty"), 20, s.get("frequency_penalty"), 20)
+            s.get("logit_bias"),
+            s.get("repetition_penalty"),
+            20,
+            s.get("presence_penalty"),
+            20,
+            s.get("frequency_penalty"),
+            20,
+        )
         if job.grammar is not None:
             procs.append(self.grammars.processor(job.grammar))
-        (job.uid,) = gen.insert([job.prompt[n:]], max_tokens=[job.max_tokens],
-                                caches=[cache], all_tokens=[list(job.prompt[:n])],
-                                samplers=[make_sampler(s)], logits_processors=[procs],
-                                stop_sequences=[self._stops])
+        (job.uid,) = gen.insert(
+            [job.prompt[n:]],
+            max_tokens=[job.max_tokens],
+            caches=[cache],
+            all_tokens=[list(job.prompt[:n])],
+            samplers=[make_sampler(s)],
+            logits_processors=[procs],
+            stop_sequences=[self._stops],
+        )
         job.detokenizer = self.tokenizer.detokenizer
         self.active[job.uid] = job
 
@@ -230,12 +255,12 @@ class Engine:
         top = job.logprobs or 0
         records = []
         for start in range(0, len(tokens), self.prefill_step_size):
-            chunk = tokens[start:start + self.prefill_step_size]
+            chunk = tokens[start : start + self.prefill_step_size]
             logits = self.model(mx.array(chunk)[None], cache=cache)[0].astype(mx.float32)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            nxt = tokens[start + 1:start + 1 + len(chunk)]
+            nxt = tokens[start + 1 : start + 1 + len(chunk)]
             if nxt:
-                records += token_records(logprobs[:len(nxt)], nxt, top)
+                records += token_records(logprobs[: len(nxt)], nxt, top)
             mx.eval([c.state for c in cache])
         self.prompt_tokens_computed += len(tokens)
         self.prompt_cache.insert(tokens, cache)
@@ -296,6 +321,6 @@ class Engine:
                 if job.pending.endswith(s[:n]):
                     hold = max(hold, n)
                     break
-        out = job.pending[:len(job.pending) - hold]
-        job.pending = job.pending[len(out):]
+        out = job.pending[: len(job.pending) - hold]
+        job.pending = job.pending[len(out) :]
         return out, None

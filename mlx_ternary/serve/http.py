@@ -14,24 +14,32 @@ import select
 import socket
 import time
 import uuid
-from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
 
-import mlx.core as mx
-
+from ..memory import kv_bytes
+from ..runtime.layers import materialize
 from . import anthropic as anthropic
-from .kv_quant import make_cache
-from ..runtime.layers import ternary_layers
-from ..memory import activation_dtype, kv_bytes
 from .engine import POLL_S, Engine, Job
-from .openai import APIError, Request, ServeConfig, ToolSplitter, chat_logprobs, completion_logprobs, parse_request, split_answer, usage
+from .kv_quant import make_cache
+from .openai import (
+    APIError,
+    Request,
+    ServeConfig,
+    ToolSplitter,
+    chat_logprobs,
+    completion_logprobs,
+    parse_request,
+    split_answer,
+    usage,
+)
 
 log = logging.getLogger(__name__)
 MAX_BODY = 4 * 1024 * 1024
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETION_PATHS = ("/v1/completions", "/completions")
 MESSAGES_PATHS = ("/v1/messages", "/messages")
-__all__ = ["APIError", "ServeConfig", "Server", "load_model", "make_engine", "materialize"]
+__all__ = ["APIError", "ServeConfig", "Server", "load_model", "make_engine"]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -73,8 +81,9 @@ class Handler(BaseHTTPRequestHandler):
         except Exception:
             log.exception("request failed")
             try:
-                self.send_json(500, shape(APIError(500, "internal server error",
-                                                   type_="server_error")))
+                self.send_json(
+                    500, shape(APIError(500, "internal server error", type_="server_error"))
+                )
             except OSError:
                 pass
 
@@ -88,12 +97,25 @@ class Handler(BaseHTTPRequestHandler):
         srv = self.server
         if self.path == "/health":
             ok = srv.engine.healthy
-            self.send_json(200 if ok else 503, {"status": "ok" if ok else "error",
-                                                "active": len(srv.engine.active)})
+            self.send_json(
+                200 if ok else 503,
+                {"status": "ok" if ok else "error", "active": len(srv.engine.active)},
+            )
         elif self.path in ("/v1/models", "/models"):
-            self.send_json(200, {"object": "list", "data": [{
-                "id": srv.config.model_name, "object": "model", "created": srv.created,
-                "owned_by": "mlx-ternary"}]})
+            self.send_json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": srv.config.model_name,
+                            "object": "model",
+                            "created": srv.created,
+                            "owned_by": "mlx-ternary",
+                        }
+                    ],
+                },
+            )
         else:
             raise APIError(404, f"no such endpoint: GET {self.path}", code="not_found")
 
@@ -119,8 +141,9 @@ class Handler(BaseHTTPRequestHandler):
             req = anthropic.parse(self._read_body(), srv)
             answer = anthropic.stream if req.stream else anthropic.whole
         elif self.path in CHAT_PATHS or self.path in COMPLETION_PATHS:
-            req = parse_request(self._read_body(), srv.tokenizer, srv.config,
-                                self.path in CHAT_PATHS, srv.grammars)
+            req = parse_request(
+                self._read_body(), srv.tokenizer, srv.config, self.path in CHAT_PATHS, srv.grammars
+            )
             answer = Handler._stream if req.stream else Handler._whole
         else:
             raise APIError(404, f"no such endpoint: POST {self.path}", code="not_found")
@@ -135,8 +158,12 @@ class Handler(BaseHTTPRequestHandler):
         if not engine.healthy:
             raise APIError(503, "the generation engine is not running", type_="server_error")
         if engine.load() >= config.max_concurrency + config.max_queue:
-            raise APIError(503, f"the server is busy ({engine.load()} requests running or "
-                           "queued); retry later", type_="server_error", code="overloaded")
+            raise APIError(
+                503,
+                f"the server is busy ({engine.load()} requests running or queued); retry later",
+                type_="server_error",
+                code="overloaded",
+            )
         engine.submit(job)
 
     def _client_gone(self) -> bool:
@@ -187,17 +214,29 @@ class Handler(BaseHTTPRequestHandler):
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
-            choice = {"index": 0, "message": message,
-                      "logprobs": chat_logprobs(tok, records) if job.logprobs is not None
-                      else None}
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": chat_logprobs(tok, records) if job.logprobs is not None else None,
+            }
         else:
-            choice = {"index": 0, "text": req.echo_text + text,
-                      "logprobs": self._completion_logprobs(req, records, prompt_records)}
+            choice = {
+                "index": 0,
+                "text": req.echo_text + text,
+                "logprobs": self._completion_logprobs(req, records, prompt_records),
+            }
         choice["finish_reason"] = reason
-        self.send_json(200, {"id": _rid(req.chat), "created": int(time.time()),
-                             "object": "chat.completion" if req.chat else "text_completion",
-                             "model": self.server.config.model_name, "choices": [choice],
-                             "usage": usage(job, n)})
+        self.send_json(
+            200,
+            {
+                "id": _rid(req.chat),
+                "created": int(time.time()),
+                "object": "chat.completion" if req.chat else "text_completion",
+                "model": self.server.config.model_name,
+                "choices": [choice],
+                "usage": usage(job, n),
+            },
+        )
 
     def _completion_logprobs(self, req, records, prompt_records, offset=None):
         job, tok = req.job, self.server.tokenizer
@@ -207,8 +246,7 @@ class Handler(BaseHTTPRequestHandler):
             lead = completion_logprobs(tok, prompt_records, 0, first=job.prompt[0])
             rest = completion_logprobs(tok, records, len(req.echo_text))
             return {k: lead[k] + rest[k] for k in lead}
-        return completion_logprobs(tok, records, len(req.echo_text) if offset is None
-                                   else offset)
+        return completion_logprobs(tok, records, len(req.echo_text) if offset is None else offset)
 
     def _stream(self, req: Request):
         self.start_sse()
@@ -219,8 +257,13 @@ class Handler(BaseHTTPRequestHandler):
         state = {"offset": 0, "calls": 0}
 
         def send(choice=None, use=None):
-            chunk = {"id": rid, "object": obj, "created": created, "model": name,
-                     "choices": [choice] if choice else []}
+            chunk = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": name,
+                "choices": [choice] if choice else [],
+            }
             if use:
                 chunk["usage"] = use
             self.send_sse(chunk)
@@ -228,10 +271,17 @@ class Handler(BaseHTTPRequestHandler):
         def text_chunk(text, records, reason=None):
             if req.chat:
                 lp = chat_logprobs(tok, records) if job.logprobs is not None else None
-                return {"index": 0, "delta": {"content": text}, "logprobs": lp,
-                        "finish_reason": reason}
-            lp = (completion_logprobs(tok, records, state["offset"])
-                  if job.logprobs is not None else None)
+                return {
+                    "index": 0,
+                    "delta": {"content": text},
+                    "logprobs": lp,
+                    "finish_reason": reason,
+                }
+            lp = (
+                completion_logprobs(tok, records, state["offset"])
+                if job.logprobs is not None
+                else None
+            )
             state["offset"] += len(text)
             return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
 
@@ -248,8 +298,14 @@ class Handler(BaseHTTPRequestHandler):
                 send(text_chunk("", records))
 
         if req.chat:
-            send({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None})
+            send(
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
         for event in self.events(job):
             if event[0] == "prompt_logprobs":
                 lp = self._completion_logprobs(req, [], event[1])
@@ -257,8 +313,9 @@ class Handler(BaseHTTPRequestHandler):
                 state["offset"] = len(req.echo_text)
             elif event[0] == "text":
                 if req.chat:
-                    chat_items(splitter.feed(event[1]) if splitter else [("text", event[1])],
-                               event[2])
+                    chat_items(
+                        splitter.feed(event[1]) if splitter else [("text", event[1])], event[2]
+                    )
                 else:
                     send(text_chunk(event[1], event[2]))
             elif event[0] == "error":
@@ -268,8 +325,11 @@ class Handler(BaseHTTPRequestHandler):
                 if splitter:
                     chat_items(splitter.flush(), [])
                 reason = "tool_calls" if state["calls"] and event[1] == "stop" else event[1]
-                send(text_chunk("", [], reason) if not req.chat else
-                     {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+                send(
+                    text_chunk("", [], reason)
+                    if not req.chat
+                    else {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+                )
                 if req.include_usage:
                     send(use=usage(job, event[2]))
                 self.wfile.write(b"data: [DONE]\n\n")
@@ -286,8 +346,15 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, model, tokenizer, config: ServeConfig, host: str = "127.0.0.1",
-                 port: int = 8080, engine_class=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: ServeConfig,
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        engine_class=None,
+    ):
         self.engine = make_engine(model, tokenizer, config, engine_class or Engine)
         self.grammars = self.engine.grammars
         self.tokenizer, self.config, self.created = tokenizer, config, int(time.time())
@@ -301,17 +368,23 @@ class Server(ThreadingHTTPServer):
 
 def make_engine(model, tokenizer, config: ServeConfig, engine_class=None) -> Engine:
     """The generation engine for `config` (not started); `engine_class` defaults to Engine
-    (distributed.LockstepEngine runs one rank of a tensor-parallel group)."""
+    (serve.lockstep.LockstepEngine runs one rank of a tensor-parallel group)."""
     materialize(model)
     make_cache(model, config.kv_bits, config.kv_group_size)  # refuses what cannot be
     if config.prompt_cache_bytes is None:
-        config.prompt_cache_bytes = kv_bytes(model, config.max_context,
-                                             config.max_concurrency, config.kv_bits,
-                                             config.kv_group_size)
+        config.prompt_cache_bytes = kv_bytes(
+            model, config.max_context, config.max_concurrency, config.kv_bits, config.kv_group_size
+        )
     return (engine_class or Engine)(
-        model, tokenizer, config.max_concurrency, config.prefill_step_size,
-        kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
-        prompt_cache_bytes=config.prompt_cache_bytes, grammars=_grammars(model, tokenizer))
+        model,
+        tokenizer,
+        config.max_concurrency,
+        config.prefill_step_size,
+        kv_bits=config.kv_bits,
+        kv_group_size=config.kv_group_size,
+        prompt_cache_bytes=config.prompt_cache_bytes,
+        grammars=_grammars(model, tokenizer),
+    )
 
 
 def _grammars(model, tokenizer):
@@ -328,12 +401,3 @@ def load_model(path: str, adapter_path: Optional[str] = None):
     from ..checkpoint.load import load
 
     return load(path, lazy=True, adapter_path=adapter_path)
-
-
-def materialize(model):
-    """Evaluate the weights and the runtime tables of the ternary layers on this thread,
-    so the generation thread finds no lazy graph built on another thread's stream."""
-    mx.eval(model.parameters())
-    dtype = activation_dtype(model)
-    mx.eval([layer._fast_affine(dtype)[:2] for _, layer in ternary_layers(model)
-             if layer.reads_affine()])

@@ -20,9 +20,11 @@ STEP = 256
 
 def _empty(B, H, n, dim, dtype, bits, group_size):
     # (B, H, n, dim * bits / 32) uint32, (B, H, n, dim / group) scales and biases
-    return (mx.zeros((B, H, n, dim * bits // 32), dtype=mx.uint32),
-            mx.zeros((B, H, n, dim // group_size), dtype=dtype),
-            mx.zeros((B, H, n, dim // group_size), dtype=dtype))
+    return (
+        mx.zeros((B, H, n, dim * bits // 32), dtype=mx.uint32),
+        mx.zeros((B, H, n, dim // group_size), dtype=dtype),
+        mx.zeros((B, H, n, dim // group_size), dtype=dtype),
+    )
 
 
 def _dims(triple, bits, group_size):
@@ -60,10 +62,9 @@ class BatchQuantizedKV(_BaseCache):
         if self.keys is None:
             self.keys, self.values = new_k, new_v
             return
-        cut = lambda x: x[..., :self._idx, :]  # noqa: E731
+        cut = lambda x: x[..., : self._idx, :]  # noqa: E731
         self.keys = tuple(mx.concatenate([cut(a), b], axis=2) for a, b in zip(self.keys, new_k))
-        self.values = tuple(mx.concatenate([cut(a), b], axis=2)
-                            for a, b in zip(self.values, new_v))
+        self.values = tuple(mx.concatenate([cut(a), b], axis=2) for a, b in zip(self.values, new_v))
 
     def update_and_fetch(self, keys, values):
         prev, n = self._idx, keys.shape[2]
@@ -75,11 +76,11 @@ class BatchQuantizedKV(_BaseCache):
         qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
         for dst, src in ((self.keys, qk), (self.values, qv)):
             for a, b in zip(dst, src):
-                a[..., prev:self._idx, :] = b
+                a[..., prev : self._idx, :] = b
         return self.keys_and_values()
 
     def keys_and_values(self):
-        return tree_map(lambda x: x[..., :self._idx, :], (self.keys, self.values))
+        return tree_map(lambda x: x[..., : self._idx, :], (self.keys, self.values))
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None:
@@ -136,15 +137,15 @@ class BatchQuantizedKV(_BaseCache):
 
     def filter(self, batch_indices):
         if self.keys is not None:
-            self.keys, self.values = tree_map(lambda x: x[batch_indices],
-                                              (self.keys, self.values))
+            self.keys, self.values = tree_map(lambda x: x[batch_indices], (self.keys, self.values))
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         shift = min(self.left_padding.tolist())
         if shift > 0:  # drop columns of padding every sequence now shares
             if self.keys is not None:
-                self.keys, self.values = tree_map(lambda x: x[..., shift:, :],
-                                                  (self.keys, self.values))
+                self.keys, self.values = tree_map(
+                    lambda x: x[..., shift:, :], (self.keys, self.values)
+                )
             self._idx -= shift
             self.left_padding -= shift
 
@@ -153,17 +154,23 @@ class BatchQuantizedKV(_BaseCache):
         B = self.offset.shape[0]
         src = self.keys, self.values
         if src[0] is None:
-            src = tuple(tuple(mx.zeros((B, *a.shape[1:2], 0, *a.shape[3:]), dtype=a.dtype)
-                              for a in t) for t in like)
+            src = tuple(
+                tuple(mx.zeros((B, *a.shape[1:2], 0, *a.shape[3:]), dtype=a.dtype) for a in t)
+                for t in like
+            )
         left = idx - self._idx
         out = []
         for t in src:
             cols = t[0].shape[2]
             right = size - cols - left
-            t = tuple(a[..., :cols + min(right, 0), :] for a in t)
+            t = tuple(a[..., : cols + min(right, 0), :] for a in t)
             right = max(right, 0)
-            out.append(tuple(mx.pad(a, [(0, 0), (0, 0), (left, right), (0, 0)])
-                             if left or right else a for a in t))
+            out.append(
+                tuple(
+                    mx.pad(a, [(0, 0), (0, 0), (left, right), (0, 0)]) if left or right else a
+                    for a in t
+                )
+            )
         return out[0], out[1], self.left_padding + left
 
     def extend(self, other):
@@ -186,7 +193,8 @@ class BatchQuantizedKV(_BaseCache):
         cache = QuantizedKV(group_size=self.group_size, bits=self.bits)
         pad = self.left_padding.tolist()[idx]
         cache.keys, cache.values = tree_map(
-            lambda x: mx.contiguous(x[idx:idx + 1, :, pad:self._idx]), (self.keys, self.values))
+            lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self._idx]), (self.keys, self.values)
+        )
         cache.offset = self._idx - pad
         return cache
 
@@ -210,7 +218,7 @@ class BatchQuantizedKV(_BaseCache):
                 continue
             for dst, src in ((keys, c.keys), (values, c.values)):
                 for a, b in zip(dst, src):
-                    a[i:i + 1, :, p:p + c.offset] = b[..., :c.offset, :]
+                    a[i : i + 1, :, p : p + c.offset] = b[..., : c.offset, :]
         batch.keys, batch.values = keys, values
         batch.left_padding = mx.array(padding)
         batch.offset = mx.array(lengths)
@@ -227,6 +235,7 @@ def make_cache(model, kv_bits=None, kv_group_size: int = 64) -> list:
         return cache
     if not all(type(c) is KVCache for c in cache):
         kinds = sorted({type(c).__name__ for c in cache})
-        raise ValueError(f"--kv-bits needs a plain KV cache in every layer; this model uses "
-                         f"{', '.join(kinds)}")
+        raise ValueError(
+            f"--kv-bits needs a plain KV cache in every layer; this model uses {', '.join(kinds)}"
+        )
     return [QuantizedKV(group_size=kv_group_size, bits=kv_bits) for _ in cache]

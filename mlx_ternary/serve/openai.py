@@ -15,22 +15,38 @@ from .engine import Job
 MAX_TOP_LOGPROBS = 20
 # OpenAI parameters that would change the answer in ways this server does not do: refused,
 # never ignored.
-UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction",
-               "web_search_options")
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "prediction", "web_search_options")
 
 
 class APIError(Exception):
     """An error a client caused: sent as HTTP `status` with OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type_)
+            status,
+            message,
+            param,
+            code,
+            type_,
+        )
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 @dataclass
@@ -55,7 +71,7 @@ class Request:
     chat: bool
     stream: bool = False
     include_usage: bool = False
-    tools: Optional[list] = None          # OpenAI function tools, when calls are parsed
+    tools: Optional[list] = None  # OpenAI function tools, when calls are parsed
     tool_markers: Optional[tuple] = None  # (start, end, parse(text, tools) -> dict)
     echo_text: str = ""
     extra: dict = field(default_factory=dict)
@@ -79,8 +95,10 @@ def _text(content, where: str, allow_none: bool = False) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise APIError(400, f"{where} must be a string or a list of text parts", where)
 
@@ -100,26 +118,36 @@ def _tool_calls(calls, i) -> list:
         try:
             json.loads(args)
         except ValueError:
-            raise APIError(400, f"{where}: function.arguments must be a JSON string",
-                           where) from None
-        out.append({"id": c.get("id") or new_call_id(), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+            raise APIError(
+                400, f"{where}: function.arguments must be a JSON string", where
+            ) from None
+        out.append(
+            {
+                "id": c.get("id") or new_call_id(),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
     return out
 
 
 def chat_messages(msgs) -> List[dict]:
     """OpenAI messages normalized for a chat template (text content, tool calls, tool role)."""
     if not isinstance(msgs, list) or not msgs:
-        raise APIError(400, "'messages' is required: a non-empty list of {role, content} "
-                       "objects", "messages")
+        raise APIError(
+            400, "'messages' is required: a non-empty list of {role, content} objects", "messages"
+        )
     clean = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string 'role'",
-                           f"messages[{i}]")
+            raise APIError(
+                400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]"
+            )
         calls = m.get("tool_calls")
-        msg = {"role": m["role"], "content": _text(m.get("content", ""),
-                                                   f"messages[{i}].content", calls is not None)}
+        msg = {
+            "role": m["role"],
+            "content": _text(m.get("content", ""), f"messages[{i}].content", calls is not None),
+        }
         if calls:
             msg["tool_calls"] = _tool_calls(calls, i)
         if m["role"] == "tool" and m.get("tool_call_id") is not None:
@@ -133,14 +161,17 @@ def render_chat(tokenizer, messages: List[dict], tools: Optional[list]) -> List[
     when it has none)."""
     if getattr(tokenizer, "has_chat_template", False):
         try:
-            return list(tokenizer.apply_chat_template(messages, tools=tools,
-                                                      add_generation_prompt=True))
+            return list(
+                tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+            )
         except Exception as e:  # jinja templates raise for roles they do not accept
-            raise APIError(400, f"the chat template rejected the messages ({e})",
-                           "messages") from None
+            raise APIError(
+                400, f"the chat template rejected the messages ({e})", "messages"
+            ) from None
     if tools:
-        raise APIError(400, "this model's tokenizer has no chat template, so it cannot be "
-                       "given tools", "tools")
+        raise APIError(
+            400, "this model's tokenizer has no chat template, so it cannot be given tools", "tools"
+        )
     from mlx_lm.server import convert_chat
 
     return tokenizer.encode(convert_chat(messages))
@@ -151,15 +182,22 @@ def completion_prompt(tokenizer, prompt) -> List[int]:
     a list."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer.get_vocab())
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompt
     if not isinstance(prompt, str) or not prompt:
-        raise APIError(400, "'prompt' is required: a non-empty string or list of token ids "
-                       "(one prompt per request)", "prompt")
+        raise APIError(
+            400,
+            "'prompt' is required: a non-empty string or list of token ids "
+            "(one prompt per request)",
+            "prompt",
+        )
     return tokenizer.encode(prompt)
 
 
@@ -181,28 +219,45 @@ def _tools(body, tokenizer, grammars):
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise APIError(400, f"tools[{i}] must be {{'type': 'function', 'function': "
-                           "{'name', 'parameters'}}", f"tools[{i}]")
+            raise APIError(
+                400,
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'parameters'}}}}",
+                f"tools[{i}]",
+            )
     markers = tool_markers(tokenizer)
     if markers is None:
-        raise APIError(400, "this model's chat template has no tool-call format mlx-lm can "
-                       "parse, so it cannot be given tools", "tools")
+        raise APIError(
+            400,
+            "this model's chat template has no tool-call format mlx-lm can "
+            "parse, so it cannot be given tools",
+            "tools",
+        )
     name = None
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
-        if choice.get("type") != "function" or name not in [t["function"]["name"]
-                                                             for t in tools]:
-            raise APIError(400, "'tool_choice' must name one of the tools: {'type': "
-                           "'function', 'function': {'name': ...}}", "tool_choice")
+        if choice.get("type") != "function" or name not in [t["function"]["name"] for t in tools]:
+            raise APIError(
+                400,
+                "'tool_choice' must name one of the tools: {'type': "
+                "'function', 'function': {'name': ...}}",
+                "tool_choice",
+            )
     elif choice not in ("auto", "none", "required"):
-        raise APIError(400, "'tool_choice' must be 'auto', 'none', 'required' or a named "
-                       "function", "tool_choice")
+        raise APIError(
+            400,
+            "'tool_choice' must be 'auto', 'none', 'required' or a named function",
+            "tool_choice",
+        )
     if choice == "none":
         return tools, None, None, None
     grammar = None
     if choice == "required" or name is not None:
-        grammar = constrained(grammars, "tool_choice", lambda g: g.tool_call(
-            tools, markers[0], markers[1], name), markers)
+        grammar = constrained(
+            grammars,
+            "tool_choice",
+            lambda g: g.tool_call(tools, markers[0], markers[1], name),
+            markers,
+        )
     return tools, tools, markers, grammar
 
 
@@ -212,9 +267,12 @@ def constrained(grammars, param: str, build, markers=None) -> str:
     if grammars is None:
         raise APIError(400, "this server has no constrained decoding", param)
     if markers is not None and markers[2].__module__.split(".")[-1] != "json_tools":
-        raise APIError(400, "tool_choice 'required' or a named function is enforced for "
-                       "templates whose calls are JSON between markers; this one is not",
-                       param)
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function is enforced for "
+            "templates whose calls are JSON between markers; this one is not",
+            param,
+        )
     try:
         return build(grammars)
     except GrammarError as e:
@@ -227,17 +285,21 @@ def _response_format(body, grammars) -> Optional[str]:
     if kind == "text":
         return None
     if kind == "json_object":
-        return constrained(grammars, "response_format",
-                           lambda g: g.json_schema({"type": "object"}))
+        return constrained(grammars, "response_format", lambda g: g.json_schema({"type": "object"}))
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise APIError(400, "response_format.json_schema.schema must be a JSON Schema "
-                           "object", "response_format")
-        return constrained(grammars, "response_format",
-                           lambda g: g.json_schema(spec["schema"]))
-    raise APIError(400, f"response_format.type must be 'text', 'json_object' or "
-                   f"'json_schema', got {kind!r}", "response_format")
+            raise APIError(
+                400,
+                "response_format.json_schema.schema must be a JSON Schema object",
+                "response_format",
+            )
+        return constrained(grammars, "response_format", lambda g: g.json_schema(spec["schema"]))
+    raise APIError(
+        400,
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "response_format",
+    )
 
 
 def _logprobs(body, chat: bool) -> Optional[int]:
@@ -267,40 +329,60 @@ def sampling(body) -> dict:
         try:
             s["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
         except (TypeError, ValueError):
-            raise APIError(400, "'logit_bias' must map token ids to numbers",
-                           "logit_bias") from None
+            raise APIError(
+                400, "'logit_bias' must map token ids to numbers", "logit_bias"
+            ) from None
     return s
 
 
 def stop_strings(body, name="stop", most=4) -> List[str]:
     stop = body.get(name)
     stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or len(stop) > most or not all(
-            isinstance(s, str) and s for s in stop):
-        raise APIError(400, f"'{name}' must be a string or a list of up to {most} non-empty "
-                       "strings", name)
+    if (
+        not isinstance(stop, list)
+        or len(stop) > most
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise APIError(
+            400, f"'{name}' must be a string or a list of up to {most} non-empty strings", name
+        )
     return stop
 
 
 def check_model(body, config: ServeConfig):
     model = field_(body, "model", (str,))
     if model is not None and model not in (config.model_name, "default_model"):
-        raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                       f"'{config.model_name}' (see /v1/models)", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"the model '{model}' does not exist; this server serves "
+            f"'{config.model_name}' (see /v1/models)",
+            "model",
+            "model_not_found",
+        )
 
 
 def fit_context(tokens, max_tokens, config: ServeConfig, param: str, zero_ok=False) -> int:
     """max_tokens checked against --max-context (default: all the room left)."""
     room = config.max_context - len(tokens)
     if room < (0 if zero_ok else 1):
-        raise APIError(400, f"the prompt is {len(tokens)} tokens; this server's context is "
-                       f"{config.max_context} tokens (--max-context), which leaves no room to "
-                       "generate; shorten the prompt", param, "context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt is {len(tokens)} tokens; this server's context is "
+            f"{config.max_context} tokens (--max-context), which leaves no room to "
+            "generate; shorten the prompt",
+            param,
+            "context_length_exceeded",
+        )
     if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"the prompt ({len(tokens)} tokens) plus max_tokens "
-                       f"({max_tokens}) is {len(tokens) + max_tokens} tokens, over this "
-                       f"server's context of {config.max_context} (--max-context); ask for "
-                       f"at most {room} tokens", "max_tokens", "context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt ({len(tokens)} tokens) plus max_tokens "
+            f"({max_tokens}) is {len(tokens) + max_tokens} tokens, over this "
+            f"server's context of {config.max_context} (--max-context); ask for "
+            f"at most {room} tokens",
+            "max_tokens",
+            "context_length_exceeded",
+        )
     return room if max_tokens is None else max_tokens
 
 
@@ -331,31 +413,54 @@ def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=Non
     tools = parsed = markers = None
     if chat:
         tools, parsed, markers, tool_grammar = _tools(body, tokenizer, grammars)
-        if field_(body, "parallel_tool_calls", (bool,), True) is False and \
-                parsed and tool_grammar is None:
-            raise APIError(400, "'parallel_tool_calls': false is kept only with tool_choice "
-                           "'required' or a named function (one call, by grammar)",
-                           "parallel_tool_calls")
+        if (
+            field_(body, "parallel_tool_calls", (bool,), True) is False
+            and parsed
+            and tool_grammar is None
+        ):
+            raise APIError(
+                400,
+                "'parallel_tool_calls': false is kept only with tool_choice "
+                "'required' or a named function (one call, by grammar)",
+                "parallel_tool_calls",
+            )
         if tool_grammar is not None:
             if grammar is not None:
-                raise APIError(400, "'response_format' and a forced tool call cannot be "
-                               "combined", "response_format")
+                raise APIError(
+                    400,
+                    "'response_format' and a forced tool call cannot be combined",
+                    "response_format",
+                )
             grammar = tool_grammar
         tokens = render_chat(tokenizer, chat_messages(body.get("messages")), tools)
     else:
         tokens = completion_prompt(tokenizer, body.get("prompt"))
-    max_tokens = fit_context(tokens, max_tokens, config, "messages" if chat else "prompt",
-                             zero_ok=echo)
-    job = Job(prompt=tokens, max_tokens=max_tokens, sampling=sampling(body),
-              stop=stop_strings(body), logprobs=logprobs, grammar=grammar,
-              echo=echo and logprobs is not None)
+    max_tokens = fit_context(
+        tokens, max_tokens, config, "messages" if chat else "prompt", zero_ok=echo
+    )
+    job = Job(
+        prompt=tokens,
+        max_tokens=max_tokens,
+        sampling=sampling(body),
+        stop=stop_strings(body),
+        logprobs=logprobs,
+        grammar=grammar,
+        echo=echo and logprobs is not None,
+    )
     echo_text = tokenizer.decode(tokens) if echo else ""
-    return Request(job=job, chat=chat, stream=stream,
-                   include_usage=bool(opts.get("include_usage", False)), tools=parsed,
-                   tool_markers=markers, echo_text=echo_text)
+    return Request(
+        job=job,
+        chat=chat,
+        stream=stream,
+        include_usage=bool(opts.get("include_usage", False)),
+        tools=parsed,
+        tool_markers=markers,
+        echo_text=echo_text,
+    )
 
 
 # ----------------------------------------------------------------------------- answers
+
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
@@ -382,13 +487,19 @@ class ToolSplitter:
                 out.append(("call", self._call(self.buf[:i])))
             elif i:
                 out.append(("text", self.buf[:i]))
-            self.buf, self.inside = self.buf[i + len(mark):], not self.inside
+            self.buf, self.inside = self.buf[i + len(mark) :], not self.inside
         if not self.inside:  # send all but a possible start of the start marker
-            hold = next((n for n in range(min(len(self.start) - 1, len(self.buf)), 0, -1)
-                         if self.buf.endswith(self.start[:n])), 0)
+            hold = next(
+                (
+                    n
+                    for n in range(min(len(self.start) - 1, len(self.buf)), 0, -1)
+                    if self.buf.endswith(self.start[:n])
+                ),
+                0,
+            )
             if len(self.buf) > hold:
-                out.append(("text", self.buf[:len(self.buf) - hold]))
-                self.buf = self.buf[len(self.buf) - hold:]
+                out.append(("text", self.buf[: len(self.buf) - hold]))
+                self.buf = self.buf[len(self.buf) - hold :]
         return out
 
     def flush(self) -> list:
@@ -404,9 +515,14 @@ class ToolSplitter:
             parsed = {"name": "", "arguments": text}
         args = parsed.get("arguments", {})
         self.calls += 1
-        return {"id": new_call_id(), "type": "function",
-                "function": {"name": parsed.get("name", ""),
-                             "arguments": args if isinstance(args, str) else json.dumps(args)}}
+        return {
+            "id": new_call_id(),
+            "type": "function",
+            "function": {
+                "name": parsed.get("name", ""),
+                "arguments": args if isinstance(args, str) else json.dumps(args),
+            },
+        }
 
 
 def split_answer(req: Request, text: str):
@@ -428,17 +544,21 @@ def chat_logprobs(tokenizer, records) -> dict:
     def entry(tid, lp):
         s = _token_str(tokenizer, tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-    return {"content": [dict(entry(r["id"], r["logprob"]),
-                             top_logprobs=[entry(i, v) for i, v in r["top"]])
-                        for r in records]}
+
+    return {
+        "content": [
+            dict(entry(r["id"], r["logprob"]), top_logprobs=[entry(i, v) for i, v in r["top"]])
+            for r in records
+        ]
+    }
 
 
 def completion_logprobs(tokenizer, records, offset: int = 0, first=None) -> dict:
     """OpenAI's legacy logprobs object; `first`: a leading prompt token with no logprob."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     rows = ([(first, None, None)] if first is not None else []) + [
-        (r["id"], r["logprob"], {_token_str(tokenizer, i): v for i, v in r["top"]})
-        for r in records]
+        (r["id"], r["logprob"], {_token_str(tokenizer, i): v for i, v in r["top"]}) for r in records
+    ]
     for tid, lp, top in rows:
         s = _token_str(tokenizer, tid)
         out["tokens"].append(s)
@@ -451,5 +571,9 @@ def completion_logprobs(tokenizer, records, offset: int = 0, first=None) -> dict
 
 def usage(job: Job, completion: int) -> dict:
     n = len(job.prompt)
-    return {"prompt_tokens": n, "completion_tokens": completion, "total_tokens": n + completion,
-            "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
+    return {
+        "prompt_tokens": n,
+        "completion_tokens": completion,
+        "total_tokens": n + completion,
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+    }

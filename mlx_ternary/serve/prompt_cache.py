@@ -88,7 +88,7 @@ class PromptCache:
         size = _nbytes(cache)
         if size > self.max_bytes:
             return
-        for old in [k for k in self._entries if len(k) <= len(key) and key[:len(k)] == k]:
+        for old in [k for k in self._entries if len(k) <= len(key) and key[: len(k)] == k]:
             self._drop(old)  # a prefix of the new entry: everything it offers, this one does
         if key in self._entries:
             self._drop(key)

@@ -33,10 +33,15 @@ def open_source(path: Path, packing: str = "compact", group_size: int = 128) -> 
         read_config(path)  # a clear error for a directory without a usable config.json
     for reader in READERS:
         if reader.detect(path):
-            return with_model(trilm.source(path, packing, group_size) if reader is trilm
-                              else reader.source(path, packing))
-    raise TernaryError(f"{path}: not a checkpoint mlx-ternary reads (a model directory with "
-                       "config.json and safetensors shards, or a .gguf file)")
+            return with_model(
+                trilm.source(path, packing, group_size)
+                if reader is trilm
+                else reader.source(path, packing)
+            )
+    raise TernaryError(
+        f"{path}: not a checkpoint mlx-ternary reads (a model directory with "
+        "config.json and safetensors shards, or a .gguf file)"
+    )
 
 
 def with_model(source: Source) -> Source:

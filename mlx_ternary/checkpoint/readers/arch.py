@@ -37,8 +37,10 @@ ACTIVATIONS = {"relu2": nn.relu2, "silu": nn.silu, "gelu": nn.gelu, "relu": nn.r
 def read_config(model_path: Path) -> dict:
     path = model_path / "config.json"
     if not path.exists():
-        raise TernaryError(f"{model_path}: no config.json; a model directory needs config.json, "
-                           "its safetensors weights and tokenizer files")
+        raise TernaryError(
+            f"{model_path}: no config.json; a model directory needs config.json, "
+            "its safetensors weights and tokenizer files"
+        )
     config = read_json(path)
     if "model_type" not in config:
         raise FormatError(f"{path}: no model_type field; cannot tell the architecture")
@@ -66,9 +68,11 @@ def get_classes(config: dict, model_path: Path):
     try:
         return _get_classes(config)
     except ValueError:
-        raise TernaryError(f"{model_path / 'config.json'}: model_type {config['model_type']!r} "
-                           "is not an architecture the installed mlx-lm knows; upgrade mlx-lm "
-                           "or check the model") from None
+        raise TernaryError(
+            f"{model_path / 'config.json'}: model_type {config['model_type']!r} "
+            "is not an architecture the installed mlx-lm knows; upgrade mlx-lm "
+            "or check the model"
+        ) from None
 
 
 def is_hadamard(config: dict) -> bool:
@@ -109,15 +113,20 @@ class GatedMLP(nn.Module):
 
 def skeleton(config: dict, model_path: Path) -> nn.Module:
     """mlx-lm's model for `config`; nothing is allocated until a parameter is evaluated."""
-    cfg = {**config, "quantization": dict(HADAMARD_QUANTIZATION)} if is_hadamard(config) \
+    cfg = (
+        {**config, "quantization": dict(HADAMARD_QUANTIZATION)}
+        if is_hadamard(config)
         else architecture(config)
+    )
     model_class, args_class = get_classes(cfg, model_path)
     model = model_class(args_class.from_dict(cfg))
     act = config.get("hidden_act", "relu2")
     if config.get("model_type") == "bitnet" and act != "relu2":  # 1bitLLM: silu
         if act not in ACTIVATIONS:
-            raise FormatError(f"{model_path / 'config.json'}: hidden_act {act!r} is not "
-                              f"supported for BitNet models (supported: {', '.join(ACTIVATIONS)})")
+            raise FormatError(
+                f"{model_path / 'config.json'}: hidden_act {act!r} is not "
+                f"supported for BitNet models (supported: {', '.join(ACTIVATIONS)})"
+            )
         for layer in model.layers:
             layer.mlp = GatedMLP(layer.mlp, ACTIVATIONS[act])
     return model
@@ -147,8 +156,15 @@ def quant_block(config: dict) -> dict:
     return {}
 
 
-def affine_tensor(path: str, weight: mx.array, scales: mx.array, biases: Optional[mx.array],
-                  in_features: int, block: dict, where: str) -> AffineTensor:
+def affine_tensor(
+    path: str,
+    weight: mx.array,
+    scales: mx.array,
+    biases: Optional[mx.array],
+    in_features: int,
+    block: dict,
+    where: str,
+) -> AffineTensor:
     """One stored MLX affine triple as an AffineTensor, checked against its layer.
 
     The layer's own entry in the block wins; otherwise bits and group size are read off
@@ -158,25 +174,37 @@ def affine_tensor(path: str, weight: mx.array, scales: mx.array, biases: Optiona
     entry = block.get(path, block.get(path.removeprefix("language_model.")))
     mode = (entry if isinstance(entry, dict) else block).get("mode", "affine")
     if mode != "affine" or scales.dtype == mx.uint8:
-        raise FormatError(f"{name}: quantized in mode {mode!r} (scales {scales.dtype}); "
-                          "mlx-ternary keeps MLX affine layers only; dequantize that layer "
-                          "first (mlx_lm.convert -d)")
+        raise FormatError(
+            f"{name}: quantized in mode {mode!r} (scales {scales.dtype}); "
+            "mlx-ternary keeps MLX affine layers only; dequantize that layer "
+            "first (mlx_lm.convert -d)"
+        )
     if biases is None:
-        raise FormatError(f"{name}: has {path}.scales but no {path}.biases; not an MLX affine "
-                          "layer (a truncated or foreign checkpoint?)")
+        raise FormatError(
+            f"{name}: has {path}.scales but no {path}.biases; not an MLX affine "
+            "layer (a truncated or foreign checkpoint?)"
+        )
     k = in_features
     if weight.dtype != mx.uint32 or weight.ndim != 2 or scales.ndim != 2 or not scales.shape[1]:
-        raise FormatError(f"{name}: dtype {weight.dtype}, shape {tuple(weight.shape)}; an MLX "
-                          "affine weight is 2-D uint32")
+        raise FormatError(
+            f"{name}: dtype {weight.dtype}, shape {tuple(weight.shape)}; an MLX "
+            "affine weight is 2-D uint32"
+        )
     inferred = {"group_size": k // scales.shape[1], "bits": weight.shape[1] * 32 // k}
-    want = affine_entry(entry if isinstance(entry, dict) else inferred,
-                        f"{where}: quantization.{path}")
+    want = affine_entry(
+        entry if isinstance(entry, dict) else inferred, f"{where}: quantization.{path}"
+    )
     g, bits = want["group_size"], want["bits"]
-    if (weight.shape[1] * 32 != k * bits or tuple(scales.shape) != (weight.shape[0], k // g)
-            or tuple(biases.shape) != tuple(scales.shape)):
-        raise FormatError(f"{name}: shape {tuple(weight.shape)} with scales "
-                          f"{tuple(scales.shape)} does not hold a ({weight.shape[0]}, {k}) "
-                          f"weight at {bits} bits, group size {g}")
+    if (
+        weight.shape[1] * 32 != k * bits
+        or tuple(scales.shape) != (weight.shape[0], k // g)
+        or tuple(biases.shape) != tuple(scales.shape)
+    ):
+        raise FormatError(
+            f"{name}: shape {tuple(weight.shape)} with scales "
+            f"{tuple(scales.shape)} does not hold a ({weight.shape[0]}, {k}) "
+            f"weight at {bits} bits, group size {g}"
+        )
     return AffineTensor(weight, scales, biases, bits, g)
 
 
@@ -185,8 +213,9 @@ _CHUNK = 1 << 24  # codes decoded per step: bounds the float scratch of the chec
 
 def _codes(at: AffineTensor, rows: slice) -> mx.array:
     ones = mx.ones(at.scales[rows].shape, dtype=mx.float32)
-    return mx.dequantize(at.weight[rows], ones, mx.zeros_like(ones),
-                         group_size=at.group_size, bits=at.bits)
+    return mx.dequantize(
+        at.weight[rows], ones, mx.zeros_like(ones), group_size=at.group_size, bits=at.bits
+    )
 
 
 def is_exact_ternary(at: AffineTensor) -> bool:
@@ -198,8 +227,7 @@ def is_exact_ternary(at: AffineTensor) -> bool:
         return not mx.any((w & (w >> 1)) & 0x55555555).item()
     n, k = at.shape
     step = max(1, _CHUNK // k)
-    return not any(mx.any(_codes(at, slice(r, r + step)) > 2).item()
-                   for r in range(0, n, step))
+    return not any(mx.any(_codes(at, slice(r, r + step)) > 2).item() for r in range(0, n, step))
 
 
 def affine_trits(at: AffineTensor) -> np.ndarray:
@@ -208,7 +236,7 @@ def affine_trits(at: AffineTensor) -> np.ndarray:
     step = max(1, _CHUNK // k)
     out = np.empty((n, k), np.int8)
     for r in range(0, n, step):
-        out[r:r + step] = np.array(_codes(at, slice(r, r + step)).astype(mx.int8)) - 1
+        out[r : r + step] = np.array(_codes(at, slice(r, r + step)).astype(mx.int8)) - 1
     return out
 
 
@@ -235,10 +263,17 @@ def affine_triples(names) -> Tuple[Dict[str, str], set]:
     return triples, companions
 
 
-def stream(model_path: Path, model: nn.Module, targets: Dict[str, tuple], block: dict,
-           linear: Optional[LinearRule] = None, affine: Optional[AffineRule] = None,
-           sanitize=None, raw: Tuple[str, ...] = (), companions: Tuple[str, ...] = ()
-           ) -> Tuple[int, Callable[[], Iterator[Tuple[str, object]]]]:
+def stream(
+    model_path: Path,
+    model: nn.Module,
+    targets: Dict[str, tuple],
+    block: dict,
+    linear: Optional[LinearRule] = None,
+    affine: Optional[AffineRule] = None,
+    sanitize=None,
+    raw: Tuple[str, ...] = (),
+    companions: Tuple[str, ...] = (),
+) -> Tuple[int, Callable[[], Iterator[Tuple[str, object]]]]:
     """(item count, items()) of a safetensors checkpoint named as the model's parameters.
 
     Each `P.weight` with `P.scales` is an MLX affine triple: `affine(P, at)` may make it
@@ -254,11 +289,17 @@ def stream(model_path: Path, model: nn.Module, targets: Dict[str, tuple], block:
     triples, read_with = affine_triples(names)
     triples = {n: p for n, p in triples.items() if p not in raw}
     read_with = {n for n in read_with if n.rpartition(".")[0] not in raw}
-    read_with |= {n for n in names if n.rpartition(".")[2] in companions
-                  and f"{n.rpartition('.')[0]}.weight" in names}
+    read_with |= {
+        n
+        for n in names
+        if n.rpartition(".")[2] in companions and f"{n.rpartition('.')[0]}.weight" in names
+    }
     order = sorted(n for n in names if n not in read_with)
-    dims = {p: m.weight.shape[-1] for p, m in model.named_modules()
-            if isinstance(m, (nn.Linear, nn.Embedding))}
+    dims = {
+        p: m.weight.shape[-1]
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding))
+    }
     dims.update({p: d[0] for p, d in targets.items()})
     where = model_path.name
 
@@ -270,11 +311,14 @@ def stream(model_path: Path, model: nn.Module, targets: Dict[str, tuple], block:
             path = name.rpartition(".")[0]
             if name in triples:
                 if path not in dims:
-                    raise FormatError(f"{where}: {name} is MLX affine-quantized but {path} is "
-                                      "not a Linear or Embedding layer of the model")
+                    raise FormatError(
+                        f"{where}: {name} is MLX affine-quantized but {path} is "
+                        "not a Linear or Embedding layer of the model"
+                    )
                 biases = read(f"{path}.biases") if f"{path}.biases" in names else None
-                at = affine_tensor(path, read(name), read(f"{path}.scales"), biases,
-                                   dims[path], block, where)
+                at = affine_tensor(
+                    path, read(name), read(f"{path}.scales"), biases, dims[path], block, where
+                )
                 pt = affine(path, at) if affine and path in targets else None
                 yield (path, pt) if pt is not None else (path, at)
             elif linear and name.endswith(".weight") and path in targets:
@@ -305,40 +349,52 @@ class Checker:
 
     def _own(self, path: str) -> None:
         # The layer's stored parameters (weight, weight_scale, ...): its bias comes on its own.
-        self.seen.update(k for k in self.shapes if k.rpartition(".")[0] == path
-                         and not k.endswith(".bias"))
+        self.seen.update(
+            k for k in self.shapes if k.rpartition(".")[0] == path and not k.endswith(".bias")
+        )
 
     def ternary(self, path: str, pt: PackedTernary) -> None:
         if path not in self.targets:
-            raise FormatError(f"{self.where}: ternary tensor {path} is not a linear layer of "
-                              "the model its config describes")
+            raise FormatError(
+                f"{self.where}: ternary tensor {path} is not a linear layer of "
+                "the model its config describes"
+            )
         k, n, _ = self.targets[path]
         if (pt.out_features, pt.in_features) != (n, k):
-            raise FormatError(f"{self.where}: {path} holds a ({pt.out_features}, "
-                              f"{pt.in_features}) weight but the config implies ({n}, {k}); "
-                              "the config and the weights do not belong together")
+            raise FormatError(
+                f"{self.where}: {path} holds a ({pt.out_features}, "
+                f"{pt.in_features}) weight but the config implies ({n}, {k}); "
+                "the config and the weights do not belong together"
+            )
         self._own(path)
         self.ternary_count += 1
 
     def affine(self, path: str, at: AffineTensor) -> None:
         module = self.modules.get(path)
         if not isinstance(module, (nn.Linear, nn.Embedding)):
-            raise FormatError(f"{self.where}: affine-quantized tensor {path}.weight is not a "
-                              "Linear or Embedding layer of the model its config describes")
+            raise FormatError(
+                f"{self.where}: affine-quantized tensor {path}.weight is not a "
+                "Linear or Embedding layer of the model its config describes"
+            )
         if tuple(at.shape) != tuple(module.weight.shape):
-            raise FormatError(f"{self.where}: {path}.weight holds a {tuple(at.shape)} weight "
-                              f"but config.json implies {tuple(module.weight.shape)}; the "
-                              "config and the weights do not belong together")
+            raise FormatError(
+                f"{self.where}: {path}.weight holds a {tuple(at.shape)} weight "
+                f"but config.json implies {tuple(module.weight.shape)}; the "
+                "config and the weights do not belong together"
+            )
         self._own(path)
 
     def tensor(self, name: str, arr: mx.array) -> None:
         if name not in self.shapes:
-            raise FormatError(f"{self.where}: tensor {name} is not a parameter of the model "
-                              "its config describes")
+            raise FormatError(
+                f"{self.where}: tensor {name} is not a parameter of the model its config describes"
+            )
         if tuple(arr.shape) != self.shapes[name]:
-            raise FormatError(f"{self.where}: tensor {name} has shape {tuple(arr.shape)} but "
-                              f"config.json implies {self.shapes[name]}; the config and the "
-                              "weights do not belong together")
+            raise FormatError(
+                f"{self.where}: tensor {name} has shape {tuple(arr.shape)} but "
+                f"config.json implies {self.shapes[name]}; the config and the "
+                "weights do not belong together"
+            )
         self.seen.add(name)
 
     def item(self, name: str, item) -> None:
@@ -353,9 +409,13 @@ class Checker:
         missing = sorted(set(self.shapes) - self.seen)
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise FormatError(f"{self.where}: missing tensor(s) {', '.join(missing[:3])}{more}; "
-                              "is a shard missing or the checkpoint incomplete?")
+            raise FormatError(
+                f"{self.where}: missing tensor(s) {', '.join(missing[:3])}{more}; "
+                "is a shard missing or the checkpoint incomplete?"
+            )
         if require_ternary and not self.ternary_count:
-            raise FormatError(f"{self.where}: no layer holds ternary weights; mlx-ternary runs "
-                              "ternary checkpoints (load float or affine models with "
-                              "mlx_lm.load)")
+            raise FormatError(
+                f"{self.where}: no layer holds ternary weights; mlx-ternary runs "
+                "ternary checkpoints (load float or affine models with "
+                "mlx_lm.load)"
+            )

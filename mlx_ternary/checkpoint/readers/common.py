@@ -20,17 +20,19 @@ def safetensors_header(path: Path) -> dict:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise FormatError(f"{path}: truncated safetensors file ({size} bytes); "
-                              "re-download or re-convert it")
+            raise FormatError(
+                f"{path}: truncated safetensors file ({size} bytes); re-download or re-convert it"
+            )
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
             raise FormatError(f"{path}: truncated safetensors header; re-download or re-convert it")
         try:
             header = json.loads(f.read(n))
         except ValueError:
-            raise FormatError(f"{path}: corrupt safetensors header; re-download or re-convert it") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-              default=0)
+            raise FormatError(
+                f"{path}: corrupt safetensors header; re-download or re-convert it"
+            ) from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise FormatError(
             f"{path}: truncated safetensors file: its header needs {8 + n + end} bytes, "
@@ -82,11 +84,18 @@ def tensor_shapes(files: List[Path]) -> Dict[str, tuple]:
 
 # safetensors dtype name -> (numpy dtype of the raw bytes, MLX dtype it becomes)
 SAFETENSORS_DTYPES = {
-    "F32": (np.float32, mx.float32), "F16": (np.float16, mx.float16),
-    "BF16": (np.uint16, mx.bfloat16), "U8": (np.uint8, mx.uint8), "I8": (np.int8, mx.int8),
-    "U16": (np.uint16, mx.uint16), "I16": (np.int16, mx.int16),
-    "U32": (np.uint32, mx.uint32), "I32": (np.int32, mx.int32),
-    "U64": (np.uint64, mx.uint64), "I64": (np.int64, mx.int64), "BOOL": (np.bool_, mx.bool_),
+    "F32": (np.float32, mx.float32),
+    "F16": (np.float16, mx.float16),
+    "BF16": (np.uint16, mx.bfloat16),
+    "U8": (np.uint8, mx.uint8),
+    "I8": (np.int8, mx.int8),
+    "U16": (np.uint16, mx.uint16),
+    "I16": (np.int16, mx.int16),
+    "U32": (np.uint32, mx.uint32),
+    "I32": (np.int32, mx.int32),
+    "U64": (np.uint64, mx.uint64),
+    "I64": (np.int64, mx.int64),
+    "BOOL": (np.bool_, mx.bool_),
 }
 
 
@@ -107,20 +116,24 @@ def read_tensor(name: str, entry: Tuple[Path, dict, int]) -> mx.array:
     """One tensor of its file, lazily: nothing is read until it is evaluated."""
     path, meta, start = entry
     if meta["dtype"] not in SAFETENSORS_DTYPES:
-        raise FormatError(f"{path}: tensor {name} has dtype {meta['dtype']}, which "
-                          "mlx-ternary does not read")
+        raise FormatError(
+            f"{path}: tensor {name} has dtype {meta['dtype']}, which mlx-ternary does not read"
+        )
     np_dtype, _ = SAFETENSORS_DTYPES[meta["dtype"]]
     begin, end = meta["data_offsets"]
     shape = tuple(meta["shape"])
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if (end - begin) != count * np.dtype(np_dtype).itemsize:
-        raise FormatError(f"{path}: tensor {name} has {end - begin} bytes for shape {shape} "
-                          f"{meta['dtype']}; the file is corrupt: re-download or re-convert it")
+        raise FormatError(
+            f"{path}: tensor {name} has {end - begin} bytes for shape {shape} "
+            f"{meta['dtype']}; the file is corrupt: re-download or re-convert it"
+        )
     try:  # mx.load maps the header only; each array reads its own bytes when evaluated
         return mx.load(str(path))[name]
     except (RuntimeError, ValueError) as e:
-        raise FormatError(f"{path}: cannot be read as safetensors ({e}); re-download or "
-                          "re-convert it") from None
+        raise FormatError(
+            f"{path}: cannot be read as safetensors ({e}); re-download or re-convert it"
+        ) from None
 
 
 @dataclass
@@ -151,9 +164,18 @@ class Source:
     targets: Optional[Dict[str, tuple]] = None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
 def sanitized_index(files: List[Path], sanitize=None):

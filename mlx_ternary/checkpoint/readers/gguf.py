@@ -22,7 +22,16 @@ import numpy as np
 
 from ...errors import FormatError
 from ...format import PackedTernary, expand_scales
-from ..gguf_tables import ARCHITECTURES, IGNORED_TENSORS, META, Q_BLOCK, TQ_BLOCK, NameTable, rotary_heads, rotary_unpermute
+from ..gguf_tables import (
+    ARCHITECTURES,
+    IGNORED_TENSORS,
+    META,
+    Q_BLOCK,
+    TQ_BLOCK,
+    NameTable,
+    rotary_heads,
+    rotary_unpermute,
+)
 from . import gguf_quants as gq
 from . import i2s
 from .common import Source
@@ -46,8 +55,10 @@ def _one(value, key: str, path: Path):
     """A per-layer array with one value throughout -> that value."""
     if isinstance(value, list):
         if len(set(value)) != 1:
-            raise FormatError(f"{path}: {key} differs between layers ({sorted(set(value))}); "
-                              "mlx-lm's classes need one value for every layer")
+            raise FormatError(
+                f"{path}: {key} differs between layers ({sorted(set(value))}); "
+                "mlx-lm's classes need one value for every layer"
+            )
         return value[0]
     return value
 
@@ -65,16 +76,20 @@ def _rope_scaling(a, path: Path):
         if orig is not None:
             out["original_max_position_embeddings"] = int(orig)
         return out
-    raise FormatError(f"{path}: rope.scaling.type {kind!r} is not one mlx-ternary maps "
-                      "(supported: none, linear, yarn)")
+    raise FormatError(
+        f"{path}: rope.scaling.type {kind!r} is not one mlx-ternary maps "
+        "(supported: none, linear, yarn)"
+    )
 
 
 def read_config(gf: GGUFFile, path: Path) -> dict:
     """The Hugging Face / mlx-lm config the file's metadata describes."""
     name = gf.field("general.architecture")
     if name not in ARCHITECTURES:
-        raise FormatError(f"{path}: GGUF architecture {name!r} is not one mlx-ternary reads "
-                          f"(supported: {', '.join(ARCHITECTURES)})")
+        raise FormatError(
+            f"{path}: GGUF architecture {name!r} is not one mlx-ternary reads "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
     arch = ARCHITECTURES[name]
     a = lambda key, default=None: gf.field(f"{name}.{key}", default)  # noqa: E731
     tensors = {t.name: t for t in gf.tensors}
@@ -88,8 +103,9 @@ def read_config(gf: GGUFFile, path: Path) -> dict:
         "num_hidden_layers": a("block_count"),
         "intermediate_size": _one(a("feed_forward_length"), f"{name}.feed_forward_length", path),
         "num_attention_heads": heads,
-        "num_key_value_heads": _one(a("attention.head_count_kv", heads),
-                                    f"{name}.attention.head_count_kv", path),
+        "num_key_value_heads": _one(
+            a("attention.head_count_kv", heads), f"{name}.attention.head_count_kv", path
+        ),
         "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": a("rope.freq_base", 10000.0),
         "max_position_embeddings": a("context_length", 2048),
@@ -105,8 +121,10 @@ def read_config(gf: GGUFFile, path: Path) -> dict:
         config["head_dim"] = head_dim
     rot = a("rope.dimension_count", head_dim)
     if rot != head_dim:
-        raise FormatError(f"{path}: {name}.rope.dimension_count is {rot} but heads are "
-                          f"{head_dim} wide; partial rotary is not supported for {name}")
+        raise FormatError(
+            f"{path}: {name}.rope.dimension_count is {rot} but heads are "
+            f"{head_dim} wide; partial rotary is not supported for {name}"
+        )
     if arch.model_type == "bitnet":
         config["hidden_act"] = a("hidden_activation", arch.hidden_act)
     for key in ("bos_token_id", "eos_token_id"):
@@ -141,8 +159,10 @@ def _exact_scales(gf: GGUFFile, name: str, d: np.ndarray, block: int, cols: int,
     starts = np.broadcast_to(expand_scales(s, cols, gs), (d.shape[0], cols))[:, ::block]
     d = d.astype(np.float16)
     if not np.array_equal(np.where(d == 0, 0, starts.astype(np.float16)), d):  # 0: no trits
-        raise FormatError(f"{label}: {META}.scale.{name} disagrees with the tensor's block "
-                          "scales; the file is corrupt: re-export it")
+        raise FormatError(
+            f"{label}: {META}.scale.{name} disagrees with the tensor's block "
+            "scales; the file is corrupt: re-export it"
+        )
     return s, gs
 
 
@@ -162,8 +182,10 @@ def _cut(a: np.ndarray, keep, label: str) -> np.ndarray:
     rows = a.shape[0] if rows is None else rows
     cols = a.shape[-1] if cols is None else cols
     if a[rows:].any() or a[:, cols:].any():
-        raise FormatError(f"{label}: the zero padding beyond ({rows}, {cols}) that "
-                          f"{META}.intermediate_size declares is not zero; the file is corrupt")
+        raise FormatError(
+            f"{label}: the zero padding beyond ({rows}, {cols}) that "
+            f"{META}.intermediate_size declares is not zero; the file is corrupt"
+        )
     return a[:rows, :cols]
 
 
@@ -172,7 +194,7 @@ def _cut_scales(s: np.ndarray, keep, block: int) -> np.ndarray:
     if rows is not None and s.shape[0] > 1:
         s = s[:rows]
     if cols is not None and s.shape[1] > 1:
-        s = s[:, :-(-cols // block)]
+        s = s[:, : -(-cols // block)]
     return s
 
 
@@ -232,32 +254,39 @@ def _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names):
         at = gq.affine(raw, kind, rows, cols)
         if n_head:
             order = mx.array(rotary_unpermute(np.arange(rows), n_head))
-            at = type(at)(at.weight[order], at.scales[order], at.biases[order], at.bits,
-                          at.group_size)
+            at = type(at)(
+                at.weight[order], at.scales[order], at.biases[order], at.bits, at.group_size
+            )
         return module, at
     try:
         w = _float(raw, info, None if kind in FLOAT_TYPES else GGMLQuantizationType[kind])
     except (KeyError, NotImplementedError):
-        raise FormatError(f"{label}: GGUF type {kind} is not read by mlx-ternary (reads "
-                          "F32/F16/BF16, TQ1_0/TQ2_0, I2_S and the types gguf-py "
-                          "dequantizes)") from None
+        raise FormatError(
+            f"{label}: GGUF type {kind} is not read by mlx-ternary (reads "
+            "F32/F16/BF16, TQ1_0/TQ2_0, I2_S and the types gguf-py "
+            "dequantizes)"
+        ) from None
     if n_head:
         w = rotary_unpermute(w, n_head)
     if matrix:
         w = _cut(w, keep, label)
     if info.name in ternary_names and kind in FLOAT_TYPES:
-        found = gq.float_trits(w.astype(np.float32) if kind != "BF16" else
-                               (w.astype(np.uint32) << 16).view(np.float32))
+        found = gq.float_trits(
+            w.astype(np.float32) if kind != "BF16" else (w.astype(np.uint32) << 16).view(np.float32)
+        )
         if found is None:
-            raise FormatError(f"{label}: listed as ternary in {META}.ternary but its values "
-                              "are not s * t per row; the file is corrupt")
+            raise FormatError(
+                f"{label}: listed as ternary in {META}.ternary but its values "
+                "are not s * t per row; the file is corrupt"
+            )
         return module, PackedTernary.from_trits(*found, packing, name=label)
     arr = mx.array(np.ascontiguousarray(w))
     return hf, arr.view(mx.bfloat16) if kind == "BF16" else arr
 
 
-def iter_items(path: Path, config: dict, packing: str, *, keep_affine: bool = True,
-               unpermute: bool = True) -> Iterator[Tuple[str, object]]:
+def iter_items(
+    path: Path, config: dict, packing: str, *, keep_affine: bool = True, unpermute: bool = True
+) -> Iterator[Tuple[str, object]]:
     gf = GGUFFile(path)
     arch = ARCHITECTURES[gf.field("general.architecture")]
     names = NameTable(arch.names)
@@ -267,14 +296,15 @@ def iter_items(path: Path, config: dict, packing: str, *, keep_affine: bool = Tr
             continue
         hf = names.hf(info.name)
         if hf is None:
-            raise FormatError(f"{path}: tensor {info.name} ({info.type_name}) has no entry in "
-                              f"the {arch.gguf} name table (gguf_tables.ARCHITECTURES)")
+            raise FormatError(
+                f"{path}: tensor {info.name} ({info.type_name}) has no entry in "
+                f"the {arch.gguf} name table (gguf_tables.ARCHITECTURES)"
+            )
         n_head = rotary_heads(hf, config) if arch.rotary_permuted and unpermute else None
         yield _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names)
 
 
-def source(path: Path, packing: str, *, keep_affine: bool = True,
-           unpermute: bool = True) -> Source:
+def source(path: Path, packing: str, *, keep_affine: bool = True, unpermute: bool = True) -> Source:
     """A convert Source for a .gguf file.
 
     Args:
@@ -290,17 +320,26 @@ def source(path: Path, packing: str, *, keep_affine: bool = True,
     types = Counter(t.type_name for t in kept)
     arch = gf.field("general.architecture")
     notes = []
-    lossy = sorted({t.type_name for t in kept} - set(TERNARY_TYPES + FLOAT_TYPES)
-                   - set(gq.AFFINE_TYPES))
+    lossy = sorted(
+        {t.type_name for t in kept} - set(TERNARY_TYPES + FLOAT_TYPES) - set(gq.AFFINE_TYPES)
+    )
     if lossy:
-        notes.append(f"non-ternary {', '.join(lossy)} tensors are dequantized to float16 "
-                     "(no exact MLX form kept)")
+        notes.append(
+            f"non-ternary {', '.join(lossy)} tensors are dequantized to float16 "
+            "(no exact MLX form kept)"
+        )
     groups = {TQ_BLOCK for t in kept if t.type_name in ("TQ1_0", "TQ2_0")}
     summary = ", ".join(f"{n} {k}" for k, n in types.most_common())
-    return Source(path=path, kind=f"llama.cpp GGUF ({arch}: {summary})", config=config,
-                  count=len(kept),
-                  items=lambda: iter_items(path, config, packing, keep_affine=keep_affine,
-                                           unpermute=unpermute),
-                  activation_bits=_activation_bits(gf, arch),
-                  group_size=groups.pop() if groups else None,
-                  tokenizer_files=files, notes=notes)
+    return Source(
+        path=path,
+        kind=f"llama.cpp GGUF ({arch}: {summary})",
+        config=config,
+        count=len(kept),
+        items=lambda: iter_items(
+            path, config, packing, keep_affine=keep_affine, unpermute=unpermute
+        ),
+        activation_bits=_activation_bits(gf, arch),
+        group_size=groups.pop() if groups else None,
+        tokenizer_files=files,
+        notes=notes,
+    )

@@ -19,9 +19,19 @@ from ...errors import FormatError
 
 I2_S = 36  # bitnet.cpp: 2-bit ternary codes + one float32 scale per tensor (readers/i2s.py)
 # metadata value type -> (struct format, numpy dtype)
-_SCALARS = {0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"),
-            4: ("<I", "<u4"), 5: ("<i", "<i4"), 6: ("<f", "<f4"), 7: ("<?", "?"),
-            10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8")}
+_SCALARS = {
+    0: ("<B", "<u1"),
+    1: ("<b", "<i1"),
+    2: ("<H", "<u2"),
+    3: ("<h", "<i2"),
+    4: ("<I", "<u4"),
+    5: ("<i", "<i4"),
+    6: ("<f", "<f4"),
+    7: ("<?", "?"),
+    10: ("<Q", "<u8"),
+    11: ("<q", "<i8"),
+    12: ("<d", "<f8"),
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -74,17 +84,21 @@ class _Cursor:
         try:
             values = struct.unpack_from(fmt, self.buf, self.pos)
         except struct.error:
-            raise FormatError(f"{self.path}: not a readable GGUF file (its header ends early "
-                              f"at byte {self.pos}); it may be truncated: re-download it") from None
+            raise FormatError(
+                f"{self.path}: not a readable GGUF file (its header ends early "
+                f"at byte {self.pos}); it may be truncated: re-download it"
+            ) from None
         self.pos += struct.calcsize(fmt)
         return values[0] if len(values) == 1 else values
 
     def string(self) -> str:
         n = self.take("<Q")
         if self.pos + n > len(self.buf):
-            raise FormatError(f"{self.path}: not a readable GGUF file (a string at byte "
-                              f"{self.pos} runs past the end); it may be truncated: re-download it")
-        raw = bytes(self.buf[self.pos:self.pos + n])
+            raise FormatError(
+                f"{self.path}: not a readable GGUF file (a string at byte "
+                f"{self.pos} runs past the end); it may be truncated: re-download it"
+            )
+        raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return raw.decode("utf-8", errors="surrogateescape")
 
@@ -101,14 +115,18 @@ class _Cursor:
                 dt = np.dtype(_SCALARS[item][1])
                 end = self.pos + n * dt.itemsize
                 if end > len(self.buf):
-                    raise FormatError(f"{self.path}: not a readable GGUF file (an array runs "
-                                      "past the end); it may be truncated: re-download it")
-                arr = np.frombuffer(self.buf[self.pos:end], dtype=dt).copy()
+                    raise FormatError(
+                        f"{self.path}: not a readable GGUF file (an array runs "
+                        "past the end); it may be truncated: re-download it"
+                    )
+                arr = np.frombuffer(self.buf[self.pos : end], dtype=dt).copy()
                 self.pos = end
                 return arr.tolist()
             return [self.value(item) for _ in range(n)]
-        raise FormatError(f"{self.path}: not a readable GGUF file (unknown metadata value "
-                          f"type {vtype} at byte {self.pos})")
+        raise FormatError(
+            f"{self.path}: not a readable GGUF file (unknown metadata value "
+            f"type {vtype} at byte {self.pos})"
+        )
 
 
 class GGUFFile:
@@ -126,11 +144,14 @@ class GGUFFile:
         cur.pos = 4
         version = cur.take("<I")
         if version & 0xFFFF == 0:
-            raise FormatError(f"{self.path}: a big-endian GGUF file; mlx-ternary reads "
-                              "little-endian GGUF (llama.cpp's default)")
+            raise FormatError(
+                f"{self.path}: a big-endian GGUF file; mlx-ternary reads "
+                "little-endian GGUF (llama.cpp's default)"
+            )
         if version not in (2, 3):
-            raise FormatError(f"{self.path}: GGUF version {version}; mlx-ternary reads "
-                              "versions 2 and 3")
+            raise FormatError(
+                f"{self.path}: GGUF version {version}; mlx-ternary reads versions 2 and 3"
+            )
         n_tensors, n_kv = cur.take("<QQ")
         self.fields: Dict[str, Any] = {}
         for _ in range(n_kv):
@@ -153,7 +174,8 @@ class GGUFFile:
             if info.nbytes is not None and info.offset + info.nbytes > len(self._map):
                 raise FormatError(
                     f"{self.path}: truncated GGUF file: tensor {name} needs bytes up to "
-                    f"{info.offset + info.nbytes}, the file has {len(self._map)}; re-download it")
+                    f"{info.offset + info.nbytes}, the file has {len(self._map)}; re-download it"
+                )
             self.tensors.append(info)
 
     def field(self, key: str, default=None):
@@ -162,6 +184,8 @@ class GGUFFile:
     def tensor_bytes(self, info: TensorInfo) -> np.ndarray:
         """The tensor's raw bytes (uint8, memory-mapped, read-only)."""
         if info.nbytes is None:
-            raise FormatError(f"{self.path}: tensor {info.name} has GGUF {info.type_name}, "
-                              "which mlx-ternary cannot size or read")
-        return self._map[info.offset:info.offset + info.nbytes]
+            raise FormatError(
+                f"{self.path}: tensor {info.name} has GGUF {info.type_name}, "
+                "which mlx-ternary cannot size or read"
+            )
+        return self._map[info.offset : info.offset + info.nbytes]

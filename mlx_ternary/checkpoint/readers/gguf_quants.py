@@ -56,8 +56,10 @@ def tq_trits(raw: np.ndarray, qtype, rows: int, cols: int, name: str):
     dd = np.repeat(d.astype(np.float32), TQ_BLOCK, axis=1)
     t = np.rint(np.divide(w, dd, out=np.zeros_like(w), where=dd != 0)).astype(np.int8)
     if (np.abs(t) > 1).any() or not np.array_equal(t.astype(np.float32) * dd, w):
-        raise FormatError(f"{name}: {qtype.name} blocks do not decode to d * t; the file is "
-                          "corrupt: re-download it")
+        raise FormatError(
+            f"{name}: {qtype.name} blocks do not decode to d * t; the file is "
+            "corrupt: re-download it"
+        )
     return t, d
 
 
@@ -132,8 +134,9 @@ def _nibbles(qs: np.ndarray, halves: int) -> np.ndarray:
 def _finite16(scales: np.ndarray, biases: np.ndarray):
     """float16 when both are exact there, else float32."""
     s16, b16 = scales.astype(np.float16), biases.astype(np.float16)
-    exact = (np.array_equal(s16.astype(np.float32), scales)
-             and np.array_equal(b16.astype(np.float32), biases))
+    exact = np.array_equal(s16.astype(np.float32), scales) and np.array_equal(
+        b16.astype(np.float32), biases
+    )
     return (s16, b16) if exact else (scales, biases)
 
 
@@ -142,13 +145,13 @@ def affine(raw: np.ndarray, type_name: str, rows: int, cols: int) -> AffineTenso
     if type_name == "Q8_0":
         b = _blocks(raw, rows, cols, Q_BLOCK, 34)
         d = _f16(b[:, :, :2]).astype(np.float32)
-        q = (np.ascontiguousarray(b[:, :, 2:]).view(np.int8).astype(np.int16) + 128)
+        q = np.ascontiguousarray(b[:, :, 2:]).view(np.int8).astype(np.int16) + 128
         scales, biases, bits = d, -128 * d, 8
     elif type_name in ("Q4_0", "Q4_1"):
         size = 18 if type_name == "Q4_0" else 20
         b = _blocks(raw, rows, cols, Q_BLOCK, size)
         d = _f16(b[:, :, :2]).astype(np.float32)
-        q = _nibbles(b[:, :, size - 16:], 1)
+        q = _nibbles(b[:, :, size - 16 :], 1)
         m = -8 * d if type_name == "Q4_0" else _f16(b[:, :, 2:4]).astype(np.float32)
         scales, biases, bits = d, m, 4
     elif type_name in ("Q4_K", "Q5_K"):
@@ -156,7 +159,7 @@ def affine(raw: np.ndarray, type_name: str, rows: int, cols: int) -> AffineTenso
         b = _blocks(raw, rows, cols, TQ_BLOCK, size)
         d, dmin = _f16(b[:, :, 0:2]).astype(np.float32), _f16(b[:, :, 2:4]).astype(np.float32)
         sc, mn = _k_scales(b[:, :, 4:16])
-        q = _nibbles(b[:, :, size - 128:], 4)
+        q = _nibbles(b[:, :, size - 128 :], 4)
         if type_name == "Q5_K":
             qh = b[:, :, 16:48]  # (rows, nb, 32)
             high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
@@ -169,8 +172,9 @@ def affine(raw: np.ndarray, type_name: str, rows: int, cols: int) -> AffineTenso
         raise FormatError(f"GGUF {type_name} has no exact MLX affine form")
     scales, biases = _finite16(scales.reshape(rows, -1), biases.reshape(rows, -1))
     q = q.reshape(rows, cols).astype(np.uint8)
-    return AffineTensor(mx.array(pack_codes(q, bits)), mx.array(scales), mx.array(biases),
-                        bits, Q_BLOCK)
+    return AffineTensor(
+        mx.array(pack_codes(q, bits)), mx.array(scales), mx.array(biases), bits, Q_BLOCK
+    )
 
 
 def dequantize(raw: np.ndarray, qtype, shape: tuple) -> np.ndarray:

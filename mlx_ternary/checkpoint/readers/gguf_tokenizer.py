@@ -33,29 +33,37 @@ def tokenizer_files(gf: GGUFFile, path: Path) -> Dict[str, str]:
     if kind is None:
         return {}
     if kind != "gpt2":
-        raise FormatError(f"{path}: tokenizer.ggml.model is {kind!r}; mlx-ternary rebuilds "
-                          "byte-level BPE ('gpt2') tokenizers from GGUF. Convert, then copy "
-                          "the original tokenizer files into the output directory")
+        raise FormatError(
+            f"{path}: tokenizer.ggml.model is {kind!r}; mlx-ternary rebuilds "
+            "byte-level BPE ('gpt2') tokenizers from GGUF. Convert, then copy "
+            "the original tokenizer files into the output directory"
+        )
     pre_name = gf.field("tokenizer.ggml.pre", "default")  # llama.cpp's fallback too
     pre = pre_tokenizer(pre_name)
     if pre is None:
         known = ", ".join(sorted(set(PRE_TOKENIZERS) | set(PRE_ALIASES)))
-        raise FormatError(f"{path}: tokenizer.ggml.pre {pre_name!r} is not a pre-tokenizer "
-                          f"mlx-ternary can rebuild (known: {known})")
+        raise FormatError(
+            f"{path}: tokenizer.ggml.pre {pre_name!r} is not a pre-tokenizer "
+            f"mlx-ternary can rebuild (known: {known})"
+        )
     tokens = list(gf.field("tokenizer.ggml.tokens") or [])
     types = list(gf.field("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in gf.field("tokenizer.ggml.merges") or []]
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None,
-                               ignore_merges=pre.ignore_merges))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=None, ignore_merges=pre.ignore_merges)
+    )
     if pre.nfc:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = hf_pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
-    added = [AddedToken(t, special=ty == CONTROL, normalized=False)
-             for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
+    added = [
+        AddedToken(t, special=ty == CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (CONTROL, USER_DEFINED)
+    ]
     if added:
         tok.add_tokens(added)
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
@@ -66,7 +74,8 @@ def tokenizer_files(gf: GGUFFile, path: Path) -> Dict[str, str]:
     if _add_bos(gf, pre_name) and "bos_token" in cfg:
         bos = cfg["bos_token"]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
     template = gf.field("tokenizer.chat_template")
     if template:
         cfg["chat_template"] = template

@@ -24,16 +24,18 @@ from .trilm import read_scales
 # 1bitLLM/bitnet_b1_58-* checkpoints: model_type "llama", architecture BitnetForCausalLM,
 # with the BitNet sub-norms under their own names and a configurable activation.
 ONEBIT_ARCH = "BitnetForCausalLM"
-ONEBIT_RENAMES = {".self_attn.inner_attn_ln.": ".self_attn.attn_sub_norm.",
-                  ".mlp.ffn_layernorm.": ".mlp.ffn_sub_norm."}
+ONEBIT_RENAMES = {
+    ".self_attn.inner_attn_ln.": ".self_attn.attn_sub_norm.",
+    ".mlp.ffn_layernorm.": ".mlp.ffn_sub_norm.",
+}
 
 
 @dataclass(frozen=True)
 class Semantics:
     """How a BitNet checkpoint's weights and activations are to be read."""
 
-    rule: str            # which config revision decided it (docs/FORMAT.md table)
-    invert: bool         # weight_scale holds 1/s (output divided by it), else s
+    rule: str  # which config revision decided it (docs/FORMAT.md table)
+    invert: bool  # weight_scale holds 1/s (output divided by it), else s
     activation_bits: Optional[int]
     exact_floats: bool = False  # float weights that are t * s are read exactly (else absmean)
 
@@ -54,14 +56,19 @@ def semantics(config: dict, where="config.json") -> Semantics:
     q = _bitnet_block(config)
     act = 8 if config.get("input_bits", 8) else None
     if q.get("use_rms_norm"):
-        raise FormatError(f"{where}: quantization_config.use_rms_norm is true (an RMSNorm "
-                          "inside every BitLinear); mlx-ternary does not run that variant")
+        raise FormatError(
+            f"{where}: quantization_config.use_rms_norm is true (an RMSNorm "
+            "inside every BitLinear); mlx-ternary does not run that variant"
+        )
     if "linear_class" in q:
         if q["linear_class"] not in ("bitlinear", "autobitlinear"):
-            raise FormatError(f"{where}: quantization_config.linear_class "
-                              f"{q['linear_class']!r}; expected bitlinear or autobitlinear")
-        return Semantics(f"linear_class: {q['linear_class']}",
-                         q["linear_class"] == "bitlinear", act)
+            raise FormatError(
+                f"{where}: quantization_config.linear_class "
+                f"{q['linear_class']!r}; expected bitlinear or autobitlinear"
+            )
+        return Semantics(
+            f"linear_class: {q['linear_class']}", q["linear_class"] == "bitlinear", act
+        )
     if q.get("offline_quantization") or q.get("online_quantization"):
         # transformers PR #37503 as first published with microsoft/bitnet-b1.58-2B-4T:
         # both flags built AutoBitLinear, which multiplies by weight_scale.
@@ -72,8 +79,9 @@ def semantics(config: dict, where="config.json") -> Semantics:
         return Semantics("1bitLLM weight_bits: 1 (latent)", False, act)
     # mlx-lm's convert -q replaced quantization_config by its affine block; its bitnet
     # class (the only one such checkpoints load into) multiplies by weight_scale.
-    return Semantics("model_type bitnet, no BitNet block (mlx-lm BitLinear)", False, act,
-                     exact_floats=True)
+    return Semantics(
+        "model_type bitnet, no BitNet block (mlx-lm BitLinear)", False, act, exact_floats=True
+    )
 
 
 def detect(path: Path) -> bool:
@@ -82,23 +90,29 @@ def detect(path: Path) -> bool:
     config = arch.read_config(path)
     if is_native_config(config):
         return False
-    return (bool(_bitnet_block(config)) or config.get("weight_bits") == 1
-            or config.get("model_type") == "bitnet")
+    return (
+        bool(_bitnet_block(config))
+        or config.get("weight_bits") == 1
+        or config.get("model_type") == "bitnet"
+    )
 
 
 def model_config(config: dict) -> dict:
     """The architecture config mlx-lm's classes need for a BitNet checkpoint."""
     config = arch.architecture(config)
     if ONEBIT_ARCH in (config.get("architectures") or []):
-        config = {**config, "model_type": "bitnet",
-                  "tie_word_embeddings": config.get("tie_word_embeddings", False)}
+        config = {
+            **config,
+            "model_type": "bitnet",
+            "tie_word_embeddings": config.get("tie_word_embeddings", False),
+        }
     return config
 
 
 def unpack_hf(packed: np.ndarray, out_features: int) -> np.ndarray:
     """HF BitNet packed uint8 (ceil(N/4), K) -> trits (N, K) int8."""
     fields = [((packed >> (2 * i)) & 3) for i in range(4)]
-    return (np.concatenate(fields, axis=0)[:out_features].astype(np.int8) - 1)
+    return np.concatenate(fields, axis=0)[:out_features].astype(np.int8) - 1
 
 
 def _exact(w: np.ndarray, label: str):
@@ -121,8 +135,9 @@ def source(path: Path, packing: str = "compact") -> Source:
     config = model_config(raw)
     model = arch.skeleton(config, path)
     skip = set(_bitnet_block(raw).get("modules_to_not_convert") or []) | {"lm_head"}
-    targets = {p: d for p, d in arch.ternary_targets(model, config).items()
-               if not _excluded(p, skip)}
+    targets = {
+        p: d for p, d in arch.ternary_targets(model, config).items() if not _excluded(p, skip)
+    }
     model_sanitize = getattr(model, "sanitize", None)
 
     def sanitize(weights):  # 1bitLLM sub-norm names, then the class's own rules
@@ -140,36 +155,56 @@ def source(path: Path, packing: str = "compact") -> Source:
             try:
                 ws = read(f"{p}.weight_scale")
             except KeyError:
-                raise FormatError(f"{label} is packed (uint8) but {p}.weight_scale is "
-                                  "missing") from None
+                raise FormatError(
+                    f"{label} is packed (uint8) but {p}.weight_scale is missing"
+                ) from None
             ws = np.array(ws.astype(mx.float32)).reshape(-1)
             if ws.size != 1:
-                raise FormatError(f"{path.name}: {p}.weight_scale: expected one value per "
-                                  f"tensor, got {ws.size}")
+                raise FormatError(
+                    f"{path.name}: {p}.weight_scale: expected one value per tensor, got {ws.size}"
+                )
             if tuple(w.shape) != (-(-n // 4), k):
-                raise FormatError(f"{label}: packed shape {tuple(w.shape)} does not match the "
-                                  f"config's ({n}, {k}) layer (expected ({-(-n // 4)}, {k}))")
+                raise FormatError(
+                    f"{label}: packed shape {tuple(w.shape)} does not match the "
+                    f"config's ({n}, {k}) layer (expected ({-(-n // 4)}, {k}))"
+                )
             t = unpack_hf(np.array(w), n)
             s = (np.float32(1.0) / ws if sem.invert else ws).reshape(1, 1).astype(np.float32)
         elif mx.issubdtype(w.dtype, mx.floating):
             if tuple(w.shape) != (n, k):
-                raise FormatError(f"{label}: shape {tuple(w.shape)}, the config expects "
-                                  f"({n}, {k})")
+                raise FormatError(f"{label}: shape {tuple(w.shape)}, the config expects ({n}, {k})")
             w32 = np.array(w.astype(mx.float32))
             exact = _exact(w32, label) if sem.exact_floats else None
             t, s, gs = exact if exact else (*ternarize_absmean(w32), None)
             return PackedTernary.from_trits(t, s, packing, gs, name=label)
         else:
-            raise FormatError(f"{label}: dtype {w.dtype}; a BitNet weight is packed uint8 or "
-                              "float latent")
+            raise FormatError(
+                f"{label}: dtype {w.dtype}; a BitNet weight is packed uint8 or float latent"
+            )
         return PackedTernary.from_trits(t, s, packing, name=label)
 
-    count, items = arch.stream(path, model, targets, arch.quant_block(raw), linear=linear,
-                               sanitize=sanitize, companions=("weight_scale",))
-    packed = any(meta["dtype"] == "U8" for _, meta, _ in
-                 tensor_index(shard_files(path)).values())
-    kind = (f"Hugging Face BitNet {'packed' if packed else 'float latent (absmean)'}; "
-            f"scales: {sem.rule}")
-    return Source(path=path, kind=kind, config=config, count=count, items=items,
-                  activation_bits=sem.activation_bits, tokenizer_dir=path, model=model,
-                  targets=targets)
+    count, items = arch.stream(
+        path,
+        model,
+        targets,
+        arch.quant_block(raw),
+        linear=linear,
+        sanitize=sanitize,
+        companions=("weight_scale",),
+    )
+    packed = any(meta["dtype"] == "U8" for _, meta, _ in tensor_index(shard_files(path)).values())
+    kind = (
+        f"Hugging Face BitNet {'packed' if packed else 'float latent (absmean)'}; "
+        f"scales: {sem.rule}"
+    )
+    return Source(
+        path=path,
+        kind=kind,
+        config=config,
+        count=count,
+        items=items,
+        activation_bits=sem.activation_bits,
+        tokenizer_dir=path,
+        model=model,
+        targets=targets,
+    )

@@ -24,17 +24,21 @@ def decode(raw: np.ndarray, rows: int, cols: int, name: str):
     """I2_S bytes -> (trits (rows, cols) int8, scale (1, 1) float32)."""
     n = rows * cols
     if n % BLOCK:
-        raise FormatError(f"{name}: I2_S holds whole blocks of {BLOCK} weights; a ({rows}, "
-                          f"{cols}) tensor is not {BLOCK}-divisible")
+        raise FormatError(
+            f"{name}: I2_S holds whole blocks of {BLOCK} weights; a ({rows}, "
+            f"{cols}) tensor is not {BLOCK}-divisible"
+        )
     raw = np.asarray(raw, dtype=np.uint8)
     if raw.size < n // 4 + 4:
         raise FormatError(f"{name}: I2_S data is {raw.size} bytes, needs {n // 4 + 4}")
-    codes = raw[:n // 4].reshape(-1, 1, 32) >> _SHIFTS[:, None]  # (blocks, 4 groups, 32)
+    codes = raw[: n // 4].reshape(-1, 1, 32) >> _SHIFTS[:, None]  # (blocks, 4 groups, 32)
     codes = (codes & 3).reshape(rows, cols)
     if (codes == 3).any():
-        raise FormatError(f"{name}: I2_S code 3 is not a trit; the file is corrupt or not "
-                          "bitnet.cpp's I2_S layout")
-    scale = np.ascontiguousarray(raw[n // 4:n // 4 + 4]).view("<f4").reshape(1, 1)
+        raise FormatError(
+            f"{name}: I2_S code 3 is not a trit; the file is corrupt or not "
+            "bitnet.cpp's I2_S layout"
+        )
+    scale = np.ascontiguousarray(raw[n // 4 : n // 4 + 4]).view("<f4").reshape(1, 1)
     if not np.isfinite(scale).all():
         raise FormatError(f"{name}: I2_S scale is {float(scale[0, 0])}; the file is corrupt")
     return codes.astype(np.int8) - 1, scale.astype(np.float32)

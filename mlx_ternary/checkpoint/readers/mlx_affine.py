@@ -41,14 +41,15 @@ def _reduce_scales(s: np.ndarray, g: int, name: str) -> Tuple[np.ndarray, Option
     if (s == s[:, :1]).all():
         return s[:, :1], None
     if g not in GROUP_SIZES:
-        raise FormatError(f"{name}: its scales change every {g} columns, and the native "
-                          f"format's groups are {GROUP_SIZES}; this pack cannot be "
-                          "repacked losslessly")
+        raise FormatError(
+            f"{name}: its scales change every {g} columns, and the native "
+            f"format's groups are {GROUP_SIZES}; this pack cannot be "
+            "repacked losslessly"
+        )
     return s, g
 
 
-def ternary_layer(path: str, at: AffineTensor, packing: str, where: str,
-                  ) -> Optional[PackedTernary]:
+def ternary_layer(path: str, at: AffineTensor, packing: str, where: str) -> Optional[PackedTernary]:
     """The PackedTernary an affine layer holds exactly, or None if it is not ternary."""
     if not arch.is_exact_ternary(at):
         return None
@@ -85,9 +86,11 @@ def source(path: Path, packing: str = "compact") -> Source:
     def affine(p, at):
         pt = ternary_layer(p, at, packing, path.name)
         if pt is None and hadamard:
-            raise FormatError(f"{path.name}: {p}: the pack's weights are not exactly ternary "
-                              "(a code above 2 or a bias that is not -scale); it cannot "
-                              "become a ternary model")
+            raise FormatError(
+                f"{path.name}: {p}: the pack's weights are not exactly ternary "
+                "(a code above 2 or a bias that is not -scale); it cannot "
+                "become a ternary model"
+            )
         return pt
 
     def linear(p, w, read):  # a float linear layer beside the pack: ternary if exactly t*s
@@ -101,13 +104,30 @@ def source(path: Path, packing: str = "compact") -> Source:
             return None
         return PackedTernary.from_trits(t, s, packing, gs, name=f"{path.name}: {p}")
 
-    count, items = arch.stream(path, model, targets, arch.quant_block(config), linear=linear,
-                               affine=affine, raw=embeddings,
-                               sanitize=_hadamard_sanitize(model) if hadamard
-                               else getattr(model, "sanitize", None))
-    kind = ("MLX prism_hadamard_qwen35 ternary pack (rotation kept)" if hadamard else
-            "MLX affine ternary pack")
+    count, items = arch.stream(
+        path,
+        model,
+        targets,
+        arch.quant_block(config),
+        linear=linear,
+        affine=affine,
+        raw=embeddings,
+        sanitize=_hadamard_sanitize(model) if hadamard else getattr(model, "sanitize", None),
+    )
+    kind = (
+        "MLX prism_hadamard_qwen35 ternary pack (rotation kept)"
+        if hadamard
+        else "MLX affine ternary pack"
+    )
     g = arch.quant_block(config).get("group_size", 64)
-    return Source(path=path, kind=kind, config=arch.architecture(config), count=count,
-                  items=lambda: _signs_checked(items, path.name), group_size=g if g in GROUP_SIZES else None,
-                  tokenizer_dir=path, model=model, targets=targets)
+    return Source(
+        path=path,
+        kind=kind,
+        config=arch.architecture(config),
+        count=count,
+        items=lambda: _signs_checked(items, path.name),
+        group_size=g if g in GROUP_SIZES else None,
+        tokenizer_dir=path,
+        model=model,
+        targets=targets,
+    )

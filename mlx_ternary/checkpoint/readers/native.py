@@ -9,7 +9,14 @@ quantize_model added such layers to). Arrays stay lazy: nothing is read until us
 from pathlib import Path
 
 from ...errors import FormatError
-from ...format import PackedTernary, QuantizationConfig, is_native_config, packed_shape, scale_kind, scales_shape
+from ...format import (
+    PackedTernary,
+    QuantizationConfig,
+    is_native_config,
+    packed_shape,
+    scale_kind,
+    scales_shape,
+)
 from . import arch
 from .common import Source, read_tensor, shard_files, tensor_index
 
@@ -39,29 +46,51 @@ def source(path: Path, packing: str = "compact") -> Source:
         for name in order:
             p, _, leaf = name.rpartition(".")
             if name in affine:
-                yield p, arch.affine_tensor(p, read(name), read(f"{p}.scales"),
-                                            read(f"{p}.biases") if f"{p}.biases" in index
-                                            else None, dims[p], quant.layers, path.name)
+                yield (
+                    p,
+                    arch.affine_tensor(
+                        p,
+                        read(name),
+                        read(f"{p}.scales"),
+                        read(f"{p}.biases") if f"{p}.biases" in index else None,
+                        dims[p],
+                        quant.layers,
+                        path.name,
+                    ),
+                )
             elif leaf == "packed" and p in targets:
                 yield p, _packed(p, read(name), read(f"{p}.scales"), targets[p], quant, path)
             else:
                 yield name, read(name)
 
-    return Source(path=path, kind=f"mlx-ternary native ({quant.packing})",
-                  config=arch.architecture(config), count=len(order), items=items,
-                  activation_bits=quant.activation_bits, group_size=quant.group_size,
-                  tokenizer_dir=path, model=model, targets=targets)
+    return Source(
+        path=path,
+        kind=f"mlx-ternary native ({quant.packing})",
+        config=arch.architecture(config),
+        count=len(order),
+        items=items,
+        activation_bits=quant.activation_bits,
+        group_size=quant.group_size,
+        tokenizer_dir=path,
+        model=model,
+        targets=targets,
+    )
 
 
-def _packed(path: str, packed, scales, dims: tuple, quant: QuantizationConfig,
-            where: Path) -> PackedTernary:
+def _packed(
+    path: str, packed, scales, dims: tuple, quant: QuantizationConfig, where: Path
+) -> PackedTernary:
     k, n, _ = dims
     kind = scale_kind(tuple(scales.shape), n)
     gs = quant.group_size if kind == "group" else None
-    for leaf, arr, want in (("packed", packed, packed_shape(quant.packing, n, k, gs)),
-                            ("scales", scales, scales_shape(kind, n, k, gs))):
+    for leaf, arr, want in (
+        ("packed", packed, packed_shape(quant.packing, n, k, gs)),
+        ("scales", scales, scales_shape(kind, n, k, gs)),
+    ):
         if tuple(arr.shape) != want:
-            raise FormatError(f"{where}: tensor {path}.{leaf} has shape {tuple(arr.shape)}, "
-                              f"the config implies {want}; the config and the weights do not "
-                              "belong together")
+            raise FormatError(
+                f"{where}: tensor {path}.{leaf} has shape {tuple(arr.shape)}, "
+                f"the config implies {want}; the config and the weights do not "
+                "belong together"
+            )
     return PackedTernary(quant.packing, packed, scales, n, k, gs)

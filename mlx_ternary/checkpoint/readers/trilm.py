@@ -26,8 +26,9 @@ def _runs(values: np.ndarray) -> int:
     return int(1 + np.count_nonzero(values[1:] != values[:-1])) if values.size else 0
 
 
-def read_scales(w: np.ndarray, group_size: int, name: str) -> Tuple[np.ndarray, np.ndarray,
-                                                                       Optional[int], str]:
+def read_scales(
+    w: np.ndarray, group_size: int, name: str
+) -> Tuple[np.ndarray, np.ndarray, Optional[int], str]:
     """Exact (trits, scales, group_size or None, description) of a t*s float weight.
 
     Tries one scale per tensor, then per row, then per `group_size` columns of a row.
@@ -46,8 +47,12 @@ def read_scales(w: np.ndarray, group_size: int, name: str) -> Tuple[np.ndarray, 
             s = used[:1] if used.size else np.ones(1, np.float32)
             return t, s.reshape(1, 1), None, "1 scale"
         filled = np.where(row > 0, row, np.maximum.accumulate(row))  # zero rows: any scale
-        return t, filled.reshape(n, 1), None, (f"{len(np.unique(used))} scales in "
-                                               f"{_runs(filled)} row block(s)")
+        return (
+            t,
+            filled.reshape(n, 1),
+            None,
+            (f"{len(np.unique(used))} scales in {_runs(filled)} row block(s)"),
+        )
     if group_size in GROUP_SIZES:
         g = -(-k // group_size)
         pad = np.zeros((n, g * group_size), np.float32)
@@ -56,8 +61,7 @@ def read_scales(w: np.ndarray, group_size: int, name: str) -> Tuple[np.ndarray, 
         gmax = blocks.max(axis=2)
         if ((blocks == 0) | (blocks == gmax[:, :, None])).all():
             used = np.unique(gmax[gmax > 0])
-            return t, gmax, group_size, (f"{len(used)} scales in groups of {group_size} "
-                                         "columns")
+            return t, gmax, group_size, (f"{len(used)} scales in groups of {group_size} columns")
     r = int(np.argmax(((a != 0) & (a != row[:, None])).any(axis=1)))
     vals = np.unique(w[r])[:6]
     raise FormatError(
@@ -90,8 +94,11 @@ def source(path: Path, packing: str = "compact", group_size: int = 128) -> Sourc
     """
     config = arch.read_config(path)
     model = arch.skeleton(config, path)
-    targets = {p: d for p, d in arch.ternary_targets(model, config).items()
-               if p.split(".")[-1] not in FLOAT_SKIP}
+    targets = {
+        p: d
+        for p, d in arch.ternary_targets(model, config).items()
+        if p.split(".")[-1] not in FLOAT_SKIP
+    }
 
     def linear(p, w, read):
         k, n, _ = targets[p]
@@ -113,9 +120,23 @@ def source(path: Path, packing: str = "compact", group_size: int = 128) -> Sourc
         pt.note = desc
         return pt
 
-    count, items = arch.stream(path, model, targets, arch.quant_block(config), linear=linear,
-                               sanitize=getattr(model, "sanitize", None))
-    return Source(path=path, kind="unpacked ternary floats (TriLM style)",
-                  config=arch.architecture(config), count=count, items=items,
-                  activation_bits=activation_bits(config), group_size=group_size,
-                  tokenizer_dir=path, model=model, targets=targets)
+    count, items = arch.stream(
+        path,
+        model,
+        targets,
+        arch.quant_block(config),
+        linear=linear,
+        sanitize=getattr(model, "sanitize", None),
+    )
+    return Source(
+        path=path,
+        kind="unpacked ternary floats (TriLM style)",
+        config=arch.architecture(config),
+        count=count,
+        items=items,
+        activation_bits=activation_bits(config),
+        group_size=group_size,
+        tokenizer_dir=path,
+        model=model,
+        targets=targets,
+    )

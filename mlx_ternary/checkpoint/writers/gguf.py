@@ -20,32 +20,44 @@ import mlx.core as mx
 
 from ...errors import TernaryError
 from ...format import AffineTensor, PackedTernary
-from ..gguf_tables import ARCHITECTURES, META, PRE_DETECT_ORDER, PRE_TOKENIZERS, WRITE_ARCH, NameTable, hf_pre_tokenizer
+from ..gguf_tables import (
+    ARCHITECTURES,
+    META,
+    PRE_DETECT_ORDER,
+    PRE_TOKENIZERS,
+    WRITE_ARCH,
+    NameTable,
+    hf_pre_tokenizer,
+)
 from . import gguf_tensors as gt
 
 QTYPES = ("TQ1_0", "TQ2_0")
 # Splits every pre-tokenizer in gguf_tables differently from the others.
-PROBE = ("Hello world! I'll say: What's up? DON'T don't we'd they've I'M it's\n\n"
-         "  3 33 333 3333 12345678 1.5e-3\t tab\r\n  \u00dcn\u00efc\u00f6d\u00e9 "
-         "cafe\u0301 na\u00efve \U0001f999.cpp \u6211\u60f3\u5728apple\u5de5\u4f5c1314151"
-         "\u5929\uff5e $100+<=>^~|` ... --- ((x)) \n \n\n\n   end   ")
+PROBE = (
+    "Hello world! I'll say: What's up? DON'T don't we'd they've I'M it's\n\n"
+    "  3 33 333 3333 12345678 1.5e-3\t tab\r\n  \u00dcn\u00efc\u00f6d\u00e9 "
+    "cafe\u0301 na\u00efve \U0001f999.cpp \u6211\u60f3\u5728apple\u5de5\u4f5c1314151"
+    "\u5929\uff5e $100+<=>^~|` ... --- ((x)) \n \n\n\n   end   "
+)
 
 
 def check_config(config: dict) -> None:
     """Refuse, before anything is written, a model llama.cpp could not run as exported."""
     mt = config.get("model_type")
     if mt not in WRITE_ARCH:
-        raise TernaryError(f"--to-gguf writes {', '.join(WRITE_ARCH)} models; this model is "
-                           f"{mt!r}")
+        raise TernaryError(f"--to-gguf writes {', '.join(WRITE_ARCH)} models; this model is {mt!r}")
     arch = ARCHITECTURES[WRITE_ARCH[mt]]
     if arch.always_tied and not config.get("tie_word_embeddings", True):
-        raise TernaryError(f"--to-gguf: llama.cpp's {arch.gguf} graph multiplies by the token "
-                           "embedding for its output; this model has a separate lm_head")
+        raise TernaryError(
+            f"--to-gguf: llama.cpp's {arch.gguf} graph multiplies by the token "
+            "embedding for its output; this model has a separate lm_head"
+        )
     rope = config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type"))
     if kind not in (None, "default", "linear", "yarn"):
-        raise TernaryError(f"--to-gguf: rope_scaling type {kind!r} is not exported "
-                           "(supported: none, linear, yarn)")
+        raise TernaryError(
+            f"--to-gguf: rope_scaling type {kind!r} is not exported (supported: none, linear, yarn)"
+        )
 
 
 def _metadata(w, config: dict, activation_bits: Optional[int], ffn: Optional[int]) -> None:
@@ -96,20 +108,26 @@ def detect_pre(tokenizer_json: str, where: str = "tokenizer.json") -> str:
     tj = json.loads(tokenizer_json)
     norm = tj.get("normalizer")
     if norm is not None and norm.get("type") != "NFC":
-        raise TernaryError(f"{where}: a {norm.get('type')} normalizer; llama.cpp applies none "
-                           "to BPE text, so the GGUF would tokenize differently")
+        raise TernaryError(
+            f"{where}: a {norm.get('type')} normalizer; llama.cpp applies none "
+            "to BPE text, so the GGUF would tokenize differently"
+        )
     tok = Tokenizer.from_str(tokenizer_json)
     if tok.pre_tokenizer is None:
-        raise TernaryError(f"{where}: no pre-tokenizer; llama.cpp's BPE always pre-splits "
-                           "text, so the GGUF would tokenize differently")
+        raise TernaryError(
+            f"{where}: no pre-tokenizer; llama.cpp's BPE always pre-splits "
+            "text, so the GGUF would tokenize differently"
+        )
     own = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(PROBE)]
     for name in PRE_DETECT_ORDER:
         pieces = hf_pre_tokenizer(PRE_TOKENIZERS[name]).pre_tokenize_str(PROBE)
         if [p for p, _ in pieces] == own:
             return name
-    raise TernaryError(f"{where}: its pre-tokenizer splits text unlike every llama.cpp "
-                       f"pre-tokenizer mlx-ternary knows ({', '.join(PRE_DETECT_ORDER)}); "
-                       "llama.cpp would tokenize differently, so no GGUF is written")
+    raise TernaryError(
+        f"{where}: its pre-tokenizer splits text unlike every llama.cpp "
+        f"pre-tokenizer mlx-ternary knows ({', '.join(PRE_DETECT_ORDER)}); "
+        "llama.cpp would tokenize differently, so no GGUF is written"
+    )
 
 
 def _added_bos_eos(tokenizer_json: str) -> Tuple[bool, bool]:
@@ -127,8 +145,10 @@ def _tokenizer(w, tokenizer_json: Optional[str], tokenizer_config: dict, config:
     tj = json.loads(tokenizer_json)
     model = tj.get("model", {})
     if model.get("type") != "BPE":
-        raise TernaryError("--to-gguf rebuilds byte-level BPE tokenizers; this model's "
-                           f"tokenizer.json has a {model.get('type')!r} model")
+        raise TernaryError(
+            "--to-gguf rebuilds byte-level BPE tokenizers; this model's "
+            f"tokenizer.json has a {model.get('type')!r} model"
+        )
     pre = detect_pre(tokenizer_json)
     vocab = dict(model["vocab"])
     special = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
@@ -136,8 +156,10 @@ def _tokenizer(w, tokenizer_json: Optional[str], tokenizer_config: dict, config:
     vocab.update(special)
     n = config["vocab_size"]
     if max(vocab.values()) >= n:
-        raise TernaryError(f"tokenizer.json has token id {max(vocab.values())} but the model's "
-                           f"embedding has {n} rows; llama.cpp needs one row per token")
+        raise TernaryError(
+            f"tokenizer.json has token id {max(vocab.values())} but the model's "
+            f"embedding has {n} rows; llama.cpp needs one row per token"
+        )
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [5] * n  # llama.cpp UNUSED for ids no token holds
     for tok, i in vocab.items():
@@ -145,8 +167,10 @@ def _tokenizer(w, tokenizer_json: Optional[str], tokenizer_config: dict, config:
         types[i] = (3 if flags[tok] else 4) if tok in special and special[tok] == i else 1
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     if not merges:  # gguf-py cannot write an empty array, and llama.cpp needs the key
-        raise TernaryError("--to-gguf: tokenizer.json has no BPE merges; llama.cpp refuses a "
-                           "GGUF byte-level BPE vocabulary without them")
+        raise TernaryError(
+            "--to-gguf: tokenizer.json has no BPE merges; llama.cpp refuses a "
+            "GGUF byte-level BPE vocabulary without them"
+        )
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
@@ -155,8 +179,11 @@ def _tokenizer(w, tokenizer_json: Optional[str], tokenizer_config: dict, config:
     add_bos, add_eos = _added_bos_eos(tokenizer_json)
     w.add_add_bos_token(add_bos)
     w.add_add_eos_token(add_eos)
-    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
-                     ("pad_token_id", w.add_pad_token_id)):
+    for key, add in (
+        ("bos_token_id", w.add_bos_token_id),
+        ("eos_token_id", w.add_eos_token_id),
+        ("pad_token_id", w.add_pad_token_id),
+    ):
         v = config.get(key)
         v = v[0] if isinstance(v, list) else v
         if v is not None:
@@ -165,11 +192,16 @@ def _tokenizer(w, tokenizer_json: Optional[str], tokenizer_config: dict, config:
         w.add_chat_template(tokenizer_config["chat_template"])
 
 
-def write(out_file: Path, config: dict, items: Iterator[Tuple[str, object]],
-          qtype: str = "TQ2_0", tokenizer_json: Optional[str] = None,
-          tokenizer_config: Optional[dict] = None,
-          on_tensor: Optional[Callable[[str, str, float], None]] = None,
-          activation_bits: Optional[int] = None) -> None:
+def write(
+    out_file: Path,
+    config: dict,
+    items: Iterator[Tuple[str, object]],
+    qtype: str = "TQ2_0",
+    tokenizer_json: Optional[str] = None,
+    tokenizer_config: Optional[dict] = None,
+    on_tensor: Optional[Callable[[str, str, float], None]] = None,
+    activation_bits: Optional[int] = None,
+) -> None:
     """Stream (name, mx.array | PackedTernary | AffineTensor) items into a GGUF file.
 
     Args:
@@ -198,8 +230,10 @@ def write(out_file: Path, config: dict, items: Iterator[Tuple[str, object]],
         hf = name if isinstance(item, mx.array) else f"{name}.weight"
         g = names.gguf(hf)
         if g is None:
-            raise TernaryError(f"{hf}: no llama.cpp name for this tensor in the {arch.gguf} "
-                               "name table (gguf_tables.ARCHITECTURES)")
+            raise TernaryError(
+                f"{hf}: no llama.cpp name for this tensor in the {arch.gguf} "
+                "name table (gguf_tables.ARCHITECTURES)"
+            )
         if isinstance(item, PackedTernary):
             data, raw, err, exact = gt.ternary(hf, item, qtype, plan)
             ternary_names.append(g)

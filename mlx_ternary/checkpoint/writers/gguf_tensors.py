@@ -34,8 +34,11 @@ class Plan:
     @classmethod
     def make(cls, config: dict, permute: bool) -> "Plan":
         n = config["intermediate_size"]
-        pad = (config["model_type"] in PADDED_FFN and n % TQ_BLOCK
-               and config["hidden_size"] % TQ_BLOCK == 0)
+        pad = (
+            config["model_type"] in PADDED_FFN
+            and n % TQ_BLOCK
+            and config["hidden_size"] % TQ_BLOCK == 0
+        )
         return cls(config, permute, -(-n // TQ_BLOCK) * TQ_BLOCK if pad else None)
 
     def apply(self, hf: str, a: np.ndarray, edge: bool = False) -> np.ndarray:
@@ -46,8 +49,11 @@ class Plan:
         if self.ffn and a.ndim == 2:
             extra = self.ffn - self.config["intermediate_size"]
             if ".mlp.gate_proj." in hf or ".mlp.up_proj." in hf:
-                a = np.pad(a, ((0, extra if a.shape[0] > 1 else 0), (0, 0)),
-                           mode="edge" if edge else "constant")
+                a = np.pad(
+                    a,
+                    ((0, extra if a.shape[0] > 1 else 0), (0, 0)),
+                    mode="edge" if edge else "constant",
+                )
             elif ".mlp.down_proj." in hf:
                 a = np.pad(a, ((0, 0), (0, extra)), mode="edge" if edge else "constant")
         return np.ascontiguousarray(a)
@@ -86,13 +92,18 @@ def ternary(hf: str, pt: PackedTernary, qtype: str, plan: Plan):
     scales are not float16 numbers, `exact scales` (GGUF layout, float32) is what
     `mlx_ternary.scale.<tensor>` keeps so that mlx-ternary reads the weight back exactly.
     """
-    from gguf import GGMLQuantizationType as Q, quants
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
 
     scales = to_numpy(pt.scales).astype(np.float32)
     t = plan.apply(hf, pt.trits())
-    s = plan.apply(hf, np.broadcast_to(
-        expand_scales(scales, pt.in_features, pt.group_size), (pt.out_features, pt.in_features)),
-        edge=True)
+    s = plan.apply(
+        hf,
+        np.broadcast_to(
+            expand_scales(scales, pt.in_features, pt.group_size), (pt.out_features, pt.in_features)
+        ),
+        edge=True,
+    )
     w = t.astype(np.float32) * s
     k = t.shape[1]
     if k % TQ_BLOCK == 0 and _constant_over(s, TQ_BLOCK):
@@ -116,8 +127,11 @@ def _codes(at: AffineTensor) -> np.ndarray:
     words = np.array(at.weight).astype("<u4")
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     n, k = at.shape
-    return np.packbits(np.pad(bits.reshape(n, k, at.bits), ((0, 0), (0, 0), (0, 8 - at.bits))),
-                       axis=2, bitorder="little").reshape(n, k)
+    return np.packbits(
+        np.pad(bits.reshape(n, k, at.bits), ((0, 0), (0, 0), (0, 8 - at.bits))),
+        axis=2,
+        bitorder="little",
+    ).reshape(n, k)
 
 
 def affine(hf: str, at: AffineTensor, plan: Plan):
@@ -126,17 +140,29 @@ def affine(hf: str, at: AffineTensor, plan: Plan):
     4-bit codes with float16 scale and bias per 32 (or a multiple) are Q4_1 exactly; 8-bit
     codes whose bias is -128 * scale are Q8_0; anything else is written as floats.
     """
-    from gguf import GGMLQuantizationType as Q, quants
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
 
     s = np.array(at.scales.astype(mx.float32))
     b = np.array(at.biases.astype(mx.float32))
     # in float32 throughout (AffineTensor.dequantize rounds to the scales' dtype first)
-    w = plan.apply(hf, np.array(mx.dequantize(at.weight, mx.array(s), mx.array(b),
-                                              group_size=at.group_size, bits=at.bits)))
-    exact16 = (np.array_equal(s.astype(np.float16).astype(np.float32), s)
-               and np.array_equal(b.astype(np.float16).astype(np.float32), b))
-    fits = (exact16 and at.group_size % 32 == 0 and w.shape == at.shape
-            and (at.bits == 4 or (at.bits == 8 and np.array_equal(b, -128 * s))))
+    w = plan.apply(
+        hf,
+        np.array(
+            mx.dequantize(
+                at.weight, mx.array(s), mx.array(b), group_size=at.group_size, bits=at.bits
+            )
+        ),
+    )
+    exact16 = np.array_equal(s.astype(np.float16).astype(np.float32), s) and np.array_equal(
+        b.astype(np.float16).astype(np.float32), b
+    )
+    fits = (
+        exact16
+        and at.group_size % 32 == 0
+        and w.shape == at.shape
+        and (at.bits == 4 or (at.bits == 8 and np.array_equal(b, -128 * s)))
+    )
     if not fits:  # includes an MLP padded to whole TQ blocks: zeros have no code
         f16 = w.astype(np.float16)
         return (f16 if np.array_equal(f16.astype(np.float32), w) else w), None, 0.0
@@ -147,8 +173,9 @@ def affine(hf: str, at: AffineTensor, plan: Plan):
         m = np.repeat(plan.apply(hf, b, edge=True), at.group_size // 32, axis=1)[..., None]
         nib = q.reshape(n, k // 32, 2, 16)
         body = nib[:, :, 0] | (nib[:, :, 1] << 4)
-        head = np.concatenate([per.astype(np.float16).view(np.uint8),
-                               m.astype(np.float16).view(np.uint8)], axis=-1)
+        head = np.concatenate(
+            [per.astype(np.float16).view(np.uint8), m.astype(np.float16).view(np.uint8)], axis=-1
+        )
         qtype = Q.Q4_1
     else:
         body = (q.astype(np.int16) - 128).astype(np.int8).view(np.uint8)

@@ -30,10 +30,10 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     step = max(1, _CHUNK_VALUES // k)
     shifts = np.arange(32, dtype=np.uint32)
     for r in range(0, n, step):
-        c = codes[r:r + step].astype(np.uint32)
+        c = codes[r : r + step].astype(np.uint32)
         stream = (c[:, :, None] >> np.arange(bits, dtype=np.uint32)) & 1  # (rows, K, bits)
         words = stream.reshape(c.shape[0], -1, 32) << shifts
-        out[r:r + step] = words.sum(axis=-1, dtype=np.uint32)
+        out[r : r + step] = words.sum(axis=-1, dtype=np.uint32)
     return out
 
 
@@ -48,8 +48,10 @@ def group_scales(pt: PackedTernary, group_size: int, name: str) -> np.ndarray:
     """Scales (N, K / g) for affine groups of g: exact only if each group has one scale."""
     n, k = pt.out_features, pt.in_features
     if k % group_size:
-        raise TernaryError(f"{name}: in_features {k} is not a multiple of --q-group-size "
-                           f"{group_size}; pick a group size that divides it")
+        raise TernaryError(
+            f"{name}: in_features {k} is not a multiple of --q-group-size "
+            f"{group_size}; pick a group size that divides it"
+        )
     s = pt.scales
     if s.shape[1] == 1:
         return np.broadcast_to(s, (n, k // group_size))
@@ -62,8 +64,9 @@ def group_scales(pt: PackedTernary, group_size: int, name: str) -> np.ndarray:
     return np.repeat(s, pt.group_size // group_size, axis=1)[:, : k // group_size]
 
 
-def affine_tensors(path: str, pt: PackedTernary, bits: int, group_size: int,
-                   dtype=None) -> List[Tuple[str, mx.array]]:
+def affine_tensors(
+    path: str, pt: PackedTernary, bits: int, group_size: int, dtype=None
+) -> List[Tuple[str, mx.array]]:
     """`{path}.weight/.scales/.biases` of a QuantizedLinear holding `pt` exactly.
 
     weight: (N, K * bits / 32) uint32; scales, biases: (N, K / g) in `dtype`
@@ -74,8 +77,11 @@ def affine_tensors(path: str, pt: PackedTernary, bits: int, group_size: int,
     scales = mx.array(s)
     if dtype is not None:
         scales = scales.astype(dtype)
-    return [(f"{path}.weight", mx.array(pack_codes(codes, bits))),
-            (f"{path}.scales", scales), (f"{path}.biases", -scales)]
+    return [
+        (f"{path}.weight", mx.array(pack_codes(codes, bits))),
+        (f"{path}.scales", scales),
+        (f"{path}.biases", -scales),
+    ]
 
 
 def dequantized(path: str, pt: PackedTernary, dtype=None) -> List[Tuple[str, mx.array]]:
@@ -84,28 +90,41 @@ def dequantized(path: str, pt: PackedTernary, dtype=None) -> List[Tuple[str, mx.
     return [(f"{path}.weight", w.astype(dtype) if dtype is not None else w)]
 
 
-def affine_config(config: dict, bits: int, group_size: int,
-                  layers: Optional[dict] = None) -> dict:
+def affine_config(config: dict, bits: int, group_size: int, layers: Optional[dict] = None) -> dict:
     """config.json for mlx-lm: mlx-lm's own `quantization` block (and its HF mirror),
     with a per-layer entry for each layer kept at its own bits (e.g. a 4-bit embedding)."""
-    q = {"group_size": group_size, "bits": bits, "mode": "affine",
-         **{path: dict(entry) for path, entry in sorted((layers or {}).items())}}
+    q = {
+        "group_size": group_size,
+        "bits": bits,
+        "mode": "affine",
+        **{path: dict(entry) for path, entry in sorted((layers or {}).items())},
+    }
     out = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     out["quantization"] = q
     out["quantization_config"] = json.loads(json.dumps(q))
     return out
 
 
-def model_card(source: str, kind: str, bits: Optional[int], group_size: Optional[int],
-               activation_bits: Optional[int]) -> str:
+def model_card(
+    source: str,
+    kind: str,
+    bits: Optional[int],
+    group_size: Optional[int],
+    activation_bits: Optional[int],
+) -> str:
     """README.md for a stock MLX checkpoint written by convert."""
-    what = (f"MLX affine {bits}-bit, group size {group_size}" if bits
-            else "float (dequantized)")
+    what = f"MLX affine {bits}-bit, group size {group_size}" if bits else "float (dequantized)"
     lines = [
-        "---", "library_name: mlx", "tags: [mlx, ternary]", "---", "",
-        f"# {source} ({what})", "",
+        "---",
+        "library_name: mlx",
+        "tags: [mlx, ternary]",
+        "---",
+        "",
+        f"# {source} ({what})",
+        "",
         f"Converted by `mlx-ternary convert` from {kind}. The ternary weights s * t are "
-        "represented exactly: loads with plain `mlx_lm.load`, no mlx-ternary needed.", "",
+        "represented exactly: loads with plain `mlx_lm.load`, no mlx-ternary needed.",
+        "",
     ]
     if activation_bits:
         lines += [

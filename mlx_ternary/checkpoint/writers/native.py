@@ -19,8 +19,9 @@ MAX_SHARD_BYTES = 5 << 30
 FOREIGN_QUANT_KEYS = ("quantization", "quantization_config")
 
 
-def write_shards(out_dir: Path, tensors: Iterable[Tuple[str, mx.array]],
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> Dict[str, str]:
+def write_shards(
+    out_dir: Path, tensors: Iterable[Tuple[str, mx.array]], max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Dict[str, str]:
     """Stream tensors into model-0000i-of-0000n.safetensors shards; returns the weight map."""
     shards, current, size = [], {}, 0
     for name, arr in tensors:
@@ -32,8 +33,11 @@ def write_shards(out_dir: Path, tensors: Iterable[Tuple[str, mx.array]],
     shards.append(current)
     weight_map = {}
     for i, shard in enumerate(shards):
-        fname = ("model.safetensors" if len(shards) == 1
-                 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        fname = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         mx.save_safetensors(str(out_dir / fname), shard, metadata={"format": "mlx"})
         weight_map.update({k: fname for k in shard})
     total = sum(a.nbytes for s in shards for a in s.values())
@@ -48,8 +52,9 @@ def native_config(config: dict, quant: QuantizationConfig) -> dict:
     return out
 
 
-def save_model(model: nn.Module, config: dict, out_dir, tokenizer=None,
-               packing: Optional[str] = None) -> Path:
+def save_model(
+    model: nn.Module, config: dict, out_dir, tokenizer=None, packing: Optional[str] = None
+) -> Path:
     """Save a model with TernaryLinear layers in the native format.
 
     Args:
@@ -78,9 +83,20 @@ def save_model(model: nn.Module, config: dict, out_dir, tokenizer=None,
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "mlx-ternary-manifest"
-_ST_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint8: "U8",
-              mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16", mx.uint32: "U32",
-              mx.int32: "I32", mx.uint64: "U64", mx.int64: "I64", mx.bool_: "BOOL"}
+_ST_DTYPES = {
+    mx.float32: "F32",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.uint8: "U8",
+    mx.int8: "I8",
+    mx.uint16: "U16",
+    mx.int16: "I16",
+    mx.uint32: "U32",
+    mx.int32: "I32",
+    mx.uint64: "U64",
+    mx.int64: "I64",
+    mx.bool_: "BOOL",
+}
 _COPY_CHUNK = 64 << 20
 
 
@@ -133,8 +149,11 @@ class ShardWriter:
             self._close_shard()
             self._new_shard()
         path, fh, header, size = self._open
-        header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [size, size + len(data)]}
+        header[name] = {
+            "dtype": _ST_DTYPES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [size, size + len(data)],
+        }
         fh.write(data)
         self._open = (path, fh, header, size + len(data))
         self.total += len(data)
@@ -147,8 +166,9 @@ class ShardWriter:
         weight_map = {}
         for i, (data_path, header) in enumerate(self.shards):
             fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            raw = json.dumps({"__metadata__": {"format": "mlx"}, **header},
-                             separators=(",", ":")).encode()
+            raw = json.dumps(
+                {"__metadata__": {"format": "mlx"}, **header}, separators=(",", ":")
+            ).encode()
             raw += b" " * (-(8 + len(raw)) % 8)  # the spec allows space padding; align data
             with open(self.out_dir / fname, "wb") as out, open(data_path, "rb") as src:
                 out.write(struct.pack("<Q", len(raw)))
@@ -156,8 +176,10 @@ class ShardWriter:
                 shutil.copyfileobj(src, out, _COPY_CHUNK)
             data_path.unlink()
             weight_map.update({k: fname for k in header})
-        index = {"metadata": {"total_size": self.total},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": self.total},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         return weight_map
 

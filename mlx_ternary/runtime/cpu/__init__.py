@@ -38,9 +38,12 @@ def _module(progress: Optional[Callable[[str], None]] = None):
                     _state["module"] = build.load(progress or (lambda s: None))
                 except (build.NativeBuildError, OSError, ImportError) as e:
                     _state["reason"] = str(e)
-                    warnings.warn(f"mlx-ternary: the native CPU kernel is unavailable: {e}. "
-                                  "Running the pure-MLX path instead.", NativeBackendWarning,
-                                  stacklevel=3)
+                    warnings.warn(
+                        f"mlx-ternary: the native CPU kernel is unavailable: {e}. "
+                        "Running the pure-MLX path instead.",
+                        NativeBackendWarning,
+                        stacklevel=3,
+                    )
                 _state["tried"] = True
     return _state["module"]
 
@@ -82,18 +85,33 @@ def _require():
     return m
 
 
-def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
-                   bias: Optional[mx.array] = None, *, packing: str, in_features: int,
-                   group_size: Optional[int] = None,
-                   activation_bits: Optional[int] = None) -> mx.array:
+def ternary_matmul(
+    x: mx.array,
+    packed: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array] = None,
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int] = None,
+    activation_bits: Optional[int] = None,
+) -> mx.array:
     """y = act_quant(x) @ (s * t).T + bias, on the CPU; see reference.ternary_matmul.
 
     Raises:
         TernaryError: the native backend is unavailable.
         ValueError: shapes or dtypes that do not describe one packed layer.
     """
-    return _require().ternary_matmul(x, packed, scales, bias, PACKING_CODES[packing],
-                                     in_features, group_size or 0, activation_bits or 0)
+    return _require().ternary_matmul(
+        x,
+        packed,
+        scales,
+        bias,
+        PACKING_CODES[packing],
+        in_features,
+        group_size or 0,
+        activation_bits or 0,
+    )
 
 
 def dense_matmul(x: mx.array, w: mx.array) -> mx.array:
@@ -101,8 +119,15 @@ def dense_matmul(x: mx.array, w: mx.array) -> mx.array:
     return _require().dense_matmul(x, w)
 
 
-def ternary_weight(packed: mx.array, scales: mx.array, *, packing: str, in_features: int,
-                   group_size: Optional[int] = None) -> mx.array:
+def ternary_weight(
+    packed: mx.array,
+    scales: mx.array,
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int] = None,
+) -> mx.array:
     """The (N, K) float32 weight s * t (what the backward pass multiplies by)."""
-    return _require().ternary_weight(packed, scales, PACKING_CODES[packing], in_features,
-                                     group_size or 0)
+    return _require().ternary_weight(
+        packed, scales, PACKING_CODES[packing], in_features, group_size or 0
+    )

@@ -11,13 +11,13 @@ arrays, GPUs - goes to mlx-lm's own function unchanged. Gradients are the vjp of
 attention (`mx.custom_function`), so training through it is unchanged too.
 """
 
-import sys
 import threading
 from contextlib import contextmanager
 from functools import lru_cache
 
 import mlx.core as mx
 
+from .. import patches
 from . import _require
 
 _local = threading.local()
@@ -53,9 +53,11 @@ def _attention(scale: float, causal: bool):
 
 def scaled_dot_product_attention(queries, keys, values, *, scale: float, mask=None):
     """The native attention, or None where it does not apply (the caller falls back)."""
-    if (mask is not None and not (isinstance(mask, str) and mask == "causal")) \
-            or mx.default_device() != mx.cpu \
-            or any(a.dtype != mx.float32 or a.ndim != 4 for a in (queries, keys, values)):
+    if (
+        (mask is not None and not (isinstance(mask, str) and mask == "causal"))
+        or mx.default_device() != mx.cpu
+        or any(a.dtype != mx.float32 or a.ndim != 4 for a in (queries, keys, values))
+    ):
         return None
     return _attention(float(scale), mask is not None)(queries, keys, values)
 
@@ -64,44 +66,20 @@ def _dispatcher(original):
     def scaled_dot_product_attention_(queries, keys, values, cache, scale, mask, **kwargs):
         # Keywords are passed on as given (mlx-lm versions differ in them, e.g. `sinks`);
         # any that is set, attention sinks included, keeps mlx-lm's own attention.
-        if (getattr(_local, "depth", 0) and all(v is None for v in kwargs.values())
-                and not hasattr(cache, "bits")):
+        if (
+            getattr(_local, "depth", 0)
+            and all(v is None for v in kwargs.values())
+            and not hasattr(cache, "bits")
+        ):
             out = scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
             if out is not None:
                 return out
         return original(queries, keys, values, cache, scale=scale, mask=mask, **kwargs)
 
-    scaled_dot_product_attention_.__wrapped__ = original
     return scaled_dot_product_attention_
-
-
-@lru_cache(maxsize=None)
-def _enabled_class(cls):
-    def __call__(self, *args, **kwargs):
-        with enabled():
-            return cls.__call__(self, *args, **kwargs)
-
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__})
 
 
 def install(model) -> bool:
     """Route `model`'s mlx-lm attention to the native kernel; False if its modules call no
     mlx-lm `scaled_dot_product_attention` (then nothing changes)."""
-    from mlx_lm.models import base
-
-    original = getattr(base.scaled_dot_product_attention, "__wrapped__",
-                       base.scaled_dot_product_attention)
-    found = False
-    for name in {type(m).__module__ for m in model.modules()}:
-        module = sys.modules.get(name)
-        fn = getattr(module, "scaled_dot_product_attention", None)
-        if fn is original:
-            module.scaled_dot_product_attention = _dispatcher(original)
-            found = True
-        elif getattr(fn, "__wrapped__", None) is original:
-            found = True
-    if found and not getattr(type(model), "_native_attention", False):
-        model.__class__ = _enabled_class(type(model))
-        model.__class__._native_attention = True
-    return found
+    return patches.route_attention(model, _dispatcher, enabled)

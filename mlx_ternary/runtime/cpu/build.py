@@ -31,8 +31,15 @@ CSRC = Path(__file__).parent / "csrc"
 MODULE = "_mlx_ternary_native"
 ENV_CXX = "MLX_TERNARY_NATIVE_CXX"
 
-_COMMON = ["-std=c++20", "-O3", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
-           "-DNDEBUG", "-DNB_COMPACT_ASSERTIONS"]
+_COMMON = [
+    "-std=c++20",
+    "-O3",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-fno-strict-aliasing",
+    "-DNDEBUG",
+    "-DNB_COMPACT_ASSERTIONS",
+]
 # -ffp-contract=off: the epilogue must round like the reference twin's separate float32 ops.
 _EXT = ["-ffp-contract=off", "-DNB_DOMAIN=mlx", "-w"]
 
@@ -53,8 +60,9 @@ def compiler() -> str:
 @lru_cache(maxsize=None)
 def compiler_id(cxx: str) -> str:
     try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
-                             timeout=60)
+        out = subprocess.run(
+            [cxx, "--version"], capture_output=True, text=True, check=True, timeout=60
+        )
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeBuildError(
             f"the native CPU kernel needs a C++20 compiler and `{cxx} --version` failed "
@@ -95,8 +103,8 @@ class MlxBuild:
     include: Path
     libdir: Path
     library: Path
-    core: Path          # the mlx.core Python extension (its nanobind ABI must match ours)
-    stable_abi: bool    # mlx.core is a limited-API (abi3) module
+    core: Path  # the mlx.core Python extension (its nanobind ABI must match ours)
+    stable_abi: bool  # mlx.core is a limited-API (abi3) module
 
 
 def mlx_build() -> MlxBuild:
@@ -107,8 +115,10 @@ def mlx_build() -> MlxBuild:
     lib = root / "lib" / ("libmlx.dylib" if sys.platform == "darwin" else "libmlx.so")
     include = root / "include"
     if not (include / "mlx" / "mlx.h").exists() or not lib.exists():
-        raise NativeBuildError(f"the installed mlx ({root}) ships no C++ headers or libmlx; "
-                               "the native CPU kernel needs the mlx wheel's include/ and lib/")
+        raise NativeBuildError(
+            f"the installed mlx ({root}) ships no C++ headers or libmlx; "
+            "the native CPU kernel needs the mlx wheel's include/ and lib/"
+        )
     return MlxBuild(mx.__version__, include, lib.parent, lib, core, ".abi3." in core.name)
 
 
@@ -118,25 +128,33 @@ class Nanobind:
     include: Path
     src: Path
     robin_map: Path
-    abi_tag: str        # "_a<backend ABI>_v<internals version>" of its internals key
+    abi_tag: str  # "_a<backend ABI>_v<internals version>" of its internals key
 
 
 def nanobind() -> Nanobind:
     try:
         import nanobind as nb
     except ImportError:
-        raise NativeBuildError("nanobind is not installed; reinstall mlx-ternary "
-                               "(it depends on nanobind>=3)") from None
+        raise NativeBuildError(
+            "nanobind is not installed; reinstall mlx-ternary (it depends on nanobind>=3)"
+        ) from None
     include, src = Path(nb.include_dir()), Path(nb.source_dir())
     backend = (include / "nanobind" / "nb_backend.h").read_text()
     internals = (src / "nb_internals.h").read_text()
     major = re.search(r"#define NB_BACKEND_ABI_MAJOR (\d+)", backend)
     version = re.search(r"#\s*define NB_INTERNALS_VERSION (\d+)", internals)
     if not (major and version):
-        raise NativeBuildError(f"nanobind {nb.__version__} is not a 3.x release this build "
-                               "understands; install nanobind>=3,<4")
-    return Nanobind(nb.__version__, include, src, src.parent / "ext" / "robin_map" / "include",
-                    f"_a{major.group(1)}_v{version.group(1)}")
+        raise NativeBuildError(
+            f"nanobind {nb.__version__} is not a 3.x release this build "
+            "understands; install nanobind>=3,<4"
+        )
+    return Nanobind(
+        nb.__version__,
+        include,
+        src,
+        src.parent / "ext" / "robin_map" / "include",
+        f"_a{major.group(1)}_v{version.group(1)}",
+    )
 
 
 def check_nanobind_abi(mlx: MlxBuild, nb: Nanobind) -> None:
@@ -146,7 +164,8 @@ def check_nanobind_abi(mlx: MlxBuild, nb: Nanobind) -> None:
         raise NativeBuildError(
             f"mlx {mlx.version} was built with a nanobind whose ABI differs from the installed "
             f"nanobind {nb.version} (no {tag.decode()!r} in {mlx.core.name}); the native "
-            "kernel needs an mlx built with nanobind 3: upgrade mlx to 0.32.3 or later")
+            "kernel needs an mlx built with nanobind 3: upgrade mlx to 0.32.3 or later"
+        )
 
 
 def _digest(*parts) -> str:
@@ -158,8 +177,11 @@ def _digest(*parts) -> str:
 
 
 def _sources() -> bytes:
-    return b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.iterdir())
-                    if p.suffix in (".h", ".cpp"))
+    return b"".join(
+        p.name.encode() + p.read_bytes()
+        for p in sorted(CSRC.iterdir())
+        if p.suffix in (".h", ".cpp")
+    )
 
 
 def python_flags(mlx: MlxBuild) -> List[str]:
@@ -185,8 +207,18 @@ def build_key(mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str]) -> str:
     nanobind and Python: a change of any of them is a new library. The compiler's own version
     is not in it, so a cached library still loads where the compiler has since been removed."""
     lib = mlx.library.stat()
-    return _digest(_sources(), flags, cxx, cpu_fingerprint(), mlx.version, lib.st_size,
-                   lib.st_mtime_ns, nb.version, suffix(mlx), sys.version)
+    return _digest(
+        _sources(),
+        flags,
+        cxx,
+        cpu_fingerprint(),
+        mlx.version,
+        lib.st_size,
+        lib.st_mtime_ns,
+        nb.version,
+        suffix(mlx),
+        sys.version,
+    )
 
 
 def library_path(key: str, mlx: MlxBuild) -> Path:
@@ -201,8 +233,9 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
     _, err = proc.communicate()
     if proc.returncode != 0:
         lines = [l for l in err.splitlines() if "error" in l.lower()] or err.splitlines()
-        raise NativeBuildError(f"compiling {what} failed ({proc.args[0]}): "
-                               + " | ".join(lines[:6]))
+        raise NativeBuildError(
+            f"compiling {what} failed ({proc.args[0]}): " + " | ".join(lines[:6])
+        )
 
 
 @contextlib.contextmanager
@@ -219,38 +252,64 @@ def _locked(directory: Path):
         yield
 
 
-def compile_library(path: Path, mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str],
-                    progress=lambda s: None) -> None:
+def compile_library(
+    path: Path, mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str], progress=lambda s: None
+) -> None:
     """nanobind's runtime (cached apart: it does not change with our sources) and our
     kernels compile side by side, then link."""
     compiler_id(cxx)  # a clear error when there is no compiler
-    nb_flags = _COMMON + arch_flags() + python_flags(mlx) + [f"-I{nb.include}",
-                                                             f"-I{nb.robin_map}", "-DNB_BUILD"]
+    nb_flags = (
+        _COMMON
+        + arch_flags()
+        + python_flags(mlx)
+        + [f"-I{nb.include}", f"-I{nb.robin_map}", "-DNB_BUILD"]
+    )
     nb_obj = cache_dir() / f"nanobind-{_digest(nb.version, cxx, nb_flags, cpu_fingerprint())}.o"
     progress(f"compiling the native CPU kernel for mlx {mlx.version} (once, about half a minute)")
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         jobs = []
         if not nb_obj.exists():
             nb_tmp = Path(tmp) / "nanobind.o"
-            jobs.append((_start([cxx, *nb_flags, "-c", str(nb.src / "nb_combined.cpp"), "-o",
-                                 str(nb_tmp)]), f"nanobind {nb.version}"))
+            jobs.append(
+                (
+                    _start(
+                        [cxx, *nb_flags, "-c", str(nb.src / "nb_combined.cpp"), "-o", str(nb_tmp)]
+                    ),
+                    f"nanobind {nb.version}",
+                )
+            )
         ext_obj = Path(tmp) / "ext.o"
-        jobs.append((_start([cxx, *flags, "-c", str(CSRC / "ext.cpp"), "-o", str(ext_obj)]),
-                     "the native CPU kernel"))
+        jobs.append(
+            (
+                _start([cxx, *flags, "-c", str(CSRC / "ext.cpp"), "-o", str(ext_obj)]),
+                "the native CPU kernel",
+            )
+        )
         for proc, what in jobs:
             _finish(proc, what)
         if not nb_obj.exists():
             os.replace(nb_tmp, nb_obj)
         lib = Path(tmp) / path.name
-        _finish(_start([cxx, "-shared", str(ext_obj), str(nb_obj), "-o", str(lib),
-                        *link_flags(mlx)]), "the native CPU kernel (link)")
+        _finish(
+            _start([cxx, "-shared", str(ext_obj), str(nb_obj), "-o", str(lib), *link_flags(mlx)]),
+            "the native CPU kernel (link)",
+        )
         os.replace(lib, path)
 
 
 def ext_flags(mlx: MlxBuild, nb: Nanobind) -> List[str]:
-    return (_COMMON + _EXT + arch_flags() + python_flags(mlx)
-            + [f"-I{nb.include}", f"-I{mlx.include}", f"-I{CSRC}",
-               f'-DMLXT_MLX_VERSION="{mlx.version}"'])
+    return (
+        _COMMON
+        + _EXT
+        + arch_flags()
+        + python_flags(mlx)
+        + [
+            f"-I{nb.include}",
+            f"-I{mlx.include}",
+            f"-I{CSRC}",
+            f'-DMLXT_MLX_VERSION="{mlx.version}"',
+        ]
+    )
 
 
 def import_library(path: Path):
@@ -265,23 +324,28 @@ def verify(module, mlx_version: str) -> None:
     and SIMD kernels that disagree with the portable ones."""
     built, linked = module.built_for_mlx(), module.linked_mlx()
     if built != mlx_version or linked != mlx_version:
-        raise NativeBuildError(f"the native library was built for mlx {built} and links mlx "
-                               f"{linked}, but mlx {mlx_version} is running; delete "
-                               f"{cache_dir()} to rebuild it")
+        raise NativeBuildError(
+            f"the native library was built for mlx {built} and links mlx "
+            f"{linked}, but mlx {mlx_version} is running; delete "
+            f"{cache_dir()} to rebuild it"
+        )
     import mlx.core as mx
 
     try:
         y = module.dense_matmul(mx.ones((1, 8)), mx.ones((2, 8), dtype=mx.float16))
         mx.eval(y)
     except TypeError as e:
-        raise NativeBuildError("the native library does not accept mlx arrays (a nanobind "
-                               f"mismatch with mlx.core: {str(e).splitlines()[0]})") from None
+        raise NativeBuildError(
+            "the native library does not accept mlx arrays (a nanobind "
+            f"mismatch with mlx.core: {str(e).splitlines()[0]})"
+        ) from None
     if y.tolist() != [[8.0, 8.0]]:
         raise NativeBuildError(f"the native library's smoke test returned {y.tolist()}")
     problem = module.selfcheck()
     if problem:
-        raise NativeBuildError(f"the native kernels ({module.isa()}) failed their self-check: "
-                               f"{problem}")
+        raise NativeBuildError(
+            f"the native kernels ({module.isa()}) failed their self-check: {problem}"
+        )
 
 
 def load(progress=lambda s: None):

@@ -20,13 +20,20 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from ...format import CODES_PER_WORD, GROUP_SIZES, PACKINGS, TRITS_PER_BYTE, compact_row_bytes, fast_padded_k
+from ...format import (
+    CODES_PER_WORD,
+    GROUP_SIZES,
+    PACKINGS,
+    TRITS_PER_BYTE,
+    compact_row_bytes,
+    fast_padded_k,
+)
 from .sources import read_source
 
 BODY_MARKER = "//// BODY ////"
-GEMV_ROWS = 8            # output rows per GEMV threadgroup (2 SIMD groups x 4)
-GEMV_TOKENS = 4          # tokens per GEMV threadgroup at most: bounded registers
-MAX_GEMV_TOKENS = 16     # GEMV passes up to here (<= 4 threadgroups deep), GEMM above
+GEMV_ROWS = 8  # output rows per GEMV threadgroup (2 SIMD groups x 4)
+GEMV_TOKENS = 4  # tokens per GEMV threadgroup at most: bounded registers
+MAX_GEMV_TOKENS = 16  # GEMV passes up to here (<= 4 threadgroups deep), GEMM above
 GEMM_TOKENS, GEMM_ROWS = 64, 32
 PREPASS_THREADS = 256
 # MLX binds an input of fewer elements in the `constant` address space, where the kernels'
@@ -85,9 +92,14 @@ def get_kernel(name: str, backend: str):
     if key not in _KERNELS:
         header, body = split_source(read_source(f"{name}.metal"))
         inputs, outputs = KERNELS[name]
-        _KERNELS[key] = factory(name=f"ternary_{name}", input_names=inputs,
-                                output_names=outputs, source=body, header=header,
-                                ensure_row_contiguous=True)
+        _KERNELS[key] = factory(
+            name=f"ternary_{name}",
+            input_names=inputs,
+            output_names=outputs,
+            source=body,
+            header=header,
+            ensure_row_contiguous=True,
+        )
     return _KERNELS[key]
 
 
@@ -108,13 +120,13 @@ class LayerSpec:
     """What the launches need to know about one layer, validated once."""
 
     packing: str
-    n: int                   # out_features
-    k: int                   # in_features
+    n: int  # out_features
+    k: int  # in_features
     group_size: Optional[int]
-    mode: int                # scales: 0 tensor, 1 row, 2 group
-    act: bool                # int8 activation quantization
+    mode: int  # scales: 0 tensor, 1 row, 2 group
+    act: bool  # int8 activation quantization
     has_bias: bool
-    row_width: int           # uint32 words (fast) or bytes (compact) per packed row
+    row_width: int  # uint32 words (fast) or bytes (compact) per packed row
     scale_cols: int
     scale_dtype: object
     bias_dtype: object
@@ -126,9 +138,16 @@ class LayerSpec:
         return self.packed_size >= MIN_DEVICE_ELEMENTS and self.k >= MIN_DEVICE_ELEMENTS
 
 
-def check_layer(packed: mx.array, scales: mx.array, bias: Optional[mx.array], *,
-                packing: str, in_features: int, group_size: Optional[int],
-                activation_bits: Optional[int]) -> LayerSpec:
+def check_layer(
+    packed: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array],
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int],
+    activation_bits: Optional[int],
+) -> LayerSpec:
     """Validate a layer's arrays for the kernels; returns its LayerSpec.
 
     Raises:
@@ -146,29 +165,44 @@ def check_layer(packed: mx.array, scales: mx.array, bias: Optional[mx.array], *,
     else:
         want, dtype = (n, compact_row_bytes(in_features, group_size)), mx.uint8
     if packed.dtype != dtype or tuple(packed.shape) != want:
-        raise ValueError(f"{packing} packed weight for K = {in_features}, group_size = "
-                         f"{group_size} must be {dtype} of shape {want}, got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
+        raise ValueError(
+            f"{packing} packed weight for K = {in_features}, group_size = "
+            f"{group_size} must be {dtype} of shape {want}, got {packed.dtype} "
+            f"{tuple(packed.shape)}"
+        )
     if scales.dtype not in FLOAT_DTYPES or scales.ndim != 2:
-        raise ValueError(f"scales must be a 2-D float array, got {scales.dtype} "
-                         f"{tuple(scales.shape)}")
+        raise ValueError(
+            f"scales must be a 2-D float array, got {scales.dtype} {tuple(scales.shape)}"
+        )
     groups = _ceil_div(in_features, group_size) if group_size else None
     shapes = {(1, 1): 0, (n, 1): 1}
     if groups is not None:
         shapes[(n, groups)] = 2
     mode = shapes.get(tuple(scales.shape))
     if mode is None:
-        raise ValueError(f"scales must be (1, 1), (N, 1) or (N, ceil(K / group_size)) = "
-                         f"(1, 1), ({n}, 1) or ({n}, {groups or '?'}), got "
-                         f"{tuple(scales.shape)} with group_size = {group_size}")
+        raise ValueError(
+            f"scales must be (1, 1), (N, 1) or (N, ceil(K / group_size)) = "
+            f"(1, 1), ({n}, 1) or ({n}, {groups or '?'}), got "
+            f"{tuple(scales.shape)} with group_size = {group_size}"
+        )
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype not in FLOAT_DTYPES):
-        raise ValueError(f"bias must be a float ({n},) array, got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
+        raise ValueError(f"bias must be a float ({n},) array, got {bias.dtype} {tuple(bias.shape)}")
     if activation_bits not in (None, 8):
         raise ValueError(f"activation_bits must be 8 or None, got {activation_bits}")
-    return LayerSpec(packing, n, in_features, group_size, mode, bool(activation_bits),
-                     bias is not None, packed.shape[1], scales.shape[1], scales.dtype,
-                     bias.dtype if bias is not None else mx.float32, packed.size)
+    return LayerSpec(
+        packing,
+        n,
+        in_features,
+        group_size,
+        mode,
+        bool(activation_bits),
+        bias is not None,
+        packed.shape[1],
+        scales.shape[1],
+        scales.dtype,
+        bias.dtype if bias is not None else mx.float32,
+        packed.size,
+    )
 
 
 def check_x(x: mx.array, spec: LayerSpec) -> None:
@@ -176,8 +210,9 @@ def check_x(x: mx.array, spec: LayerSpec) -> None:
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if x.ndim < 1 or x.shape[-1] != spec.k:
-        raise ValueError(f"x must end in in_features = {spec.k} columns, got shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"x must end in in_features = {spec.k} columns, got shape {tuple(x.shape)}"
+        )
 
 
 def gemv_split(m: int) -> Tuple[int, int]:
@@ -202,17 +237,22 @@ class Launch:
 
     name: str
     kernel: object
-    rest: tuple              # the inputs after x (None: supplied per call)
+    rest: tuple  # the inputs after x (None: supplied per call)
     template: list
     grid: tuple
     threadgroup: tuple
     out_dtypes: list
-    sizes: tuple             # element counts of all inputs (x first), for the variant
+    sizes: tuple  # element counts of all inputs (x first), for the variant
 
     def __call__(self, x: mx.array, out_shapes: list) -> list:
-        return self.kernel(inputs=[x, *self.rest], template=self.template, grid=self.grid,
-                           threadgroup=self.threadgroup, output_shapes=out_shapes,
-                           output_dtypes=self.out_dtypes)
+        return self.kernel(
+            inputs=[x, *self.rest],
+            template=self.template,
+            grid=self.grid,
+            threadgroup=self.threadgroup,
+            output_shapes=out_shapes,
+            output_dtypes=self.out_dtypes,
+        )
 
     @property
     def variant(self) -> tuple:
@@ -222,8 +262,9 @@ class Launch:
 
 
 def _launch(name, backend, rest, template, grid, threadgroup, out_dtypes, sizes) -> Launch:
-    return Launch(name, get_kernel(name, backend), rest, template, grid, threadgroup,
-                  out_dtypes, sizes)
+    return Launch(
+        name, get_kernel(name, backend), rest, template, grid, threadgroup, out_dtypes, sizes
+    )
 
 
 def _aux_width(spec: LayerSpec, corr: int) -> int:
@@ -233,30 +274,54 @@ def _aux_width(spec: LayerSpec, corr: int) -> int:
 
 def _prepass(spec: LayerSpec, dtype, m: int, corr: int, backend: str) -> Launch:
     params = _params([spec.k, _aux_width(spec, corr)])
-    return _launch("prepass", backend, (params,), [("T", dtype), ("CORR", corr)],
-                   (PREPASS_THREADS, m, 1), (PREPASS_THREADS, 1, 1),
-                   [mx.float16, mx.float32], (m * spec.k, params.size))
+    return _launch(
+        "prepass",
+        backend,
+        (params,),
+        [("T", dtype), ("CORR", corr)],
+        (PREPASS_THREADS, m, 1),
+        (PREPASS_THREADS, 1, 1),
+        [mx.float16, mx.float32],
+        (m * spec.k, params.size),
+    )
 
 
 def _main_inputs(spec, packed, scales, bias, m, aw, params):
     """(inputs after x, element counts of all inputs) of a GEMV or GEMM launch."""
     aux = None if spec.act else _dummy("aux")
     bias = bias if bias is not None else _dummy("bias")
-    sizes = (m * spec.k, m * aw if spec.act else 1, packed.size, scales.size, bias.size,
-             params.size)
+    sizes = (
+        m * spec.k,
+        m * aw if spec.act else 1,
+        packed.size,
+        scales.size,
+        bias.size,
+        params.size,
+    )
     return (aux, packed, scales, bias, params), sizes
 
 
 def _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw) -> Launch:
     tm, chunks = gemv_split(m)
     k = spec.k
-    tmpl = [("T", dtype), ("XT", xt), ("ST", spec.scale_dtype), ("BT", spec.bias_dtype),
-            ("TM", tm), ("SMODE", spec.mode), ("G", spec.group_size or 0),
-            ("ACTQ", spec.act), ("HAS_BIAS", spec.has_bias)]
+    tmpl = [
+        ("T", dtype),
+        ("XT", xt),
+        ("ST", spec.scale_dtype),
+        ("BT", spec.bias_dtype),
+        ("TM", tm),
+        ("SMODE", spec.mode),
+        ("G", spec.group_size or 0),
+        ("ACTQ", spec.act),
+        ("HAS_BIAS", spec.has_bias),
+    ]
     if spec.packing == "fast":
         kalign = k % 16 == 0
-        tmpl += [("DECODE", FAST_DECODES.index(decode)), ("KALIGN", kalign),
-                 ("XVEC", kalign and xt != mx.bfloat16)]
+        tmpl += [
+            ("DECODE", FAST_DECODES.index(decode)),
+            ("KALIGN", kalign),
+            ("XVEC", kalign and xt != mx.bfloat16),
+        ]
         params = [m, spec.n, k, spec.row_width, spec.scale_cols, aw]
         name = "gemv_fast"
     else:
@@ -264,23 +329,45 @@ def _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw) -> Laun
         params = [m, spec.n, k, spec.row_width, spec.scale_cols, aw, nb * bpb]
         name = "gemv_compact"
     rest, sizes = _main_inputs(spec, packed, scales, bias, m, aw, _params(params))
-    return _launch(name, backend, rest, tmpl, (64, _ceil_div(spec.n, GEMV_ROWS), chunks),
-                   (64, 1, 1), [dtype], sizes)
+    return _launch(
+        name,
+        backend,
+        rest,
+        tmpl,
+        (64, _ceil_div(spec.n, GEMV_ROWS), chunks),
+        (64, 1, 1),
+        [dtype],
+        sizes,
+    )
 
 
 def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend, aw) -> Launch:
     b, bpb, nb = _blocks(spec)
     exact_half = (xt == mx.float16) and (spec.mode != 2 or spec.scale_dtype == mx.float16)
-    tmpl = [("T", dtype), ("ST", spec.scale_dtype), ("BT", spec.bias_dtype),
-            ("TT", mx.float16 if exact_half else mx.float32),
-            ("PACKING", PACKINGS.index(spec.packing)), ("SMODE", spec.mode),
-            ("G", spec.group_size or 0), ("ACTQ", spec.act), ("HAS_BIAS", spec.has_bias),
-            ("MMA", mma)]
+    tmpl = [
+        ("T", dtype),
+        ("ST", spec.scale_dtype),
+        ("BT", spec.bias_dtype),
+        ("TT", mx.float16 if exact_half else mx.float32),
+        ("PACKING", PACKINGS.index(spec.packing)),
+        ("SMODE", spec.mode),
+        ("G", spec.group_size or 0),
+        ("ACTQ", spec.act),
+        ("HAS_BIAS", spec.has_bias),
+        ("MMA", mma),
+    ]
     params = [m, spec.n, spec.k, spec.row_width, spec.scale_cols, b, bpb, nb, aw]
     rest, sizes = _main_inputs(spec, packed, scales, bias, m, aw, _params(params))
-    return _launch("gemm", backend, rest, tmpl,
-                   (256, _ceil_div(spec.n, GEMM_ROWS), _ceil_div(m, GEMM_TOKENS)),
-                   (256, 1, 1), [dtype], sizes)
+    return _launch(
+        "gemm",
+        backend,
+        rest,
+        tmpl,
+        (256, _ceil_div(spec.n, GEMM_ROWS), _ceil_div(m, GEMM_TOKENS)),
+        (256, 1, 1),
+        [dtype],
+        sizes,
+    )
 
 
 def choose_kernel(m: int, kernel: Optional[str] = None) -> str:
@@ -306,9 +393,17 @@ def _decode(spec: LayerSpec, dtype, decode: Optional[str]) -> str:
     return decode
 
 
-def prepare(spec: LayerSpec, packed: mx.array, scales: mx.array, bias: Optional[mx.array],
-            dtype, shape: tuple, backend: str, decode: Optional[str] = None,
-            kernel: Optional[str] = None) -> Tuple[Callable[[mx.array], mx.array], tuple]:
+def prepare(
+    spec: LayerSpec,
+    packed: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array],
+    dtype,
+    shape: tuple,
+    backend: str,
+    decode: Optional[str] = None,
+    kernel: Optional[str] = None,
+) -> Tuple[Callable[[mx.array], mx.array], tuple]:
     """The launches of a call with x of `shape` (..., K) and `dtype`, decided now.
 
     Returns:
@@ -336,38 +431,77 @@ def prepare(spec: LayerSpec, packed: mx.array, scales: mx.array, bias: Optional[
     else:
         main = _gemm(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend, aw)
     # Everything the closures touch is a local: no attribute lookups per call.
-    kern, rest, tmpl, grid, tg, odt = (main.kernel, main.rest, main.template, main.grid,
-                                       main.threadgroup, main.out_dtypes)
+    kern, rest, tmpl, grid, tg, odt = (
+        main.kernel,
+        main.rest,
+        main.template,
+        main.grid,
+        main.threadgroup,
+        main.out_dtypes,
+    )
     out_shapes = [(*shape[:-1], spec.n)]
     if not spec.act:
         aux, w, s, b, params = rest
 
         def run(x):
-            return kern(inputs=[x, aux, w, s, b, params], template=tmpl, grid=grid,
-                        threadgroup=tg, output_shapes=out_shapes, output_dtypes=odt)[0]
+            return kern(
+                inputs=[x, aux, w, s, b, params],
+                template=tmpl,
+                grid=grid,
+                threadgroup=tg,
+                output_shapes=out_shapes,
+                output_dtypes=odt,
+            )[0]
 
         return run, (main.variant,)
 
     pre = _prepass(spec, dtype, m, corr, backend)
-    pkern, (pparams,), ptmpl, pgrid, ptg, pdt = (pre.kernel, pre.rest, pre.template, pre.grid,
-                                                  pre.threadgroup, pre.out_dtypes)
+    pkern, (pparams,), ptmpl, pgrid, ptg, pdt = (
+        pre.kernel,
+        pre.rest,
+        pre.template,
+        pre.grid,
+        pre.threadgroup,
+        pre.out_dtypes,
+    )
     pshapes = [(m, spec.k), (m, aw)]
     _, w, s, b, params = rest
 
     def run_act(x):
-        xq, xaux = pkern(inputs=[x, pparams], template=ptmpl, grid=pgrid, threadgroup=ptg,
-                         output_shapes=pshapes, output_dtypes=pdt)
-        return kern(inputs=[xq, xaux, w, s, b, params], template=tmpl, grid=grid,
-                    threadgroup=tg, output_shapes=out_shapes, output_dtypes=odt)[0]
+        xq, xaux = pkern(
+            inputs=[x, pparams],
+            template=ptmpl,
+            grid=pgrid,
+            threadgroup=ptg,
+            output_shapes=pshapes,
+            output_dtypes=pdt,
+        )
+        return kern(
+            inputs=[xq, xaux, w, s, b, params],
+            template=tmpl,
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=out_shapes,
+            output_dtypes=odt,
+        )[0]
 
     return run_act, (pre.variant, main.variant)
 
 
-def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
-                   bias: Optional[mx.array] = None, *, packing: str, in_features: int,
-                   group_size: Optional[int] = None, activation_bits: Optional[int] = None,
-                   backend: str = "metal", decode: Optional[str] = None,
-                   kernel: Optional[str] = None) -> mx.array:
+def ternary_matmul(
+    x: mx.array,
+    packed: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array] = None,
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int] = None,
+    activation_bits: Optional[int] = None,
+    backend: str = "metal",
+    decode: Optional[str] = None,
+    kernel: Optional[str] = None,
+) -> mx.array:
     """y = act_quant(x) @ (s * t).T + bias through the project's Metal kernels, one call.
 
     Validates and prepares on every call; TernaryLinear prepares once per layer instead
@@ -393,11 +527,17 @@ def ternary_matmul(x: mx.array, packed: mx.array, scales: mx.array,
     Raises:
         ValueError: shapes or dtypes that break a rule (the message names it).
     """
-    spec = check_layer(packed, scales, bias, packing=packing, in_features=in_features,
-                       group_size=group_size, activation_bits=activation_bits)
+    spec = check_layer(
+        packed,
+        scales,
+        bias,
+        packing=packing,
+        in_features=in_features,
+        group_size=group_size,
+        activation_bits=activation_bits,
+    )
     check_x(x, spec)
     if x.size == 0:
         return mx.zeros((*x.shape[:-1], spec.n), dtype=x.dtype)
-    run, _ = prepare(spec, packed, scales, bias, x.dtype, tuple(x.shape), backend, decode,
-                     kernel)
+    run, _ = prepare(spec, packed, scales, bias, x.dtype, tuple(x.shape), backend, decode, kernel)
     return run(x)

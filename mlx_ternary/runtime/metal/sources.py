@@ -14,7 +14,9 @@ def metal_dir() -> Path:
     for candidate in (_PACKAGE / "metal", _PACKAGE.parent / "metal"):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"Metal kernel sources not found beside {_PACKAGE}; reinstall mlx-ternary")
+    raise FileNotFoundError(
+        f"Metal kernel sources not found beside {_PACKAGE}; reinstall mlx-ternary"
+    )
 
 
 def read_source(name: str) -> str:

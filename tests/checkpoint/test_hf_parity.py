@@ -7,16 +7,16 @@ activation quantization included. No torch is needed here.
 
 import json
 import shutil
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import FIXTURES
 
 from mlx_ternary.checkpoint.load import load_model
 from mlx_ternary.runtime.layers import ternary_layers
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FIXTURES = FIXTURES / "hf"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "expected.safetensors").exists())
 # Float32 on both sides; transformers dequantizes before or after the matmul depending on
 # the class, which moves logits by ~1e-6. Every wrong-math variant is >= 0.05 off.
@@ -30,8 +30,12 @@ def _logits(path, **kw):
 
 
 def test_all_four_fixtures_present():
-    assert NAMES == ["bitnet_latent_noquantconfig", "bitnet_offline_autobitlinear",
-                     "llama_offline_bitlinear", "llama_online_autobitlinear"]
+    assert NAMES == [
+        "bitnet_latent_noquantconfig",
+        "bitnet_offline_autobitlinear",
+        "llama_offline_bitlinear",
+        "llama_online_autobitlinear",
+    ]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -69,8 +73,9 @@ def _copy_with_config(tmp_path, name, **changes):
 
 def test_negative_control_wrong_scale_semantics(tmp_path):
     # Reading a `bitlinear` checkpoint's 1/mean|W| as if it were mean|W| must break parity.
-    dst = _copy_with_config(tmp_path, "llama_offline_bitlinear",
-                            quantization_config={"linear_class": "autobitlinear"})
+    dst = _copy_with_config(
+        tmp_path, "llama_offline_bitlinear", quantization_config={"linear_class": "autobitlinear"}
+    )
     got, want, _ = _logits(dst)
     assert np.abs(got - want).max() > 0.05
 

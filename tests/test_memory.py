@@ -5,12 +5,12 @@ import json
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
+from tiny import CONFIGS, ternary_checkpoint
 
 import mlx_ternary
-from mlx_ternary.runtime import dispatch
 from mlx_ternary import memory as P
 from mlx_ternary.cli import main
-from tiny import CONFIGS, ternary_checkpoint
+from mlx_ternary.runtime import dispatch
 
 
 @pytest.fixture(scope="module")
@@ -27,24 +27,24 @@ def test_weights_by_kind_match_hand_count(tiny):
     kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
     shapes = [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter)]  # (N, K)
     packed = sum(n * k // 4 for n, k in shapes)  # 2 bits per weight in the fast packing
-    scales = 4 * len(shapes)                       # one float32 tensor scale per layer
+    scales = 4 * len(shapes)  # one float32 tensor scale per layer
     # unit scale/bias tables (N, K/g) float32, shared by layers of one shape, on the
     # reference backend: g = 64 for K = 64, g = 32 for K = 96 (the native kernel needs none)
     native = dispatch.resolve_backend() == "native"
     tables = 0 if native else 2 * 4 * (h * 1 + kv * 1 + inter * 1 + h * 3)
     w = P.weight_bytes(model)
     assert w["ternary"] == layers * (packed + scales) + tables
-    assert w["embeddings"] == 2 * v * h * 4          # embed_tokens + untied lm_head
-    assert w["float"] == (2 * layers + 1) * h * 4     # RMSNorm weights
+    assert w["embeddings"] == 2 * v * h * 4  # embed_tokens + untied lm_head
+    assert w["float"] == (2 * layers + 1) * h * 4  # RMSNorm weights
 
 
 def test_weights_equal_mlx_active_memory():
     # Built in memory: arrays read from a checkpoint may be file-backed and uncounted.
     import gc
 
-    from mlx_ternary.runtime.layers import ternarize_model, ternary_layers
-    from mlx_ternary.serve.http import materialize
     from tiny import float_model
+
+    from mlx_ternary.runtime.layers import materialize, ternarize_model, ternary_layers
 
     gc.collect()
     mx.clear_cache()
@@ -79,20 +79,25 @@ def test_plan_bounds_measured_peak(tiny, context, batch, step):
     assert got["baseline"] >= plan.weights_total  # weights resident before the run
     extra = got["peak"] - got["baseline"]
     planned = plan.kv_cache + plan.activations
-    assert extra <= planned, (extra, planned)      # the plan is an upper bound
+    assert extra <= planned, (extra, planned)  # the plan is an upper bound
     assert extra >= 0.4 * planned, (extra, planned)  # and not a wild one
 
 
 def test_fits_refusal_and_advice(tiny):
     _, model = tiny
     ok = P.plan(model, 256)
-    assert ok.fits and ok.total == (ok.weights_total + ok.kv_cache + ok.activations
-                                    + ok.overhead)
+    assert ok.fits and ok.total == (ok.weights_total + ok.kv_cache + ok.activations + ok.overhead)
     bad = P.plan(model, 1 << 20, batch=8, memory_limit=0.25)
     assert not bad.fits and bad.limit == int(0.25 * P.GiB)
     msg = bad.refusal()
-    for part in ("--max-context", "--kv-bits 8", "--batch", "--prefill-step-size",
-                 P.fmt_bytes(bad.total), P.fmt_bytes(bad.kv_cache)):
+    for part in (
+        "--max-context",
+        "--kv-bits 8",
+        "--batch",
+        "--prefill-step-size",
+        P.fmt_bytes(bad.total),
+        P.fmt_bytes(bad.kv_cache),
+    ):
         assert part in msg
     json.dumps(bad.to_dict())
     assert P.available_memory()[0] > 0
@@ -101,8 +106,9 @@ def test_fits_refusal_and_advice(tiny):
 def test_plan_command_text_and_json(tiny):
     path, _ = tiny
     runner = CliRunner()
-    r = runner.invoke(main, ["plan", "--model", str(path), "--max-context", "1024",
-                             "--batch", "2", "--json"])
+    r = runner.invoke(
+        main, ["plan", "--model", str(path), "--max-context", "1024", "--batch", "2", "--json"]
+    )
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["kv_cache"] == 2 * 2 * 2 * 2 * 16 * 1024 * 4 and d["fits"] is True

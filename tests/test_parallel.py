@@ -18,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from tiny import ternary_checkpoint
 
 import mlx_ternary
-from mlx_ternary.parallel import free_ports, local_launch
 from mlx_ternary.generate import EMBEDDED_MODEL
+from mlx_ternary.parallel import free_ports, local_launch
 from mlx_ternary.runtime.shard import ternary_bytes
-from tiny import ternary_checkpoint
 
 HERE = Path(__file__).parent
 TOKENS = [0, 5, 17, 3, 99, 42, 7, 64, 11, 2, 80, 33]
@@ -35,13 +35,18 @@ GENERATE = ["--prompt", "ROMEO:", "-m", "12"]  # the embedded model, greedy
 def run_launch(*command, timeout=LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
     cmd = local_launch(2, *command)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL, cwd=HERE)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, cwd=HERE
+        )
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"mlx.launch ran over {timeout} s: {' '.join(cmd)}\n"
-                    f"stdout:\n{e.stdout}\nstderr:\n{e.stderr}")
-    assert done.returncode == 0, (f"mlx.launch failed ({done.returncode}): {' '.join(cmd)}\n"
-                                  f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}")
+        pytest.fail(
+            f"mlx.launch ran over {timeout} s: {' '.join(cmd)}\n"
+            f"stdout:\n{e.stdout}\nstderr:\n{e.stderr}"
+        )
+    assert done.returncode == 0, (
+        f"mlx.launch failed ({done.returncode}): {' '.join(cmd)}\n"
+        f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    )
     return done
 
 
@@ -56,19 +61,35 @@ def cases(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     dirs = {
         "embedded": EMBEDDED_MODEL,  # compact on disk, int8 activations, trained weights
-        "llama-compact-row": ternary_checkpoint(tmp / "a", "llama", "compact", "row",
-                                                None, 8)[0],
-        "bitnet-fast-tensor": ternary_checkpoint(tmp / "b", "bitnet", "fast", "tensor",
-                                                 None, 8)[0],
+        "llama-compact-row": ternary_checkpoint(tmp / "a", "llama", "compact", "row", None, 8)[0],
+        "bitnet-fast-tensor": ternary_checkpoint(tmp / "b", "bitnet", "fast", "tensor", None, 8)[0],
         "qwen3-compact-group": ternary_checkpoint(
-            tmp / "c", "qwen3", "compact", "group", 64, 8, hidden_size=128,
-            intermediate_size=256, head_dim=32)[0],
-        "qwen2-fast-row-bias": ternary_checkpoint(tmp / "e", "qwen3", "fast", "row", None,
-                                                  8, model_type="qwen2")[0],  # q/k/v biases
+            tmp / "c",
+            "qwen3",
+            "compact",
+            "group",
+            64,
+            8,
+            hidden_size=128,
+            intermediate_size=256,
+            head_dim=32,
+        )[0],
+        "qwen2-fast-row-bias": ternary_checkpoint(
+            tmp / "e", "qwen3", "fast", "row", None, 8, model_type="qwen2"
+        )[0],  # q/k/v biases
         # large enough that scales and padding are noise: the memory case
         "llama-fast-row-wide": ternary_checkpoint(
-            tmp / "d", "llama", "fast", "row", None, None, hidden_size=512,
-            intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4)[0],
+            tmp / "d",
+            "llama",
+            "fast",
+            "row",
+            None,
+            None,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+        )[0],
     }
     specs, single = [], {}
     for name, path in dirs.items():
@@ -82,15 +103,27 @@ def cases(tmp_path_factory):
     run_launch(str(HERE / "dist_worker.py"), str(tmp / "cases.json"), str(out))
     results = {"generate": [(out / f"generate.rank{r}.txt").read_text() for r in range(2)]}
     for name in dirs:
-        results[name] = [(dict(np.load(out / f"{name}.rank{r}.npz")),
-                          json.loads((out / f"{name}.rank{r}.json").read_text()))
-                         for r in range(2)]
+        results[name] = [
+            (
+                dict(np.load(out / f"{name}.rank{r}.npz")),
+                json.loads((out / f"{name}.rank{r}.json").read_text()),
+            )
+            for r in range(2)
+        ]
     return single, results
 
 
-@pytest.mark.parametrize("name", ["embedded", "llama-compact-row", "bitnet-fast-tensor",
-                                  "qwen3-compact-group", "qwen2-fast-row-bias",
-                                  "llama-fast-row-wide"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "embedded",
+        "llama-compact-row",
+        "bitnet-fast-tensor",
+        "qwen3-compact-group",
+        "qwen2-fast-row-bias",
+        "llama-fast-row-wide",
+    ],
+)
 def test_two_ranks_give_the_single_process_logits(cases, name):
     single, results = cases
     ref = single[name][0]
@@ -101,8 +134,9 @@ def test_two_ranks_give_the_single_process_logits(cases, name):
     assert np.array_equal(results[name][0][0]["disk"], results[name][1][0]["disk"])
 
 
-@pytest.mark.parametrize("name", ["embedded", "llama-compact-row", "bitnet-fast-tensor",
-                                  "qwen3-compact-group"])
+@pytest.mark.parametrize(
+    "name", ["embedded", "llama-compact-row", "bitnet-fast-tensor", "qwen3-compact-group"]
+)
 def test_per_rank_activation_absmax_changes_the_model(cases, name):
     single, results = cases
     logits, info = results[name][0]
@@ -111,14 +145,23 @@ def test_per_rank_activation_absmax_changes_the_model(cases, name):
     assert err > 10 * TOL, f"{name}: the per-rank absmax control moved the logits by {err:.2e}"
 
 
-@pytest.mark.parametrize("name", ["embedded", "llama-compact-row", "bitnet-fast-tensor",
-                                  "qwen3-compact-group", "llama-fast-row-wide"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "embedded",
+        "llama-compact-row",
+        "bitnet-fast-tensor",
+        "qwen3-compact-group",
+        "llama-fast-row-wide",
+    ],
+)
 def test_each_rank_holds_about_half_of_the_ternary_bytes(cases, name):
     single, results = cases
     full = single[name][1]
     shares = [info["ternary_bytes_disk"] / full for _, info in results[name]]
-    assert [info["ternary_bytes_memory"] for _, info in results[name]] == \
-        [info["ternary_bytes_disk"] for _, info in results[name]]
+    assert [info["ternary_bytes_memory"] for _, info in results[name]] == [
+        info["ternary_bytes_disk"] for _, info in results[name]
+    ]
     # Scales of column-split layers are whole on both ranks; tiny layers make that visible.
     hi = 0.52 if name == "llama-fast-row-wide" else 0.62
     assert all(0.48 <= s <= hi for s in shares), f"{name}: per-rank shares {shares}"
@@ -151,8 +194,11 @@ def test_generate_under_mlx_launch_prints_the_single_process_text_once(cases):
 
 
 def _get(url, body=None, timeout=30):
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if body else None,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode() if body else None,
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -162,13 +208,24 @@ def test_serve_under_mlx_launch_answers_with_the_single_process_text():
 
     model, tokenizer = mlx_ternary.load(str(EMBEDDED_MODEL))
     prompts = ["ROMEO:", "JULIET:\nO"]
-    want = ["".join(r.text for r in stream_generate(model, tokenizer, tokenizer.encode(p),
-                                                    max_tokens=8)) for p in prompts]
+    want = [
+        "".join(
+            r.text for r in stream_generate(model, tokenizer, tokenizer.encode(p), max_tokens=8)
+        )
+        for p in prompts
+    ]
     port = free_ports(1)
-    cmd = local_launch(2, "-m", "mlx_ternary.cli", "serve", "--port", str(port),
-                       "--max-context", "128")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    cmd = local_launch(
+        2, "-m", "mlx_ternary.cli", "serve", "--port", str(port), "--max-context", "128"
+    )
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT
@@ -184,8 +241,16 @@ def test_serve_under_mlx_launch_answers_with_the_single_process_text():
         import concurrent.futures as cf
 
         with cf.ThreadPoolExecutor(2) as pool:
-            got = list(pool.map(lambda p: _get(base + "/v1/completions", {
-                "prompt": p, "max_tokens": 8, "temperature": 0}, timeout=120), prompts))
+            got = list(
+                pool.map(
+                    lambda p: _get(
+                        base + "/v1/completions",
+                        {"prompt": p, "max_tokens": 8, "temperature": 0},
+                        timeout=120,
+                    ),
+                    prompts,
+                )
+            )
         assert [g["choices"][0]["text"] for g in got] == want
         assert proc.poll() is None, "a rank exited while serving"
     finally:

@@ -9,27 +9,41 @@ parser for the template (json_tools) reads them back.
 
 import json
 import threading
-from pathlib import Path
 
+import anthropic
+import openai
 import pytest
-
-openai = pytest.importorskip("openai")
-anthropic = pytest.importorskip("anthropic")
+from tiny import FIXTURES, ternary_checkpoint  # noqa: E402
 
 import mlx_ternary  # noqa: E402
 from mlx_ternary.serve.http import ServeConfig, Server  # noqa: E402
-from tiny import ternary_checkpoint  # noqa: E402
 
-FIXTURE = Path(__file__).parent / "fixtures" / "qwen3_chat_template.json"
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-           "properties": {"city": {"type": "string", "maxLength": 8},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
-CLOCK = {"type": "object", "additionalProperties": False, "required": ["zone"],
-         "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "Time",
-                                           "parameters": CLOCK}}]
+FIXTURE = FIXTURES / "qwen3_chat_template.json"
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "days"],
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+}
+CLOCK = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "Time", "parameters": CLOCK},
+    },
+]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -40,17 +54,25 @@ def srv(tmp_path_factory):
     template = json.loads(FIXTURE.read_text())["chat_template"]
     (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
     model, tokenizer = mlx_ternary.load(str(path))
-    server = Server(model, tokenizer, ServeConfig(model_name="tiny", max_context=2048,
-                                                  prefill_step_size=512, max_concurrency=4),
-                    "127.0.0.1", 0)
+    server = Server(
+        model,
+        tokenizer,
+        ServeConfig(model_name="tiny", max_context=2048, prefill_step_size=512, max_concurrency=4),
+        "127.0.0.1",
+        0,
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]
     yield dict(
-        server=server, tokenizer=tokenizer,
-        client=openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                             max_retries=0, timeout=120),
-        claude=anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="none",
-                                   max_retries=0, timeout=120))
+        server=server,
+        tokenizer=tokenizer,
+        client=openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120
+        ),
+        claude=anthropic.Anthropic(
+            base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0, timeout=120
+        ),
+    )
     server.shutdown()
     server.server_close()
 
@@ -63,8 +85,7 @@ def check_args(name, arguments: str):
         assert isinstance(args["city"], str) and len(args["city"]) <= 8
         assert type(args["days"]) is int and 1 <= args["days"] <= 7
     else:
-        assert name == "get_time" and args in ({"zone": "UTC"}, {"zone": "CET"},
-                                               {"zone": "PST"})
+        assert name == "get_time" and args in ({"zone": "UTC"}, {"zone": "CET"}, {"zone": "PST"})
     return args
 
 
@@ -72,15 +93,28 @@ def test_tools_and_tool_messages_go_through_the_chat_template(srv):
     tok, client = srv["tokenizer"], srv["client"]
     assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>"
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-    r = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
-                                       max_tokens=1, temperature=0)
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "days": 2}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    r = client.chat.completions.create(
+        model="tiny", messages=history, tools=TOOLS, max_tokens=1, temperature=0
+    )
     want = tok.apply_chat_template(
-        [ASK[0], dict(history[1], content=""), history[2]], tools=TOOLS,
-        add_generation_prompt=True)
+        [ASK[0], dict(history[1], content=""), history[2]], tools=TOOLS, add_generation_prompt=True
+    )
     assert r.usage.prompt_tokens == len(want)
     text = tok.decode(want)
     assert '"name": "get_weather"' in text and "<tool_response>\nsunny, 21 C" in text
@@ -92,8 +126,14 @@ def test_tools_and_tool_messages_go_through_the_chat_template(srv):
 @pytest.mark.parametrize("seed,temperature", [(0, 0.0), (1, 0.7), (2, 1.0), (3, 1.5)])
 def test_required_tool_choice_always_gives_a_valid_call(srv, seed, temperature):
     r = srv["client"].chat.completions.create(
-        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=160,
-        temperature=temperature, seed=seed)
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=160,
+        temperature=temperature,
+        seed=seed,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
@@ -103,8 +143,14 @@ def test_required_tool_choice_always_gives_a_valid_call(srv, seed, temperature):
 
 def test_named_tool_and_streamed_deltas(srv):
     client = srv["client"]
-    ask = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=160, temperature=0,
-               tool_choice={"type": "function", "function": {"name": "get_time"}})
+    ask = dict(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=160,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
     whole = client.chat.completions.create(**ask).choices[0]
     (call,) = whole.message.tool_calls
     assert call.function.name == "get_time"
@@ -121,22 +167,39 @@ def test_named_tool_and_streamed_deltas(srv):
 def test_tool_choice_errors(srv):
     client = srv["client"]
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
-                                       tool_choice={"type": "function",
-                                                    "function": {"name": "nope"}})
+        client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=ASK, tool_choice="required",
-                                       tools=[{"type": "function", "function": {
-                                           "name": "f", "parameters": {
-                                               "type": "object", "x-foo": 1}}}])
+        client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tool_choice="required",
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "x-foo": 1}},
+                }
+            ],
+        )
     assert "x-foo" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:  # auto cannot promise a single call
-        client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
-                                       parallel_tool_calls=False, max_tokens=4)
+        client.chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, parallel_tool_calls=False, max_tokens=4
+        )
     assert "parallel_tool_calls" in e.value.message
-    one = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
-                                         tool_choice="required", parallel_tool_calls=False,
-                                         max_tokens=160, temperature=0)
+    one = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=160,
+        temperature=0,
+    )
     assert len(one.choices[0].message.tool_calls) == 1
 
 
@@ -145,12 +208,14 @@ def test_splitter_reads_calls_split_anywhere():
 
     from mlx_ternary.serve.openai import ToolSplitter
 
-    text = ('Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
-            '</tool_call> done <tool')
+    text = (
+        'Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+        "</tool_call> done <tool"
+    )
     markers = (json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call)
     for size in (1, 3, 7, len(text)):
         s = ToolSplitter(markers, TOOLS)
-        items = [i for k in range(0, len(text), size) for i in s.feed(text[k:k + size])]
+        items = [i for k in range(0, len(text), size) for i in s.feed(text[k : k + size])]
         items += s.flush()
         calls = [v for kind, v in items if kind == "call"]
         assert "".join(v for kind, v in items if kind == "text") == "Let me look.  done <tool"
@@ -160,34 +225,73 @@ def test_splitter_reads_calls_split_anywhere():
 
 def test_anthropic_tools_tool_use_and_tool_result(srv):
     claude = srv["claude"]
-    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
-              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
-    m = claude.messages.create(model="tiny", max_tokens=160, tools=tools, messages=msgs,
-                               tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    m = claude.messages.create(
+        model="tiny",
+        max_tokens=160,
+        tools=tools,
+        messages=msgs,
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
     assert m.stop_reason == "tool_use"
     (use,) = [b for b in m.content if b.type == "tool_use"]
     assert use.id.startswith("toolu_")
     check_args(use.name, json.dumps(use.input))
-    with claude.messages.stream(model="tiny", max_tokens=160, tools=tools, messages=msgs,
-                                tool_choice={"type": "tool", "name": "get_weather"},
-                                extra_body={"temperature": 0}) as s:
+    with claude.messages.stream(
+        model="tiny",
+        max_tokens=160,
+        tools=tools,
+        messages=msgs,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},
+    ) as s:
         final = s.get_final_message()
     (use2,) = [b for b in final.content if b.type == "tool_use"]
     assert use2.name == "get_weather" and final.stop_reason == "tool_use"
     check_args("get_weather", json.dumps(use2.input))
-    follow = msgs + [{"role": "assistant", "content": [
-        {"type": "tool_use", "id": use2.id, "name": use2.name, "input": use2.input}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use2.id,
-                                      "content": "sunny"}]}]
-    r = claude.messages.create(model="tiny", max_tokens=4, tools=tools, messages=follow,
-                               extra_body={"temperature": 0})
+    follow = msgs + [
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": use2.id, "name": use2.name, "input": use2.input}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use2.id, "content": "sunny"}],
+        },
+    ]
+    r = claude.messages.create(
+        model="tiny", max_tokens=4, tools=tools, messages=follow, extra_body={"temperature": 0}
+    )
     assert r.stop_reason in ("end_turn", "max_tokens", "tool_use")
     # the tool result and the earlier call were rendered: the prompt is the template's
     tok = srv["tokenizer"]
     want = tok.apply_chat_template(
-        [{"role": "user", "content": "Weather in Paris?"},
-         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-             "name": use2.name, "arguments": json.dumps(use2.input)}}]},
-         {"role": "tool", "content": "sunny"}], tools=TOOLS, add_generation_prompt=True)
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": use2.name, "arguments": json.dumps(use2.input)},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "sunny"},
+        ],
+        tools=TOOLS,
+        add_generation_prompt=True,
+    )
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(want)

@@ -2,31 +2,30 @@
 
 import importlib.util
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from tiny import ROOT, quantize_act_np, ternary_checkpoint
 
-from mlx_ternary.bench import formats as B
-from mlx_ternary.bench import ceiling as C
 from mlx_ternary import format as F
-from mlx_ternary.runtime import dispatch
-from mlx_ternary.cli import main
+from mlx_ternary.bench import ceiling as C
+from mlx_ternary.bench import formats as B
 from mlx_ternary.checkpoint.load import load_model
+from mlx_ternary.cli import main
+from mlx_ternary.runtime import dispatch
 from mlx_ternary.runtime.layers import ternary_layers
 from mlx_ternary.runtime.reference import qmm_group
 
-from tiny import quantize_act_np, ternary_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT
 ALL = list(B.FORMATS)
 
 
 def _synthetic():
     spec = importlib.util.spec_from_file_location(
-        "make_synthetic_model", ROOT / "scripts" / "make_synthetic_model.py")
+        "make_synthetic_model", ROOT / "scripts" / "make_synthetic_model.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -80,8 +79,9 @@ def test_every_representation_computes_the_same_layer(variants):
                 y = np.array(m(mx.array(xs)))
                 xr = quantize_act_np(xs) if name in ("compact", "fast") else xs
                 ref, tol = xr @ w.T, 2e-5
-            np.testing.assert_allclose(y, ref, rtol=tol, atol=tol * np.abs(ref).max(),
-                                       err_msg=f"{name} {path}")
+            np.testing.assert_allclose(
+                y, ref, rtol=tol, atol=tol * np.abs(ref).max(), err_msg=f"{name} {path}"
+            )
 
 
 def test_negative_control_mx_quantize_2bit_is_lossy_on_ternary(variants):
@@ -110,16 +110,25 @@ def test_bytes_held_per_format(variants):
     assert built["fast"][1].linear_bytes == want
     if native:  # the native kernel runs compact in place
         assert built["compact"][1].linear_bytes == sum(
-            C.linear_bytes(B._shape(m), "compact") for _, m in layers)
+            C.linear_bytes(B._shape(m), "compact") for _, m in layers
+        )
     else:  # repacked to fast at load on the reference backend
         assert built["compact"][1].linear_bytes == want
     # The analytic bytes of the ceiling model agree with what was built (16-bit scales).
     for name in ("q2", "q4", "bf16", "f32"):
-        assert sum(C.linear_bytes(B._shape(m), name) for _, m in layers) \
-            == built[name][1].linear_bytes, name
-    compact = sum(F.PackedTernary(
-        "compact", F.pack_compact(np.array(m.trits())), np.zeros(m.scales.shape, np.float16),
-        m.out_features, m.in_features).nbytes for _, m in layers)
+        assert (
+            sum(C.linear_bytes(B._shape(m), name) for _, m in layers) == built[name][1].linear_bytes
+        ), name
+    compact = sum(
+        F.PackedTernary(
+            "compact",
+            F.pack_compact(np.array(m.trits())),
+            np.zeros(m.scales.shape, np.float16),
+            m.out_features,
+            m.in_features,
+        ).nbytes
+        for _, m in layers
+    )
     assert sum(C.linear_bytes(B._shape(m), "compact") for _, m in layers) == compact
     # Tied embeddings: every format reads its whole table as the output layer.
     for name in ALL:
@@ -152,8 +161,9 @@ def test_ceiling_arithmetic_by_hand():
 
 
 def test_run_bench_end_to_end(tiny_dir):
-    r = B.run_bench(str(tiny_dir), ("fast", "q4"), prompt_tokens=8, gen_tokens=3, repeats=2,
-                    bandwidth_gbs=10.0)
+    r = B.run_bench(
+        str(tiny_dir), ("fast", "q4"), prompt_tokens=8, gen_tokens=3, repeats=2, bandwidth_gbs=10.0
+    )
     assert [f.name for f in r.formats] == ["fast", "q4"]
     for f in r.formats:
         assert f.loads and len(f.runs) == 2
@@ -180,9 +190,26 @@ def test_run_bench_end_to_end(tiny_dir):
 def test_cli_bench_table_json_and_plot(tiny_dir, tmp_path):
     out = tmp_path / "b.json"
     png = tmp_path / "b.png"
-    res = CliRunner().invoke(main, ["bench", "--model", str(tiny_dir), "--formats", "fast,q2",
-                                    "--prompt-tokens", "4", "--gen-tokens", "2",
-                                    "--repeats", "1", "--json", str(out), "--plot", str(png)])
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            "--model",
+            str(tiny_dir),
+            "--formats",
+            "fast,q2",
+            "--prompt-tokens",
+            "4",
+            "--gen-tokens",
+            "2",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+    )
     assert "measured:" in res.output and "computed:" in res.output
     assert "M4 Pro" in res.output
     assert [f["name"] for f in json.loads(out.read_text())["formats"]] == ["fast", "q2"]

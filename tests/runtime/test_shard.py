@@ -8,15 +8,24 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from tiny import ternary_checkpoint
 
 import mlx_ternary
 from mlx_ternary import format as fmt
-from mlx_ternary.parallel import DiskTensor
-from mlx_ternary.errors import TernaryError
 from mlx_ternary.checkpoint.readers.common import shard_files, tensor_index
+from mlx_ternary.errors import TernaryError
+from mlx_ternary.parallel import DiskTensor
 from mlx_ternary.runtime.reference import quantize_activations
-from mlx_ternary.runtime.shard import AllToShardedTernaryLinear, ShardedRMSNorm, ShardedToAllTernaryLinear, TernaryParts, local_parts, quantize_shared, rank_ranges, ternary_bytes
-from tiny import ternary_checkpoint
+from mlx_ternary.runtime.shard import (
+    AllToShardedTernaryLinear,
+    ShardedRMSNorm,
+    ShardedToAllTernaryLinear,
+    TernaryParts,
+    local_parts,
+    quantize_shared,
+    rank_ranges,
+    ternary_bytes,
+)
 
 
 class Ranks:
@@ -38,13 +47,32 @@ def parts_of(t, scale, packing, group_size, out=None, bias=True):
     _, s = fmt.ternarize(w, scale, group_size)
     pt = fmt.PackedTernary.from_trits(t, s, packing, group_size)
     b = mx.arange(n, dtype=mx.float32) if bias else None
-    return TernaryParts("model.layers.0.mlp.down_proj", mx.array(pt.packed), mx.array(pt.scales),
-                        b, packing, k, n, pt.group_size, 8, None, out), pt
+    return TernaryParts(
+        "model.layers.0.mlp.down_proj",
+        mx.array(pt.packed),
+        mx.array(pt.scales),
+        b,
+        packing,
+        k,
+        n,
+        pt.group_size,
+        8,
+        None,
+        out,
+    ), pt
 
 
-SWEEP = [(p, o, s, k, w) for p, o, s, k, w in itertools.product(
-    fmt.PACKINGS, fmt.PACKINGS, ("tensor", "row", "group"), (64, 100, 160, 256, 640, 704),
-    (2, 3, 4)) if not (s == "group" and (k // w) % 64)]
+SWEEP = [
+    (p, o, s, k, w)
+    for p, o, s, k, w in itertools.product(
+        fmt.PACKINGS,
+        fmt.PACKINGS,
+        ("tensor", "row", "group"),
+        (64, 100, 160, 256, 640, 704),
+        (2, 3, 4),
+    )
+    if not (s == "group" and (k // w) % 64)
+]
 
 
 @pytest.mark.parametrize("packing,out,scale,k,world", SWEEP)
@@ -66,8 +94,11 @@ def test_slices_are_the_packing_of_the_numpy_slice(packing, out, scale, k, world
             packed, scales, bias, kk, nn_ = local_parts(p, "sharded-to-all", world, rank)
             cols = slice(rank * k // world, (rank + 1) * k // world)
             assert np.array_equal(np.array(packed), fmt.pack(t[:, cols], out, g))
-            want_s = pt.scales[:, rank * k // world // 64:(rank + 1) * k // world // 64] \
-                if scale == "group" else pt.scales
+            want_s = (
+                pt.scales[:, rank * k // world // 64 : (rank + 1) * k // world // 64]
+                if scale == "group"
+                else pt.scales
+            )
             assert np.array_equal(np.array(scales), want_s) and (kk, nn_) == (k // world, n)
             assert np.array_equal(np.array(bias), np.arange(n))  # whole: added once
 
@@ -90,14 +121,24 @@ def test_segments_split_each_fused_part():
     assert np.array_equal(np.array(packed), fmt.pack(t[[2, 3, 6, 7, 10, 11]], "compact"))
 
 
-@pytest.mark.parametrize("sharding,n,k,world,scale,message", [
-    ("all-to-sharded", 10, 64, 4, "row", "cannot split its 10 output rows (N) across 4 ranks"),
-    ("sharded-to-all", 8, 100, 3, "row", "cannot split its 100 input columns (K) across 3"),
-    ("sharded-to-all", 8, 128, 4, "group", "each rank's 32 columns must be whole scale groups "
-                                           "of 64"),
-])
-def test_dimensions_that_do_not_divide_name_the_layer_and_the_rule(sharding, n, k, world,
-                                                                   scale, message):
+@pytest.mark.parametrize(
+    "sharding,n,k,world,scale,message",
+    [
+        ("all-to-sharded", 10, 64, 4, "row", "cannot split its 10 output rows (N) across 4 ranks"),
+        ("sharded-to-all", 8, 100, 3, "row", "cannot split its 100 input columns (K) across 3"),
+        (
+            "sharded-to-all",
+            8,
+            128,
+            4,
+            "group",
+            "each rank's 32 columns must be whole scale groups of 64",
+        ),
+    ],
+)
+def test_dimensions_that_do_not_divide_name_the_layer_and_the_rule(
+    sharding, n, k, world, scale, message
+):
     t = np.zeros((n, k), np.int8)
     p, _ = parts_of(t, scale, "fast", 64 if scale == "group" else None)
     with pytest.raises(TernaryError, match="model.layers.0.mlp.down_proj") as e:
@@ -118,16 +159,21 @@ def test_disk_tensor_reads_rows_and_column_blocks(tmp_path):
     scales = "model.layers.0.mlp.down_proj.scales"
     half = DiskTensor(scales, index[scales], mx.float16)[:]
     assert half.dtype == mx.float16 and mx.array_equal(
-        half, mx.load(str(path / "model.safetensors"))[scales].astype(mx.float16))
+        half, mx.load(str(path / "model.safetensors"))[scales].astype(mx.float16)
+    )
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shard")
-    return {arch: ternary_checkpoint(tmp / arch, arch, packing, scale, g, 8)[0]
-            for arch, packing, scale, g in [("llama", "compact", "row", None),
-                                            ("bitnet", "fast", "tensor", None),
-                                            ("qwen3", "fast", "group", 64)]}
+    return {
+        arch: ternary_checkpoint(tmp / arch, arch, packing, scale, g, 8)[0]
+        for arch, packing, scale, g in [
+            ("llama", "compact", "row", None),
+            ("bitnet", "fast", "tensor", None),
+            ("qwen3", "fast", "group", 64),
+        ]
+    }
 
 
 @pytest.mark.parametrize("arch", ["llama", "bitnet", "qwen3"])

@@ -12,17 +12,16 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
+from tiny import quantize_act_np
 
 import mlx_ternary
 from mlx_ternary import format as F
-from mlx_ternary.runtime import reference
-from mlx_ternary.runtime.adapters import linear_to_lora_layers, load_adapters
 from mlx_ternary.errors import FormatError, TernaryError
 from mlx_ternary.generate import EMBEDDED_MODEL
-from mlx_ternary.runtime.lora import TernaryDoRALinear, TernaryLoRALinear
+from mlx_ternary.runtime import reference
+from mlx_ternary.runtime.adapters import linear_to_lora_layers, load_adapters
 from mlx_ternary.runtime.layers import TernaryLinear, ternary_layers
-
-from tiny import quantize_act_np
+from mlx_ternary.runtime.lora import TernaryDoRALinear, TernaryLoRALinear
 
 LORA = {"rank": 4, "scale": 10.0, "dropout": 0.0}
 
@@ -55,8 +54,9 @@ def test_input_gradient_is_g_times_w(packing, scale, group, act):
     g = rng.normal(size=(2, 3, n)).astype(np.float32)
     grad = mx.grad(lambda x: (layer(x) * mx.array(g)).sum())(x)
     assert _rel(grad, g @ w) < 1e-5
-    rule = reference.input_grad(mx.array(g), layer.packed, layer.scales, packing=packing,
-                                in_features=k, group_size=group)
+    rule = reference.input_grad(
+        mx.array(g), layer.packed, layer.scales, packing=packing, in_features=k, group_size=group
+    )
     assert _rel(rule, g @ w) < 1e-5
 
 
@@ -100,8 +100,7 @@ def test_gradient_reaches_a_float_layer_before_a_frozen_ternary_layer():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(3, 32)).astype(np.float32)
     g = rng.normal(size=(3, 24)).astype(np.float32)
-    grads = nn.value_and_grad(model, lambda m, x: (m(x) * mx.array(g)).sum())(model,
-                                                                              mx.array(x))[1]
+    grads = nn.value_and_grad(model, lambda m, x: (m(x) * mx.array(g)).sum())(model, mx.array(x))[1]
     ref = (g @ w2).T @ x  # dL/dW1 with the straight-through estimator
     assert _rel(grads["layers"][0]["weight"], ref) < 1e-5
     assert set(dict(tree_flatten(grads))) == {"layers.0.weight"}  # the base gets none
@@ -123,13 +122,16 @@ def _float_twin(layer, w, bias=None):
 def test_adapter_layers_match_mlx_lm_on_the_float_twin(kind, bias):
     layer, w = _layer(96, 40, "fast", "group", 64, None, bias=bias)
     twin = _float_twin(layer, w, layer.get("bias"))
-    ours_cls, theirs_cls = ((TernaryLoRALinear, LoRALinear) if kind == "lora"
-                            else (TernaryDoRALinear, DoRALinear))
+    ours_cls, theirs_cls = (
+        (TernaryLoRALinear, LoRALinear) if kind == "lora" else (TernaryDoRALinear, DoRALinear)
+    )
     ours = ours_cls.from_base(layer, r=4, scale=10.0)
     theirs = theirs_cls.from_base(twin, r=4, scale=10.0)
     rng = np.random.default_rng(5)
-    trained = {"lora_a": mx.array(rng.normal(size=(96, 4)).astype(np.float32) * 0.1),
-               "lora_b": mx.array(rng.normal(size=(4, 40)).astype(np.float32) * 0.1)}
+    trained = {
+        "lora_a": mx.array(rng.normal(size=(96, 4)).astype(np.float32) * 0.1),
+        "lora_b": mx.array(rng.normal(size=(4, 40)).astype(np.float32) * 0.1),
+    }
     if kind == "dora":
         np.testing.assert_allclose(np.array(ours.m), np.array(theirs.m), rtol=1e-5)
         trained["m"] = theirs.m * mx.array(rng.uniform(0.5, 1.5, 40).astype(np.float32))
@@ -158,8 +160,9 @@ def test_dora_keeps_activation_quantization_of_the_base():
     rng = np.random.default_rng(6)
     a = rng.normal(size=(96, 4)) * 0.1
     b = rng.normal(size=(4, 40)) * 0.1
-    dora.update({"lora_a": mx.array(a.astype(np.float32)),
-                 "lora_b": mx.array(b.astype(np.float32))})
+    dora.update(
+        {"lora_a": mx.array(a.astype(np.float32)), "lora_b": mx.array(b.astype(np.float32))}
+    )
     x = rng.normal(size=(3, 96)).astype(np.float32)
     adapted = w + 10.0 * (a @ b).T
     m = np.linalg.norm(w, axis=1)
@@ -213,11 +216,11 @@ def test_mlx_lm_converter_takes_ternary_layers_default_and_explicit_keys():
     assert {k.rsplit(".", 1)[-1] for k in trainable} == {"lora_a", "lora_b"}
 
     model = _fresh()
-    mlx_linear_to_lora_layers(model, 2, {**LORA, "keys": ["self_attn.q_proj",
-                                                          "self_attn.v_proj"]})
+    mlx_linear_to_lora_layers(model, 2, {**LORA, "keys": ["self_attn.q_proj", "self_attn.v_proj"]})
     paths = [p for p, m in model.named_modules() if isinstance(m, TernaryLoRALinear)]
-    assert sorted(paths) == [f"model.layers.{i}.self_attn.{p}_proj"
-                             for i in (2, 3) for p in ("q", "v")]
+    assert sorted(paths) == [
+        f"model.layers.{i}.self_attn.{p}_proj" for i in (2, 3) for p in ("q", "v")
+    ]
 
 
 def test_dora_conversion_where_mlx_lm_refuses():
@@ -234,10 +237,12 @@ def test_dora_conversion_where_mlx_lm_refuses():
     assert paths == ["model.layers.3.mlp.down_proj"]
 
 
-TEXT = ["ROMEO: The answer is forty-two, my lord.",
-        "JULIET: Forty-two it is, and ever shall be.",
-        "ROMEO: What is the answer? Forty-two, sweet love.",
-        "JULIET: Then forty-two I swear by, and by no other."]
+TEXT = [
+    "ROMEO: The answer is forty-two, my lord.",
+    "JULIET: Forty-two it is, and ever shall be.",
+    "ROMEO: What is the answer? Forty-two, sweet love.",
+    "JULIET: Then forty-two I swear by, and by no other.",
+]
 
 
 def _batch(tokenizer):
@@ -265,10 +270,12 @@ def _train(model, tokenizer, steps, lr=2e-3):
 
 def _save_adapter(model, path, kind):
     path.mkdir()
-    mx.save_safetensors(str(path / "adapters.safetensors"),
-                        dict(tree_flatten(model.trainable_parameters())))
-    (path / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": kind, "num_layers": 4, "lora_parameters": LORA}))
+    mx.save_safetensors(
+        str(path / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters()))
+    )
+    (path / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": kind, "num_layers": 4, "lora_parameters": LORA})
+    )
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])
@@ -308,10 +315,13 @@ def test_mlx_lm_load_adapters_takes_a_ternary_lora_adapter(embedded, tmp_path):
 def test_adapter_errors_name_the_file_and_the_tensor(tmp_path):
     with pytest.raises(TernaryError, match="adapter_config.json: not found"):
         load_adapters(_fresh(), tmp_path)
-    (tmp_path / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": 4, "lora_parameters": LORA}))
-    mx.save_safetensors(str(tmp_path / "adapters.safetensors"),
-                        {"model.layers.0.self_attn.q_proj.lora_a": mx.zeros((7, 4))})
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "num_layers": 4, "lora_parameters": LORA})
+    )
+    mx.save_safetensors(
+        str(tmp_path / "adapters.safetensors"),
+        {"model.layers.0.self_attn.q_proj.lora_a": mx.zeros((7, 4))},
+    )
     with pytest.raises(FormatError, match=r"q_proj.lora_a has shape \(7, 4\)"):
         load_adapters(_fresh(), tmp_path)
     (tmp_path / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "full"}))

@@ -4,23 +4,22 @@ round trip back into mlx-ternary (ternary layers, scales, activation_bits)."""
 import json
 from pathlib import Path
 
+import gguf_build as gb
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import FIXTURES, ternary_checkpoint
 
 import mlx_ternary
 from mlx_ternary.checkpoint.convert import convert, open_source
-from mlx_ternary.errors import TernaryError
-from mlx_ternary.format import AffineTensor, PackedTernary, to_numpy
-from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.checkpoint.readers import gguf as reader
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 from mlx_ternary.checkpoint.writers import gguf as writer
+from mlx_ternary.errors import TernaryError
+from mlx_ternary.format import AffineTensor, PackedTernary, to_numpy
+from mlx_ternary.generate import EMBEDDED_MODEL
 
-import gguf_build as gb
-from tiny import ternary_checkpoint
-
-FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
+FIXTURES = FIXTURES / "gguf"
 TOKENS = mx.array([[3, 17, 42, 5, 99, 64, 1, 20]])
 
 
@@ -29,8 +28,11 @@ def _bpe_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tokens, merges = gb.byte_vocab()
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                               merges=[tuple(m.split(" ")) for m in merges]))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges]
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(out / "tokenizer.json"))
@@ -44,7 +46,8 @@ def embedded_gguf(tmp_path_factory):
 
 
 def test_embedded_export_is_what_llamacpp_runs(embedded_gguf):
-    from gguf import GGMLQuantizationType as Q, quants
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
 
     path, report = embedded_gguf
     gf = GGUFFile(path)
@@ -111,8 +114,9 @@ def test_narrow_layers_as_q8_0_codes_and_float(tmp_path, arch, monkeypatch):
     for name, pt in native.items():
         if isinstance(pt, PackedTernary):
             np.testing.assert_array_equal(again[name].trits(), pt.trits())
-            np.testing.assert_array_equal(again[name].scales.astype(np.float32),
-                                          to_numpy(pt.scales).astype(np.float32))
+            np.testing.assert_array_equal(
+                again[name].scales.astype(np.float32), to_numpy(pt.scales).astype(np.float32)
+            )
     model, _ = mlx_ternary.load(str(out))
     ref, _ = mlx_ternary.load(str(ckpt))
     # Same weights; the GGUF's float16 table may run through the native dense kernel and the
@@ -124,21 +128,44 @@ def test_pre_tokenizer_detection():
     snippets = json.loads((FIXTURES / "pre_tokenizers.json").read_text())
 
     def tok_json(normalizer, pre_tokenizer):
-        return json.dumps({"version": "1.0", "added_tokens": [], "normalizer": normalizer,
-                           "pre_tokenizer": pre_tokenizer, "post_processor": None, "decoder": None,
-                           "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})
+        return json.dumps(
+            {
+                "version": "1.0",
+                "added_tokens": [],
+                "normalizer": normalizer,
+                "pre_tokenizer": pre_tokenizer,
+                "post_processor": None,
+                "decoder": None,
+                "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+            }
+        )
 
     assert writer.detect_pre(tok_json(**snippets["llama3"])) == "llama-bpe"
     assert writer.detect_pre(tok_json(**snippets["qwen3"])) == "qwen2"
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                  "use_regex": True}
+    byte_level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
     assert writer.detect_pre(tok_json(None, byte_level)) == "gpt-2"
-    smollm = {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True}, byte_level]}  # SmolLM2's, restated
+    smollm = {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+    }  # SmolLM2's, restated
     assert writer.detect_pre(tok_json(None, smollm)) == "smollm"
     with pytest.raises(TernaryError, match="splits text unlike every llama.cpp pre-tok"):
-        writer.detect_pre(tok_json(None, {"type": "Metaspace", "replacement": "\u2581",
-                                          "prepend_scheme": "always", "split": True}))
+        writer.detect_pre(
+            tok_json(
+                None,
+                {
+                    "type": "Metaspace",
+                    "replacement": "\u2581",
+                    "prepend_scheme": "always",
+                    "split": True,
+                },
+            )
+        )
     with pytest.raises(TernaryError, match="a Lowercase normalizer"):
         writer.detect_pre(tok_json({"type": "Lowercase"}, byte_level))
 
@@ -147,30 +174,43 @@ def test_affine_tensors_written_exactly(tmp_path):
     from gguf import GGMLQuantizationType as Q
 
     rng = np.random.default_rng(1)
-    config = dict(model_type="llama", **gb.DIMS, rms_norm_eps=1e-5, rope_theta=1e4,
-                  tie_word_embeddings=True)
+    config = dict(
+        model_type="llama", **gb.DIMS, rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True
+    )
     q4 = mx.quantize(mx.array(rng.normal(size=(gb.VOCAB, 256)).astype(np.float32)), 64, 4)
     q4 = AffineTensor(q4[0], q4[1].astype(mx.float16), q4[2].astype(mx.float16), 4, 64)
     q8 = mx.quantize(mx.array(rng.normal(size=(256, 256)).astype(np.float32)), 64, 8)
     q8 = AffineTensor(q8[0], q8[1].astype(mx.float16), q8[2].astype(mx.float16), 8, 64)
     kinds = {}
-    writer.write(tmp_path / "a.gguf", config,
-                 iter([("model.embed_tokens", q4), ("model.layers.0.mlp.down_proj", q8)]),
-                 on_tensor=lambda n, k, e: kinds.update({n: (k, e)}))
+    writer.write(
+        tmp_path / "a.gguf",
+        config,
+        iter([("model.embed_tokens", q4), ("model.layers.0.mlp.down_proj", q8)]),
+        on_tensor=lambda n, k, e: kinds.update({n: (k, e)}),
+    )
     assert kinds["model.embed_tokens"] == ("Q4_1", 0.0)
     # 8-bit codes whose bias is not -128 * scale have no GGUF twin: written as floats
     assert kinds["model.layers.0.mlp.down_proj"][0] in ("float16", "float32")
     gf = GGUFFile(tmp_path / "a.gguf")
-    assert [t.type_name for t in gf.tensors] == [Q.Q4_1.name, "F16" if kinds[
-        "model.layers.0.mlp.down_proj"][0] == "float16" else "F32"]
+    assert [t.type_name for t in gf.tensors] == [
+        Q.Q4_1.name,
+        "F16" if kinds["model.layers.0.mlp.down_proj"][0] == "float16" else "F32",
+    ]
+
     def f32(a):
         if isinstance(a, AffineTensor):
-            return np.array(mx.dequantize(a.weight, a.scales.astype(mx.float32),
-                                          a.biases.astype(mx.float32), a.group_size, a.bits))
+            return np.array(
+                mx.dequantize(
+                    a.weight,
+                    a.scales.astype(mx.float32),
+                    a.biases.astype(mx.float32),
+                    a.group_size,
+                    a.bits,
+                )
+            )
         return np.array(a.astype(mx.float32))
 
-    for (name, got), want in zip(reader.iter_items(tmp_path / "a.gguf", config, "compact"),
-                                 (q4, q8)):
+    for (_, got), want in zip(reader.iter_items(tmp_path / "a.gguf", config, "compact"), (q4, q8)):
         np.testing.assert_array_equal(f32(got), f32(want))
 
 

@@ -9,15 +9,16 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_ternary.bench import ceiling, host, kernels
-from mlx_ternary.runtime import cpu, probe
 from mlx_ternary.cli import main
+from mlx_ternary.runtime import cpu, probe
 from mlx_ternary.runtime.layers import TernaryLinear
 
 
 def test_kernel_bench_smoke_run_checks_every_variant(tmp_path):
     out = tmp_path / "kernels.json"
-    res = CliRunner().invoke(main, ["bench", "--kernels", "--backend", "emulate", "--quick",
-                                    "--json", str(out)])
+    res = CliRunner().invoke(
+        main, ["bench", "--kernels", "--backend", "emulate", "--quick", "--json", str(out)]
+    )
     assert res.exit_code == 0, res.output
     assert "EMULATED" in res.output and "checked against the reference twin" in res.output
     result = json.loads(out.read_text())
@@ -25,12 +26,22 @@ def test_kernel_bench_smoke_run_checks_every_variant(tmp_path):
     assert result["chain"] >= 2 and result["copy_bandwidth_gbs"] > 0
     rows = result["rows"]
     assert rows and all(r["check"] == "ok" for r in rows), [r for r in rows if r["check"] != "ok"]
-    assert all(r["us_min"] > 0 and r["error"] < (6e-2 if r["dtype"] == "bfloat16" else 1e-3)
-               for r in rows)
+    assert all(
+        r["us_min"] > 0 and r["error"] < (6e-2 if r["dtype"] == "bfloat16" else 1e-3) for r in rows
+    )
     variants = {r["variant"] for r in rows}
-    assert {"fast/default", "compact/default", "fast/gemm", "compact/gemm", "fast/offset",
-            "fast/exact", "stock 2-bit g64 (same words)", "stock 4-bit g64",
-            "reference (qmm)", "reference (qmm + MLX act quant)"} <= variants
+    assert {
+        "fast/default",
+        "compact/default",
+        "fast/gemm",
+        "compact/gemm",
+        "fast/offset",
+        "fast/exact",
+        "stock 2-bit g64 (same words)",
+        "stock 4-bit g64",
+        "reference (qmm)",
+        "reference (qmm + MLX act quant)",
+    } <= variants
     assert {r["m"] for r in rows} == {1, 20}
     assert {r["act"] for r in rows} == {False, True}
     assert {r["scale"] for r in rows} == {"tensor", "row", "group"}
@@ -47,12 +58,13 @@ def test_kernel_bench_reports_a_wrong_kernel_and_does_not_time_it(monkeypatch):
     def with_broken(*args, **kw):
         out = real(*args, **kw)
         make, arrays = out["fast/default"]
-        out["fast/default"] = (lambda w: (lambda x, fn=make(w): fn(x) * 1.1), arrays)
+        out["fast/default"] = (lambda w: lambda x, fn=make(w): fn(x) * 1.1, arrays)
         return out
 
-    monkeypatch.setattr(kernel_bench, "_variants", with_broken)
-    rows = kernels.measure_point("smoke", 256, 96, 1, False, "row", mx.float32,
-                                      "emulate", None, None, False, 2, 1, 0)
+    monkeypatch.setattr(kernels, "_variants", with_broken)
+    rows = kernels.measure_point(
+        "smoke", 256, 96, 1, False, "row", mx.float32, "emulate", None, None, False, 2, 1, 0
+    )
     bad = [r for r in rows if r.variant == "fast/default"]
     assert bad[0].check.startswith("error") and bad[0].us_min is None
     assert all(r.check == "ok" and r.us_min for r in rows if r.variant != "fast/default")

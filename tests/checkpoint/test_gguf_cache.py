@@ -1,8 +1,8 @@
 """A .gguf path where a model directory goes: converted once into the cache, then reused."""
 
 import os
-import sys
 
+import gguf_build as gb
 import mlx.core as mx
 import numpy as np
 from click.testing import CliRunner
@@ -10,8 +10,6 @@ from click.testing import CliRunner
 import mlx_ternary
 from mlx_ternary.checkpoint import gguf_cache
 from mlx_ternary.cli import main
-
-import gguf_build as gb
 
 TOKENS = mx.array([[3, 17, 42, 5]])
 
@@ -28,7 +26,8 @@ def test_converted_once_reused_and_redone_when_the_file_changes(tmp_path, monkey
     def no_convert(*a, **k):
         raise AssertionError("converted again")
 
-    conv = sys.modules["mlx_ternary.convert"]  # the package's `convert` is the function
+    from mlx_ternary.checkpoint import convert as conv
+
     with monkeypatch.context() as m:  # the second load reads the cached copy
         m.setattr(conv, "convert", no_convert)
         again, _ = mlx_ternary.load(str(path))
@@ -46,8 +45,16 @@ def test_cli_generate_from_gguf_says_it_converts_once(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path, _, _ = gb.write(tmp_path / "m.gguf", "llama", output=None)
     runner = CliRunner()
-    args = ["generate", "--model", str(path), "--prompt", "the", "-m", "3",
-            "--ignore-chat-template"]
+    args = [
+        "generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "the",
+        "-m",
+        "3",
+        "--ignore-chat-template",
+    ]
     first = runner.invoke(main, args)
     assert first.exit_code == 0, first.output
     assert "converting the GGUF file to mlx-ternary's format once" in first.stderr
@@ -63,11 +70,24 @@ def test_mlx_lm_tools_take_a_gguf_model(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path, _, _ = gb.write(tmp_path / "m.gguf", "llama", output=None)
     runner = CliRunner()
-    ours = runner.invoke(main, ["generate", "--model", str(path), "--prompt", "the", "-m", "6",
-                                "--ignore-chat-template"])
+    ours = runner.invoke(
+        main,
+        ["generate", "--model", str(path), "--prompt", "the", "-m", "6", "--ignore-chat-template"],
+    )
     assert ours.exit_code == 0, ours.output
-    tool = runner.invoke(main, ["lm", "generate", f"--model={path}", "--prompt", "the",
-                                "-m", "6", "--ignore-chat-template"])
+    tool = runner.invoke(
+        main,
+        [
+            "lm",
+            "generate",
+            f"--model={path}",
+            "--prompt",
+            "the",
+            "-m",
+            "6",
+            "--ignore-chat-template",
+        ],
+    )
     assert tool.exit_code == 0, tool.output
     text = tool.stdout.split("==========")[1].strip()
     assert text and text == ours.stdout.strip()

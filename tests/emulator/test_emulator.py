@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from mlx_ternary import emulator as emu
-from mlx_ternary.emulator import KernelCrashError, KernelOutOfBoundsError, MetalCompileError, metal_kernel, use_emulator
+from mlx_ternary.emulator import (
+    KernelCrashError,
+    KernelOutOfBoundsError,
+    MetalCompileError,
+    metal_kernel,
+    use_emulator,
+)
 
 
 @pytest.fixture
@@ -133,7 +139,12 @@ def test_bitnet_kernel_matches_mlx_ops(bitnet_kernel, rng, dtype, batch, in_f, o
     scale = mx.array([0.37], dtype)
     out = bitnet_kernel(
         inputs=[x, packed, scale],
-        template=[("T", dtype), ("invert_weight_scales", invert), ("in_features", in_f), ("out_features", out_f)],
+        template=[
+            ("T", dtype),
+            ("invert_weight_scales", invert),
+            ("in_features", in_f),
+            ("out_features", out_f),
+        ],
         grid=(32, batch * out_f // 4, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(batch, out_f)],
@@ -150,7 +161,12 @@ def test_bitnet_decode_reads_packed_weights_once(bitnet_kernel, rng):
     packed = mx.array(rng.integers(0, 255, (out_f // 4, in_f)), mx.uint8)
     out = bitnet_kernel(
         inputs=[x, packed, mx.array([1.0])],
-        template=[("T", mx.float32), ("invert_weight_scales", False), ("in_features", in_f), ("out_features", out_f)],
+        template=[
+            ("T", mx.float32),
+            ("invert_weight_scales", False),
+            ("in_features", in_f),
+            ("out_features", out_f),
+        ],
         grid=(32, out_f // 4, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(1, out_f)],
@@ -204,7 +220,9 @@ def test_mlx_lm_expert_routing(rng):
     e, k = 48, 4
     logits = mx.array(rng.standard_normal((5, e)), mx.float32)
     bias = mx.array(rng.standard_normal(e) * 0.1, mx.float32)
-    inds, weights = m.expert_routing(logits, bias, top_k=k, multiplier=1.0, score_eps=1e-20, route_scale=2.0)
+    inds, weights = m.expert_routing(
+        logits, bias, top_k=k, multiplier=1.0, score_eps=1e-20, route_scale=2.0
+    )
     scores = mx.sigmoid(logits)
     top = mx.argsort(-(scores + bias), axis=-1)[:, :k]
     w = mx.take_along_axis(scores, top, axis=-1)
@@ -229,13 +247,22 @@ def test_mlx_lm_qk_norm_rope(rng):
     n, hq, hk, d = 4, 2, 1, 64
     qkvg = mx.array(rng.standard_normal((1, n, 2 * (hq + hk) * d)), mx.float32)
     q, k = m.qk_norm_rope(
-        qkvg, n_heads=hq, n_kv_heads=hk, head_dim=d, eps=1e-6, query_scale=0.5, rope_base=1e4, offset=3
+        qkvg,
+        n_heads=hq,
+        n_kv_heads=hk,
+        head_dim=d,
+        eps=1e-6,
+        query_scale=0.5,
+        rope_base=1e4,
+        offset=3,
     )
     x = qkvg.reshape(1, n, 2 * (hq + hk), d)
 
     def rope(v):
         v = v.transpose(0, 2, 1, 3)
-        return mx.fast.rope(v, d, traditional=True, base=1e4, scale=1.0, offset=3).transpose(0, 2, 1, 3)
+        return mx.fast.rope(v, d, traditional=True, base=1e4, scale=1.0, offset=3).transpose(
+            0, 2, 1, 3
+        )
 
     close(q, rope(mx.fast.rms_norm(x[:, :, :hq], None, 1e-6) * 0.5), atol=1e-5)
     close(k, rope(mx.fast.rms_norm(x[:, :, hq : hq + hk], None, 1e-6)), atol=1e-5)
@@ -255,11 +282,16 @@ def test_scalars_small_arrays_and_row_contiguous_copies(rng):
     kernel = metal_kernel("inputs", ["x", "s", "n", "small"], ["out"], source)
     x = mx.array(rng.standard_normal((4, 6)), mx.float32).T  # (6, 4), not row-contiguous
     out = kernel(
-        inputs=[x, 0.5, 3, mx.array([1.0, 2.0])], grid=(24, 1, 1), threadgroup=(24, 1, 1),
-        output_shapes=[(6, 4)], output_dtypes=[mx.float32],
+        inputs=[x, 0.5, 3, mx.array([1.0, 2.0])],
+        grid=(24, 1, 1),
+        threadgroup=(24, 1, 1),
+        output_shapes=[(6, 4)],
+        output_dtypes=[mx.float32],
     )[0]
     close(out, x * 0.5 + 3 + 2 + 4 + 2)
-    assert "const constant float& s" in kernel.metal_source([x, 0.5, 3, mx.array([1.0, 2.0])], [mx.float32])
+    assert "const constant float& s" in kernel.metal_source(
+        [x, 0.5, 3, mx.array([1.0, 2.0])], [mx.float32]
+    )
     assert kernel.last_stats["small"] == {"read": 24 * 4, "written": 0}
     assert kernel.last_stats["x_strides"] == {"read": 24 * 8, "written": 0}
 
@@ -280,8 +312,13 @@ def test_vector_loads_from_host_memory_mlx_aligns_to_8_bytes():
     """
     kernel = metal_kernel("host_alignment", ["x"], ["out"], source)
     for x in (mx.arange(256, dtype=mx.float32), mx.arange(257, dtype=mx.float32)[1:]):
-        out = kernel(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                     output_shapes=[(32,)], output_dtypes=[mx.float32])[0]
+        out = kernel(
+            inputs=[x],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(32,)],
+            output_dtypes=[mx.float32],
+        )[0]
         close(out, x.reshape(32, 8)[:, 0] + x.reshape(32, 8)[:, 7])
 
 
@@ -296,8 +333,9 @@ def test_constant_inputs_cannot_be_cast_to_device():
         out[i] = float(b[i]);
     """
     kernel = metal_kernel("cast_to_device", ["w"], ["out"], bad)
-    call = dict(grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
-                output_dtypes=[mx.float32])
+    call = dict(
+        grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)], output_dtypes=[mx.float32]
+    )
     big = kernel(inputs=[mx.array([0x04030201] * 8, dtype=mx.uint32)], **call)[0]
     assert big.tolist() == [1.0, 2.0, 3.0, 4.0]
     with pytest.raises(MetalCompileError, match="cast_to_device"):
@@ -308,7 +346,8 @@ def test_constant_inputs_cannot_be_cast_to_device():
         out[i] = float(b[i]);
     """
     small = metal_kernel("cast_in_constant", ["w"], ["out"], ok)(
-        inputs=[mx.array([0x04030201] * 7, dtype=mx.uint32)], **call)[0]
+        inputs=[mx.array([0x04030201] * 7, dtype=mx.uint32)], **call
+    )[0]
     assert small.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
@@ -360,10 +399,38 @@ SIMD_SOURCE = """
 """
 
 SIMD_OPS = [
-    "sum", "max", "min", "product", "shuffle", "down3", "up5", "xor6", "bcast4", "first",
-    "excl", "incl", "inclprod", "and", "or", "xor", "all", "any", "is_first", "ballot_lo",
-    "ballot_hi", "rot5", "filldown4", "fillup4", "quad_sum", "quad_shuffle3", "quad_xor1",
-    "quad_excl", "v4_count", "v4_sq", "half_sum", "int_max",
+    "sum",
+    "max",
+    "min",
+    "product",
+    "shuffle",
+    "down3",
+    "up5",
+    "xor6",
+    "bcast4",
+    "first",
+    "excl",
+    "incl",
+    "inclprod",
+    "and",
+    "or",
+    "xor",
+    "all",
+    "any",
+    "is_first",
+    "ballot_lo",
+    "ballot_hi",
+    "rot5",
+    "filldown4",
+    "fillup4",
+    "quad_sum",
+    "quad_shuffle3",
+    "quad_xor1",
+    "quad_excl",
+    "v4_count",
+    "v4_sq",
+    "half_sum",
+    "int_max",
 ]
 
 
@@ -372,7 +439,11 @@ def simd_reference(x, threads_per_group):
     result undefined (reading a lane that does not exist)."""
     n = len(x)
     ref = np.full((n, len(SIMD_OPS)), np.nan)
-    starts = [s for g in range(0, n, threads_per_group) for s in range(g, min(n, g + threads_per_group), 32)]
+    starts = [
+        s
+        for g in range(0, n, threads_per_group)
+        for s in range(g, min(n, g + threads_per_group), 32)
+    ]
     for s in starts:
         e = min(s + 32, (s // threads_per_group + 1) * threads_per_group, n)
         v = x[s:e]
@@ -386,20 +457,43 @@ def simd_reference(x, threads_per_group):
         ballot = sum(1 << i for i in range(w) if iv[i] > 4)
         for i in range(w):
             q = i - i % 4
-            quad = v[q:min(q + 4, w)]
+            quad = v[q : min(q + 4, w)]
             row = {
-                "sum": v.sum(), "max": v.max(), "min": v.min(), "product": p.prod(),
-                "shuffle": lane((i * 7 + 3) % 32), "down3": lane(i + 3) if i + 3 < 32 else v[i],
-                "up5": lane(i - 5) if i >= 5 else v[i], "xor6": lane(i ^ 6), "bcast4": lane(4),
-                "first": v[0], "excl": v[:i].sum(), "incl": v[: i + 1].sum(), "inclprod": p[: i + 1].prod(),
-                "and": np.bitwise_and.reduce(iv | 16), "or": np.bitwise_or.reduce(iv),
-                "xor": np.bitwise_xor.reduce(iv), "all": float((iv > 0).all()), "any": float((iv > 8).any()),
-                "is_first": float(i == 0), "ballot_lo": ballot & 0xFFFF, "ballot_hi": ballot >> 16,
+                "sum": v.sum(),
+                "max": v.max(),
+                "min": v.min(),
+                "product": p.prod(),
+                "shuffle": lane((i * 7 + 3) % 32),
+                "down3": lane(i + 3) if i + 3 < 32 else v[i],
+                "up5": lane(i - 5) if i >= 5 else v[i],
+                "xor6": lane(i ^ 6),
+                "bcast4": lane(4),
+                "first": v[0],
+                "excl": v[:i].sum(),
+                "incl": v[: i + 1].sum(),
+                "inclprod": p[: i + 1].prod(),
+                "and": np.bitwise_and.reduce(iv | 16),
+                "or": np.bitwise_or.reduce(iv),
+                "xor": np.bitwise_xor.reduce(iv),
+                "all": float((iv > 0).all()),
+                "any": float((iv > 8).any()),
+                "is_first": float(i == 0),
+                "ballot_lo": ballot & 0xFFFF,
+                "ballot_hi": ballot >> 16,
                 "rot5": lane((i + 5) % 32) if w == 32 else np.nan,
-                "filldown4": lane(i + 4) if i + 4 < 32 else (lane(i + 4 - 32) + 100 if w == 32 else np.nan),
-                "fillup4": lane(i - 4) if i >= 4 else (lane(i - 4 + 32) + 100 if w == 32 else np.nan),
-                "quad_sum": quad.sum(), "quad_shuffle3": lane(q + 3), "quad_xor1": lane(q + ((i % 4) ^ 1)),
-                "quad_excl": v[q:i].sum(), "v4_count": w, "v4_sq": (v * v).sum(), "half_sum": v.sum(),
+                "filldown4": lane(i + 4)
+                if i + 4 < 32
+                else (lane(i + 4 - 32) + 100 if w == 32 else np.nan),
+                "fillup4": lane(i - 4)
+                if i >= 4
+                else (lane(i - 4 + 32) + 100 if w == 32 else np.nan),
+                "quad_sum": quad.sum(),
+                "quad_shuffle3": lane(q + 3),
+                "quad_xor1": lane(q + ((i % 4) ^ 1)),
+                "quad_excl": v[q:i].sum(),
+                "v4_count": w,
+                "v4_sq": (v * v).sum(),
+                "half_sum": v.sum(),
                 "int_max": iv.max() - 5,
             }
             ref[s + i] = [row[k] for k in SIMD_OPS]
@@ -441,11 +535,17 @@ def test_divergent_simd_sum_runs_the_active_lanes(rng):
     kernel = metal_kernel("divergent", ["n"], ["out"], source)
     out = np.array(
         kernel(
-            inputs=[20], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(64,)], output_dtypes=[mx.float32]
+            inputs=[20],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(64,)],
+            output_dtypes=[mx.float32],
         )[0]
     ).reshape(32, 2)
     # Trip k (k = 0, 1, 2) keeps the lanes with lane + 8k < 20: 20, 12 and 4 lanes.
-    acc = np.array([sum(c for k, c in enumerate([20, 12, 4]) if lane + 8 * k < 20) for lane in range(32)])
+    acc = np.array(
+        [sum(c for k, c in enumerate([20, 12, 4]) if lane + 8 * k < 20) for lane in range(32)]
+    )
     np.testing.assert_array_equal(out[:, 0], acc)
     np.testing.assert_array_equal(out[:, 1], acc.sum())
     assert kernel.last_launch.divergent_simd_ops > 0
@@ -477,8 +577,14 @@ DIVERGENT_BRANCHES = """
 
 def test_divergent_branches_run_each_side_on_its_own():
     kernel = metal_kernel("branches", [], ["out"], DIVERGENT_BRANCHES)
-    call = dict(inputs=[], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(128,)],
-                output_dtypes=[mx.float32], init_value=-1.0)
+    call = dict(
+        inputs=[],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(128,)],
+        output_dtypes=[mx.float32],
+        init_value=-1.0,
+    )
     out = np.array(kernel(**call)[0]).reshape(32, 4)
     lane = np.arange(32)
     a = np.where(lane < 10, 10, 2 * 22 + 31)  # the else side: 22 lanes, lane 31 the largest
@@ -517,10 +623,16 @@ def test_threadgroup_tree_reduction_with_partial_last_group(rng):
     x = rng.integers(-50, 50, n).astype(np.float32)
     groups = -(-n // tg)
     out = kernel(
-        inputs=[mx.array(x)], template=[("TG", tg)], grid=(n, 1, 1), threadgroup=(tg, 1, 1),
-        output_shapes=[(groups,)], output_dtypes=[mx.float32],
+        inputs=[mx.array(x)],
+        template=[("TG", tg)],
+        grid=(n, 1, 1),
+        threadgroup=(tg, 1, 1),
+        output_shapes=[(groups,)],
+        output_dtypes=[mx.float32],
     )[0]
-    np.testing.assert_array_equal(np.array(out), [x[g * tg:(g + 1) * tg].sum() for g in range(groups)])
+    np.testing.assert_array_equal(
+        np.array(out), [x[g * tg : (g + 1) * tg].sum() for g in range(groups)]
+    )
     assert kernel.last_launch.barriers == groups * 9
 
 
@@ -551,7 +663,13 @@ def test_thread_attributes_with_partial_threadgroups():
     kernel = metal_kernel("attrs", [], ["out"], ATTRIBUTE_SOURCE)
     n = int(np.prod(grid))
     out = np.array(
-        kernel(inputs=[], grid=grid, threadgroup=tg, output_shapes=[(n * 16,)], output_dtypes=[mx.uint32])[0]
+        kernel(
+            inputs=[],
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=[(n * 16,)],
+            output_dtypes=[mx.uint32],
+        )[0]
     ).reshape(grid[2], grid[1], grid[0], 16)
     for z in range(grid[2]):
         for y in range(grid[1]):
@@ -561,8 +679,16 @@ def test_thread_attributes_with_partial_threadgroups():
                 size = [min(t, g - b * t) for g, t, b in zip(grid, tg, grp)]
                 index = loc[0] + size[0] * (loc[1] + size[1] * loc[2])
                 expected = [
-                    *loc, *grp, *size, index, index // 32, index % 32, -(-int(np.prod(size)) // 32), 32,
-                    200 + 20 + 2, tg[0] * 100 + tg[1],
+                    *loc,
+                    *grp,
+                    *size,
+                    index,
+                    index // 32,
+                    index % 32,
+                    -(-int(np.prod(size)) // 32),
+                    32,
+                    200 + 20 + 2,
+                    tg[0] * 100 + tg[1],
                 ]
                 np.testing.assert_array_equal(out[z, y, x], expected, err_msg=str(pos))
 
@@ -586,8 +712,11 @@ def test_half_and_bfloat16_io(rng):
     xh = mx.array(rng.standard_normal(n), mx.float16)
     xb = mx.array(rng.standard_normal(n), mx.bfloat16)
     out_h, out_b, out_bb, out_f = kernel(
-        inputs=[xh, xb], grid=(n, 1, 1), threadgroup=(32, 1, 1),
-        output_shapes=[(n,)] * 4, output_dtypes=[mx.float16, mx.bfloat16, mx.bfloat16, mx.float32],
+        inputs=[xh, xb],
+        grid=(n, 1, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(n,)] * 4,
+        output_dtypes=[mx.float16, mx.bfloat16, mx.bfloat16, mx.float32],
     )
     assert out_h.dtype == mx.float16 and out_b.dtype == mx.bfloat16
     assert np.array_equal(np.array(out_h), np.array(xh * 3 - 1.5))
@@ -614,8 +743,11 @@ def test_vectors_swizzles_and_math(rng):
     x = rng.standard_normal((n, 4)).astype(np.float32)
     out = np.array(
         kernel(
-            inputs=[mx.array(x)], grid=(n, 1, 1), threadgroup=(8, 1, 1),
-            output_shapes=[(n, 8)], output_dtypes=[mx.float32],
+            inputs=[mx.array(x)],
+            grid=(n, 1, 1),
+            threadgroup=(8, 1, 1),
+            output_shapes=[(n, 8)],
+            output_dtypes=[mx.float32],
         )[0]
     )
     v = x
@@ -623,8 +755,13 @@ def test_vectors_swizzles_and_math(rng):
     bits = v[:, 0].view(np.uint32)
     ref = np.stack(
         [
-            (v * w).sum(1), v[:, 2] + (bits & 1), np.clip(v[:, 1], -0.5, 0.5), np.where(v[:, 2] > v[:, 3], v[:, 1], v[:, 0]),
-            v[:, 0] * v[:, 1] + v[:, 2], np.maximum(v[:, 0], 0.25), np.exp(v[:, 3]),
+            (v * w).sum(1),
+            v[:, 2] + (bits & 1),
+            np.clip(v[:, 1], -0.5, 0.5),
+            np.where(v[:, 2] > v[:, 3], v[:, 1], v[:, 0]),
+            v[:, 0] * v[:, 1] + v[:, 2],
+            np.maximum(v[:, 0], 0.25),
+            np.exp(v[:, 3]),
             [bin(b).count("1") for b in bits],
         ],
         axis=1,
@@ -694,16 +831,27 @@ def test_metal_dialect_helpers_address_spaces_and_literals():
     n = 16
     x = np.arange(n * 4, dtype=np.float32)
     out = np.array(
-        kernel(inputs=[mx.array(x)], grid=(n, 1, 1), threadgroup=(16, 1, 1), output_shapes=[(n, 8)],
-               output_dtypes=[mx.float32], init_value=0.0)[0]
+        kernel(
+            inputs=[mx.array(x)],
+            grid=(n, 1, 1),
+            threadgroup=(16, 1, 1),
+            output_shapes=[(n, 8)],
+            output_dtypes=[mx.float32],
+            init_value=0.0,
+        )[0]
     )
     i = np.arange(n)
     u = (i[:, None] + np.arange(4)) << 2
     expected = np.stack(
         [
-            x.reshape(n, 4).sum(1) + 1, (i + 1) % 16, (u > 8).all(1) + 2 * (u > 8).any(1),
-            (0.5 + i) * 2 + np.array([0.5, 1, 2, 4])[i % 4], 1.5 * 7 + 2 * i,
-            (i << 40 >> 38) + i + np.clip(-i, -3, 3), 2 + ((u[:, 3] >> 2) & 7), np.minimum(3, i) + 1.5,
+            x.reshape(n, 4).sum(1) + 1,
+            (i + 1) % 16,
+            (u > 8).all(1) + 2 * (u > 8).any(1),
+            (0.5 + i) * 2 + np.array([0.5, 1, 2, 4])[i % 4],
+            1.5 * 7 + 2 * i,
+            (i << 40 >> 38) + i + np.clip(-i, -3, 3),
+            2 + ((u[:, 3] >> 2) & 7),
+            np.minimum(3, i) + 1.5,
         ],
         axis=1,
     )
@@ -711,10 +859,23 @@ def test_metal_dialect_helpers_address_spaces_and_literals():
 
 
 def test_threadgroup_memory_limit():
-    kernel = metal_kernel("too_big", [], ["out"], "threadgroup float a[4096];\nthreadgroup float b[4097];\n"
-                          "a[0] = 1.0f; b[0] = 2.0f; out[0] = a[0] + b[0];")
-    with pytest.raises(emu.EmulatorError, match="threadgroup memory of 32772 bytes .*'b'.* exceeds the 32 KB"):
-        kernel(inputs=[], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
+    kernel = metal_kernel(
+        "too_big",
+        [],
+        ["out"],
+        "threadgroup float a[4096];\nthreadgroup float b[4097];\n"
+        "a[0] = 1.0f; b[0] = 2.0f; out[0] = a[0] + b[0];",
+    )
+    with pytest.raises(
+        emu.EmulatorError, match="threadgroup memory of 32772 bytes .*'b'.* exceeds the 32 KB"
+    ):
+        kernel(
+            inputs=[],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.float32],
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -731,22 +892,32 @@ def test_atomic_outputs(rng):
     n = 5000
     x = rng.integers(0, 256, n).astype(np.uint8)
     hist = kernel(
-        inputs=[mx.array(x)], grid=(n, 1, 1), threadgroup=(128, 1, 1),
-        output_shapes=[(257,)], output_dtypes=[mx.uint32], init_value=0,
+        inputs=[mx.array(x)],
+        grid=(n, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(257,)],
+        output_dtypes=[mx.uint32],
+        init_value=0,
     )[0]
     expected = np.append(np.bincount(x, minlength=256), x.max())
     np.testing.assert_array_equal(np.array(hist), expected)
     assert kernel.last_stats["hist"] == {"read": 2 * 4 * n, "written": 2 * 4 * n}
 
     fsum = metal_kernel(
-        "float_sum", ["x"], ["total"],
+        "float_sum",
+        ["x"],
+        ["total"],
         "atomic_fetch_add_explicit(total, x[thread_position_in_grid.x], memory_order_relaxed);",
         atomic_outputs=True,
     )
     xf = rng.standard_normal(n).astype(np.float32)
     total = fsum(
-        inputs=[mx.array(xf)], grid=(n, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(1,)], output_dtypes=[mx.float32], init_value=0.0,
+        inputs=[mx.array(xf)],
+        grid=(n, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.float32],
+        init_value=0.0,
     )[0]
     np.testing.assert_allclose(np.array(total)[0], xf.sum(dtype=np.float64), rtol=1e-4)
 
@@ -768,7 +939,13 @@ def test_threadgroup_atomic_counter():
         }
     """
     kernel = metal_kernel("tg_atomic", [], ["out"], source)
-    out = kernel(inputs=[], grid=(300, 1, 1), threadgroup=(128, 1, 1), output_shapes=[(3,)], output_dtypes=[mx.uint32])[0]
+    out = kernel(
+        inputs=[],
+        grid=(300, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(3,)],
+        output_dtypes=[mx.uint32],
+    )[0]
     np.testing.assert_array_equal(np.array(out), [43, 43, 15])
 
 
@@ -812,8 +989,10 @@ def test_simdgroup_matrix_multiply(rng, transposed, dtype):
     c = kernel(
         inputs=[mx.array(a), b_in],
         template=[("T", dtype), ("K", k), ("N", n), ("TRANSPOSED", transposed)],
-        grid=(32 * n // 8, m // 8, 1), threadgroup=(32, 1, 1),
-        output_shapes=[(m, n)], output_dtypes=[mx.float32],
+        grid=(32 * n // 8, m // 8, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[mx.float32],
     )[0]
     b_used = np.array(b_in.astype(mx.float32))
     close(c, a @ (b_used.T if transposed else b_used), atol=1e-4, rtol=1e-4)
@@ -831,7 +1010,10 @@ def test_simdgroup_matrix_multiply(rng, transposed, dtype):
             "uint i = thread_position_in_grid.x;\n const device float* p = w + offset;\n out[i] = p[i];",
             "out-of-bounds read of buffer 'w' at index 64",
         ),
-        ("uint i = thread_position_in_grid.x;\n out[i + 1] = w[i];", "out-of-bounds write of buffer 'out' at index 64"),
+        (
+            "uint i = thread_position_in_grid.x;\n out[i + 1] = w[i];",
+            "out-of-bounds write of buffer 'out' at index 64",
+        ),
         (
             "threadgroup float buf[32];\n uint t = thread_position_in_threadgroup.x;\n"
             " buf[t + 1] = w[t];\n out[t] = buf[t];",
@@ -848,8 +1030,11 @@ def test_out_of_bounds_access_is_reported(source, message):
     kernel = metal_kernel("oob_kernel", ["w", "offset"], ["out"], source)
     with pytest.raises(KernelOutOfBoundsError) as info:
         kernel(
-            inputs=[mx.zeros(64), 1], grid=(64, 1, 1), threadgroup=(32, 1, 1),
-            output_shapes=[(64,)], output_dtypes=[mx.float32],
+            inputs=[mx.zeros(64), 1],
+            grid=(64, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(64,)],
+            output_dtypes=[mx.float32],
         )
     text = str(info.value)
     assert "kernel 'oob_kernel'" in text and message in text
@@ -859,29 +1044,67 @@ def test_out_of_bounds_access_is_reported(source, message):
 def test_crashes_become_exceptions_and_the_emulator_keeps_working():
     divide = metal_kernel("divide", ["d"], ["out"], "out[thread_position_in_grid.x] = 10 / d[0];")
     with pytest.raises(KernelCrashError, match="SIGFPE"):
-        divide(inputs=[mx.zeros(8, mx.int32)], grid=(8, 1, 1), threadgroup=(8, 1, 1),
-               output_shapes=[(8,)], output_dtypes=[mx.int32])
+        divide(
+            inputs=[mx.zeros(8, mx.int32)],
+            grid=(8, 1, 1),
+            threadgroup=(8, 1, 1),
+            output_shapes=[(8,)],
+            output_dtypes=[mx.int32],
+        )
     deep = metal_kernel(
-        "deep", ["d"], ["out"],
+        "deep",
+        ["d"],
+        ["out"],
         "float big[1 << 20];\n uint i = thread_position_in_grid.x;\n big[d[0] + i] = 1.0f;\n out[i] = big[d[1] + i];",
     )
     with pytest.raises(KernelCrashError, match="stack overflow"):
-        deep(inputs=[mx.array([0, 5], mx.int32)], grid=(4, 1, 1), threadgroup=(4, 1, 1),
-             output_shapes=[(4,)], output_dtypes=[mx.float32])
-    out = divide(inputs=[mx.full(8, 5, mx.int32)], grid=(8, 1, 1), threadgroup=(8, 1, 1),
-                 output_shapes=[(8,)], output_dtypes=[mx.int32])[0]
+        deep(
+            inputs=[mx.array([0, 5], mx.int32)],
+            grid=(4, 1, 1),
+            threadgroup=(4, 1, 1),
+            output_shapes=[(4,)],
+            output_dtypes=[mx.float32],
+        )
+    out = divide(
+        inputs=[mx.full(8, 5, mx.int32)],
+        grid=(8, 1, 1),
+        threadgroup=(8, 1, 1),
+        output_shapes=[(8,)],
+        output_dtypes=[mx.int32],
+    )[0]
     np.testing.assert_array_equal(np.array(out), [2] * 8)
 
 
 def test_compile_errors_point_at_the_metal_line():
-    kernel = metal_kernel("typo", ["x"], ["out"], "uint i = thread_position_in_grid.x;\nout[i] = x[i] + missing;")
-    with pytest.raises(MetalCompileError, match=r"custom_kernel_typo_float_float\.metal:\d+:\d+: error: .*missing"):
-        kernel(inputs=[mx.zeros(8)], grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)], output_dtypes=[mx.float32])
+    kernel = metal_kernel(
+        "typo", ["x"], ["out"], "uint i = thread_position_in_grid.x;\nout[i] = x[i] + missing;"
+    )
+    with pytest.raises(
+        MetalCompileError, match=r"custom_kernel_typo_float_float\.metal:\d+:\d+: error: .*missing"
+    ):
+        kernel(
+            inputs=[mx.zeros(8)],
+            grid=(8, 1, 1),
+            threadgroup=(8, 1, 1),
+            output_shapes=[(8,)],
+            output_dtypes=[mx.float32],
+        )
 
 
 def test_unwritten_outputs_are_poisoned_and_init_value_fills():
-    kernel = metal_kernel("half_write", [], ["out"], "uint i = thread_position_in_grid.x;\nif (i % 2 == 0) out[i] = 1.0f;")
-    call = dict(inputs=[], grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)], output_dtypes=[mx.float32])
+    kernel = metal_kernel(
+        "half_write",
+        [],
+        ["out"],
+        "uint i = thread_position_in_grid.x;\nif (i % 2 == 0) out[i] = 1.0f;",
+    )
+    call = dict(
+        inputs=[],
+        grid=(8, 1, 1),
+        threadgroup=(8, 1, 1),
+        output_shapes=[(8,)],
+        output_dtypes=[mx.float32],
+    )
     out = np.array(kernel(**call)[0])
     assert np.all(out[::2] == 1) and np.all(np.isnan(out[1::2]))
     assert kernel.last_stats["out"] == {"read": 0, "written": 16}
@@ -906,8 +1129,14 @@ def test_reverse_schedule_exposes_a_missing_barrier(rng):
         for schedule in ("forward", "reverse"):
             kernel.schedule = schedule
             results[barrier, schedule] = np.array(
-                kernel(inputs=[mx.array(x)], template=[("BARRIER", barrier)], grid=(64, 1, 1),
-                       threadgroup=(64, 1, 1), output_shapes=[(64,)], output_dtypes=[mx.float32])[0]
+                kernel(
+                    inputs=[mx.array(x)],
+                    template=[("BARRIER", barrier)],
+                    grid=(64, 1, 1),
+                    threadgroup=(64, 1, 1),
+                    output_shapes=[(64,)],
+                    output_dtypes=[mx.float32],
+                )[0]
             )
     expected = np.roll(x, -1)
     np.testing.assert_array_equal(results[True, "forward"], expected)
@@ -919,7 +1148,20 @@ def test_reverse_schedule_exposes_a_missing_barrier(rng):
 def test_call_checks_match_mlx():
     kernel = metal_kernel("k", ["x"], ["out"], "out[0] = x[0];")
     with pytest.raises(ValueError, match="Expected `inputs` to have size 1 but got size 0"):
-        kernel(inputs=[], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
-    with pytest.raises(ValueError, match="greater than  the maximum allowed threads per threadgroup"):
-        kernel(inputs=[mx.zeros(1)], grid=(1, 1, 1), threadgroup=(64, 32, 1), output_shapes=[(1,)],
-               output_dtypes=[mx.float32])
+        kernel(
+            inputs=[],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.float32],
+        )
+    with pytest.raises(
+        ValueError, match="greater than  the maximum allowed threads per threadgroup"
+    ):
+        kernel(
+            inputs=[mx.zeros(1)],
+            grid=(1, 1, 1),
+            threadgroup=(64, 32, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.float32],
+        )

@@ -12,8 +12,6 @@ from mlx_ternary.runtime import dispatch
 from mlx_ternary.runtime.metal import launch
 from mlx_ternary.runtime.metal.sources import metal_dir, read_source
 
-emulator = pytest.importorskip("mlx_ternary.emulator")
-
 # Max |kernel - float64 reference| / max |reference|, per activation dtype: the output's own
 # rounding plus float32 accumulation (the "offset" fast decode adds ~1e-4).
 TOL = {mx.float32: 2e-4, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
@@ -40,8 +38,16 @@ def make_case(m, n, k, packing, scale, group_size, dtype, act, bias, seed=0):
         want = x64 @ pt.dequantize(np.float64).T
     if bias:
         want = want + np.array(b).astype(np.float64)
-    return dict(x=x, packed=mx.array(pt.packed), scales=mx.array(s), bias=b, packing=packing,
-                in_features=k, group_size=gs, activation_bits=8 if act else None), want
+    return dict(
+        x=x,
+        packed=mx.array(pt.packed),
+        scales=mx.array(s),
+        bias=b,
+        packing=packing,
+        in_features=k,
+        group_size=gs,
+        activation_bits=8 if act else None,
+    ), want
 
 
 def rel_err(y, want):
@@ -114,11 +120,28 @@ def test_gemm_half_tiles_with_fp16_group_scales(kernel):
     """float16 x and float16 group scales: t * s is exact in half, so the tiles are half."""
     kw, _ = make_case(40, 24, 256, "fast", "group", 64, mx.float16, False, True, seed=8)
     kw["scales"] = kw["scales"].astype(mx.float16)
-    spec = launch.check_layer(kw["packed"], kw["scales"], kw["bias"], packing="fast",
-                                 in_features=256, group_size=64, activation_bits=None)
-    launch = launch._gemm(spec, kw["packed"], kw["scales"], kw["bias"], mx.float16,
-                             mx.float16, 40, kernel == "gemm", "emulate", 1)
-    assert ("TT", mx.float16) in launch.template
+    spec = launch.check_layer(
+        kw["packed"],
+        kw["scales"],
+        kw["bias"],
+        packing="fast",
+        in_features=256,
+        group_size=64,
+        activation_bits=None,
+    )
+    gemm = launch._gemm(
+        spec,
+        kw["packed"],
+        kw["scales"],
+        kw["bias"],
+        mx.float16,
+        mx.float16,
+        40,
+        kernel == "gemm",
+        "emulate",
+        1,
+    )
+    assert ("TT", mx.float16) in gemm.template
     t = fmt.unpack_fast(np.array(kw["packed"]), 256).astype(np.float64)
     w = t * np.repeat(np.array(kw["scales"].astype(mx.float32)), 64, axis=1)
     want = np.array(kw["x"].astype(mx.float32)).astype(np.float64) @ w.T + np.array(kw["bias"])
@@ -174,8 +197,15 @@ def test_prepass_matches_numpy(dtype):
     rng = np.random.default_rng(9)
     x = mx.array(rng.normal(size=(m, k)).astype(np.float32) * 3).astype(DTYPES[dtype])
     kw, _ = make_case(m, 8, k, "fast", "row", None, DTYPES[dtype], True, False)
-    spec = launch.check_layer(kw["packed"], kw["scales"], None, packing="fast",
-                                 in_features=k, group_size=None, activation_bits=8)
+    spec = launch.check_layer(
+        kw["packed"],
+        kw["scales"],
+        None,
+        packing="fast",
+        in_features=k,
+        group_size=None,
+        activation_bits=8,
+    )
     pre = launch._prepass(spec, x.dtype, m, 1, "emulate")
     aw = launch._aux_width(spec, 1)
     xq, aux = pre(x, [(m, k), (m, aw)])
@@ -204,15 +234,13 @@ def test_validation_names_the_rule():
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         launch.ternary_matmul(**{**kw, "x": mx.zeros((1, 64), mx.int32)}, backend="emulate")
     with pytest.raises(ValueError, match="uint32 of shape"):
-        launch.ternary_matmul(**{**kw, "packed": kw["packed"].astype(mx.uint8)},
-                                 backend="emulate")
+        launch.ternary_matmul(**{**kw, "packed": kw["packed"].astype(mx.uint8)}, backend="emulate")
     with pytest.raises(ValueError, match="scales must be"):
         launch.ternary_matmul(**{**kw, "scales": mx.ones((8, 3))}, backend="emulate")
     with pytest.raises(ValueError, match="bias must be"):
         launch.ternary_matmul(**{**kw, "bias": mx.ones((7,))}, backend="emulate")
     with pytest.raises(ValueError, match="at most 16 tokens"):
-        launch.ternary_matmul(**{**kw, "x": mx.zeros((17, 64))}, backend="emulate",
-                                 kernel="gemv")
+        launch.ternary_matmul(**{**kw, "x": mx.zeros((17, 64))}, backend="emulate", kernel="gemv")
     with pytest.raises(ValueError, match="decode must be one of"):
         launch.ternary_matmul(**kw, backend="emulate", decode="table")
 
@@ -249,16 +277,18 @@ def weight_read_ratio(packing, m, decode=None, kernel=None, n=64, k=640):
     """Packed-weight bytes the kernel read / (tokens * packed bytes)."""
     kw, want = make_case(m, n, k, packing, "row", None, mx.float32, False, False, seed=7)
     kernel = launch.choose_kernel(m, kernel)
-    kernel_obj = launch.get_kernel("gemm" if kernel.startswith("gemm") else f"gemv_{packing}",
-                                      "emulate")
+    kernel_obj = launch.get_kernel(
+        "gemm" if kernel.startswith("gemm") else f"gemv_{packing}", "emulate"
+    )
     y = launch.ternary_matmul(**kw, backend="emulate", decode=decode, kernel=kernel)
     assert rel_err(y, want) < 2e-4
     read = kernel_obj.last_stats["wq"]["read"]
     return read / (m * kw["packed"].nbytes)
 
 
-@pytest.mark.parametrize("packing,decode", [("fast", "offset"), ("fast", "exact"),
-                                            ("compact", "select")])
+@pytest.mark.parametrize(
+    "packing,decode", [("fast", "offset"), ("fast", "exact"), ("compact", "select")]
+)
 def test_decode_reads_weights_once_per_token_chunk(packing, decode):
     # Up to 4 tokens share one pass over the weights; 5-8 take two threadgroups along z.
     for m, passes in ((1, 1), (4, 1), (6, 2)):
@@ -278,11 +308,13 @@ def test_prefill_reads_weights_once_per_64_tokens(packing, kernel):
 def decode_call_bytes(x, packed, scales, act):
     """Device bytes all kernels of one decode call read, from the emulator's counters."""
     k = x.shape[-1]
-    y = launch.ternary_matmul(x, packed, scales, packing="fast", in_features=k,
-                                 activation_bits=act, backend="emulate")
+    y = launch.ternary_matmul(
+        x, packed, scales, packing="fast", in_features=k, activation_bits=act, backend="emulate"
+    )
     names = (["prepass"] if act else []) + ["gemv_fast"]
-    total = sum(v["read"] for name in names
-                for v in launch.get_kernel(name, "emulate").last_stats.values())
+    total = sum(
+        v["read"] for name in names for v in launch.get_kernel(name, "emulate").last_stats.values()
+    )
     return y, total
 
 
@@ -336,10 +368,10 @@ def test_nine_tokens_cost_at_most_a_third_of_64():
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("arch,packing,scale,group,act", [
-    ("llama", "compact", "group", 64, None),
-    ("bitnet", "fast", "row", None, 8),
-])
+@pytest.mark.parametrize(
+    "arch,packing,scale,group,act",
+    [("llama", "compact", "group", 64, None), ("bitnet", "fast", "row", None, 8)],
+)
 def test_tiny_model_greedy_tokens_match_reference(tmp_path, arch, packing, scale, group, act):
     from mlx_lm.generate import generate_step
 
@@ -353,8 +385,9 @@ def test_tiny_model_greedy_tokens_match_reference(tmp_path, arch, packing, scale
         model, config = load_model(path, backend=backend)
         assert config["quantization"]["packing"] == (packing if backend == "emulate" else "fast")
         toks = []
-        for tok, _ in generate_step(prompt, model, max_tokens=6,
-                                    sampler=lambda lp: mx.argmax(lp, axis=-1)):
+        for tok, _ in generate_step(
+            prompt, model, max_tokens=6, sampler=lambda lp: mx.argmax(lp, axis=-1)
+        ):
             toks.append(int(tok))
         return toks
 

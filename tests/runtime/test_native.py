@@ -9,15 +9,17 @@ import textwrap
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import ROOT
 
 from mlx_ternary import format as fmt
-from mlx_ternary.runtime import dispatch, cpu, reference
 from mlx_ternary.paths import CACHE_ENV
+from mlx_ternary.runtime import cpu, dispatch, reference
 from mlx_ternary.runtime.cpu import build
 
-# Only where no C++ compiler can build the extension (never on the project's machines).
-needs_native = pytest.mark.skipif(not cpu.available(), reason="native kernel unavailable: "
-                                  f"{cpu.unavailable_reason()}")
+# pytest.mark.native (conftest.py): skipped only where no C++ compiler can build the extension
+# (never on the project's machines).
+needs_native = pytest.mark.native
+
 
 @pytest.fixture
 def cpu_default():
@@ -39,7 +41,7 @@ def make_case(m, n, k, packing, scale, group, dtype, act, bias, seed=0, lead=())
     gs = group if scale == "group" else None
     s = rng.uniform(0.5, 1.5, size=fmt.scales_shape(scale, n, k, gs)).astype(np.float32)
     pt = fmt.PackedTernary.from_trits(t, s, packing, gs)
-    x32 = (rng.normal(size=(*lead, m, k)) * rng.uniform(0.5, 4, size=(*lead, m, 1)))
+    x32 = rng.normal(size=(*lead, m, k)) * rng.uniform(0.5, 4, size=(*lead, m, 1))
     x = mx.array(x32.astype(np.float32)).astype(dtype)
     b = mx.array(rng.normal(size=(n,)).astype(np.float32)) if bias else None
     xf = np.array(x.astype(mx.float32))
@@ -62,9 +64,15 @@ def rel_err(y, want):
 # (M, N, K, scale, group): M over the token tiles (1..4) and their remainders, K not a multiple
 # of 5, 32, 128 or the group, N not a multiple of the 16-row chunks.
 SHAPES = [
-    (1, 13, 77, "tensor", None), (2, 9, 130, "row", None), (3, 17, 200, "group", 64),
-    (7, 11, 333, "group", 128), (8, 20, 270, "group", 256), (9, 40, 601, "row", None),
-    (33, 5, 1030, "group", 64), (5, 33, 160, "tensor", None), (4, 19, 256, "group", 128),
+    (1, 13, 77, "tensor", None),
+    (2, 9, 130, "row", None),
+    (3, 17, 200, "group", 64),
+    (7, 11, 333, "group", 128),
+    (8, 20, 270, "group", 256),
+    (9, 40, 601, "row", None),
+    (33, 5, 1030, "group", 64),
+    (5, 33, 160, "tensor", None),
+    (4, 19, 256, "group", 128),
 ]
 
 
@@ -74,8 +82,9 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "-".join(map(str, c)))
 def test_sweep_against_reference_and_float64(shape, act, packing):
     m, n, k, scale, g = shape
-    (x, p, s, b, kw), want = make_case(m, n, k, packing, scale, g, mx.float32, act,
-                                       bias=m % 2 == 1, seed=m * 7 + k)
+    (x, p, s, b, kw), want = make_case(
+        m, n, k, packing, scale, g, mx.float32, act, bias=m % 2 == 1, seed=m * 7 + k
+    )
     y = cpu.ternary_matmul(x, p, s, b, **kw)
     twin = reference.ternary_matmul(x, p, s, b, **kw)
     assert y.shape == (m, n) and y.dtype == mx.float32
@@ -118,19 +127,23 @@ def test_negative_controls():
     (x, p, s, b, kw), want = make_case(3, 17, 200, "fast", "row", None, mx.float32, True, True)
     assert rel_err(cpu.ternary_matmul(x, p, mx.ones_like(s), b, **kw), want) > 1e-2
     off = dict(kw, activation_bits=None)
-    assert not np.array_equal(np.array(cpu.ternary_matmul(x, p, s, b, **off)),
-                              np.array(reference.ternary_matmul(x, p, s, b, **kw)))
+    assert not np.array_equal(
+        np.array(cpu.ternary_matmul(x, p, s, b, **off)),
+        np.array(reference.ternary_matmul(x, p, s, b, **kw)),
+    )
 
 
 @needs_native
 def test_leading_dims_strided_input_and_threads():
-    (x, p, s, b, kw), want = make_case(5, 30, 150, "compact", "row", None, mx.float32, True, True,
-                                       lead=(2,))
+    (x, p, s, b, kw), want = make_case(
+        5, 30, 150, "compact", "row", None, mx.float32, True, True, lead=(2,)
+    )
     y = cpu.ternary_matmul(x, p, s, b, **kw)
     assert y.shape == (2, 5, 30) and rel_err(y, want) < TOL["f32"]
     xt = mx.swapaxes(mx.swapaxes(x, 0, 1), 0, 1)  # same values through a strided view
-    strided = mx.transpose(mx.array(np.ascontiguousarray(np.array(x).transpose(2, 0, 1))),
-                           (1, 2, 0))
+    strided = mx.transpose(
+        mx.array(np.ascontiguousarray(np.array(x).transpose(2, 0, 1))), (1, 2, 0)
+    )
     assert np.array_equal(np.array(cpu.ternary_matmul(strided, p, s, b, **kw)), np.array(y))
     assert np.array_equal(np.array(cpu.ternary_matmul(xt, p, s, b, **kw)), np.array(y))
     threads = cpu.info()["threads"]
@@ -215,12 +228,12 @@ def test_model_keeps_half_tables_and_matches_reference(tmp_path, cpu_default):
     """load() on the native backend: float16 embedding / lm_head stay float16 (half the
     bytes), the logits match the reference backend's float32 model."""
     from mlx.utils import tree_flatten
+    from tiny import float_model
 
     from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.checkpoint.writers.native import save_model
     from mlx_ternary.runtime.cpu.layers import HalfEmbedding, HalfLinear
     from mlx_ternary.runtime.layers import ternarize_model
-    from mlx_ternary.checkpoint.writers.native import save_model
-    from tiny import float_model
 
     model, config = float_model("llama")
     ternarize_model(model, "fast", "row", None, 8)
@@ -260,13 +273,19 @@ def test_changed_mlx_version_rebuilds_instead_of_loading(monkeypatch, tmp_path):
     monkeypatch.setenv(CACHE_ENV["native"], str(tmp_path))
     calls = []
     monkeypatch.setattr(build, "compile_library", lambda path, *a, **k: calls.append(path))
-    monkeypatch.setattr(build, "mlx_build", lambda: build.MlxBuild(
-        "99.0.0", real.include, real.libdir, real.library, real.core, real.stable_abi))
+    monkeypatch.setattr(
+        build,
+        "mlx_build",
+        lambda: build.MlxBuild(
+            "99.0.0", real.include, real.libdir, real.library, real.core, real.stable_abi
+        ),
+    )
     with pytest.raises(ImportError):
         build.load()  # the recorder wrote no library, so importing it fails
     assert len(calls) == 1 and "99.0.0" not in calls[0].name
-    key_now = build.build_key(real, build.nanobind(), build.compiler(),
-                              build.ext_flags(real, build.nanobind()))
+    key_now = build.build_key(
+        real, build.nanobind(), build.compiler(), build.ext_flags(real, build.nanobind())
+    )
     assert key_now not in calls[0].name
 
 
@@ -294,8 +313,8 @@ def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
         import warnings
         warnings.simplefilter("always")
         import mlx.core as mx
-        from mlx_ternary import kernels, native
-        from mlx_ternary.load import load
+        from mlx_ternary.runtime import cpu, dispatch
+        from mlx_ternary.checkpoint.load import load
         model, tok = load("mlx_ternary/assets/tiny-shakespeare")
         assert dispatch.resolve_backend() == "reference", dispatch.resolve_backend()
         mx.eval(model(mx.array([[1, 2, 3]])))
@@ -304,9 +323,10 @@ def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
     """)
     env = {**os.environ, CACHE_ENV["native"]: str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
     env.pop(build.ENV_CXX, None)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=300)
+    root = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
     assert out.stderr.count("NativeBackendWarning") == 1, out.stderr
@@ -349,8 +369,8 @@ def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch, cpu_default):
     from mlx_ternary.bench import llamacpp
 
     spec = importlib.util.spec_from_file_location(
-        "make_synthetic_model", os.path.join(os.path.dirname(__file__), "..", "scripts",
-                                             "make_synthetic_model.py"))
+        "make_synthetic_model", os.path.join(ROOT, "scripts", "make_synthetic_model.py")
+    )
     syn = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(syn)
     model = syn.write(tmp_path / "tiny", "tiny", seed=1)
@@ -358,14 +378,26 @@ def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch, cpu_default):
 
     def fake_run(node, gguf, **kw):
         calls.append(kw)
-        return {"runs": [{"prefill_tps": 100.0 + len(calls), "decode_tps": 40.0, "tokens": 2}],
-                "peak_rss": 600_000_000, "threads": kw["threads"], "system": ""}
+        return {
+            "runs": [{"prefill_tps": 100.0 + len(calls), "decode_tps": 40.0, "tokens": 2}],
+            "peak_rss": 600_000_000,
+            "threads": kw["threads"],
+            "system": "",
+        }
 
     monkeypatch.setattr(llamacpp, "find", lambda d=None: tmp_path)
     monkeypatch.setattr(llamacpp, "run", fake_run)
     monkeypatch.setattr(llamacpp, "gguf_bytes", lambda p: (4_000_000, 1_000_000, 3_878_788))
-    r = B.run_bench(str(model), ("fast",), prompt_tokens=4, gen_tokens=2, repeats=2,
-                    llama_cpp="x", gguf=str(tmp_path / "m.gguf"), llama_threads=2)
+    r = B.run_bench(
+        str(model),
+        ("fast",),
+        prompt_tokens=4,
+        gen_tokens=2,
+        repeats=2,
+        llama_cpp="x",
+        gguf=str(tmp_path / "m.gguf"),
+        llama_threads=2,
+    )
     row = r.formats[-1]
     assert [f.name for f in r.formats] == ["fast", "llama.cpp"] and row.loads
     assert [x.prefill_tps for x in row.runs] == [101.0, 102.0]
@@ -373,8 +405,7 @@ def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch, cpu_default):
     assert calls[0] == dict(threads=2, prompt_tokens=4, gen_tokens=2, seed=0, vocab=256)
     assert row.bits_per_weight == pytest.approx(8 * 1_000_000 / 3_878_788)
     assert any(cells[0] == "llama.cpp" and "2 threads" in cells[2] for cells in B.table_rows(r))
-    r = B.run_bench(str(model), ("fast",), prompt_tokens=4, gen_tokens=2, repeats=1,
-                    llama_cpp="x")
+    r = B.run_bench(str(model), ("fast",), prompt_tokens=4, gen_tokens=2, repeats=1, llama_cpp="x")
     assert not r.formats[-1].loads and "--gguf" in r.formats[-1].reason
 
 
@@ -391,19 +422,22 @@ def _qkv(b, hq, hkv, lq, lk, d, seed=0):
 
 
 @needs_native
-@pytest.mark.parametrize("shape", [(1, 8, 2, 7, 7, 64), (2, 4, 4, 3, 11, 40), (1, 6, 3, 1, 9, 128),
-                                   (1, 4, 1, 33, 40, 64)], ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 8, 2, 7, 7, 64), (2, 4, 4, 3, 11, 40), (1, 6, 3, 1, 9, 128), (1, 4, 1, 33, 40, 64)],
+    ids=lambda s: "-".join(map(str, s)),
+)
 @pytest.mark.parametrize("mask", [None, "causal"])
 def test_attention_matches_mlx_and_float64(shape, mask):
     from mlx_ternary.runtime.cpu.attention import scaled_dot_product_attention as sdpa
 
     b, hq, hkv, lq, lk, d = shape
     q, k, v = _qkv(*shape)
-    y = sdpa(q, k, v, scale=d ** -0.5, mask=mask)
-    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=mask)
+    y = sdpa(q, k, v, scale=d**-0.5, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask)
     qn, kn, vn = (np.array(a).astype(np.float64) for a in (q, k, v))
     kn, vn = np.repeat(kn, hq // hkv, axis=1), np.repeat(vn, hq // hkv, axis=1)
-    s = qn @ kn.transpose(0, 1, 3, 2) * d ** -0.5
+    s = qn @ kn.transpose(0, 1, 3, 2) * d**-0.5
     if mask == "causal":  # query i sees keys j <= i + lk - lq
         s = np.where(np.arange(lk)[None] <= np.arange(lq)[:, None] + lk - lq, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
@@ -422,9 +456,13 @@ def test_attention_gradient_is_mlx_own_and_arrays_masks_fall_back():
     def loss(fn):
         return lambda q_, k_, v_: (fn(q_, k_, v_) * g).sum()
 
-    ours = mx.grad(loss(lambda *a: sdpa(*a, scale=0.125, mask="causal")), argnums=(0, 1, 2))(q, k, v)
-    mlxs = mx.grad(loss(lambda *a: mx.fast.scaled_dot_product_attention(
-        *a, scale=0.125, mask="causal")), argnums=(0, 1, 2))(q, k, v)
+    ours = mx.grad(loss(lambda *a: sdpa(*a, scale=0.125, mask="causal")), argnums=(0, 1, 2))(
+        q, k, v
+    )
+    mlxs = mx.grad(
+        loss(lambda *a: mx.fast.scaled_dot_product_attention(*a, scale=0.125, mask="causal")),
+        argnums=(0, 1, 2),
+    )(q, k, v)
     for a, b in zip(ours, mlxs):
         assert np.allclose(np.array(a), np.array(b), atol=1e-5)
     assert sdpa(q, k, v, scale=0.125, mask=mx.zeros((5, 5))) is None  # array masks: MLX's
@@ -435,18 +473,19 @@ def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cp
     """install(): the model's own calls use the native kernel; the same mlx-lm function called
     outside the model (another model, user code) stays MLX's."""
     import mlx_lm.models.llama as llama
+    from tiny import ternary_checkpoint
 
     from mlx_ternary.checkpoint.load import load_model
     from mlx_ternary.runtime.cpu import attention
-    from tiny import ternary_checkpoint
 
     path, _ = ternary_checkpoint(tmp_path, "llama", "fast", "row", activation_bits=8)
     model, _ = load_model(path)
     ref, _ = load_model(path, backend="reference")
     calls = []
     real = attention._attention
-    monkeypatch.setattr(attention, "_attention",
-                        lambda scale, causal: calls.append(causal) or real(scale, causal))
+    monkeypatch.setattr(
+        attention, "_attention", lambda scale, causal: calls.append(causal) or real(scale, causal)
+    )
     ids = mx.array([[1, 5, 9, 33, 70, 2, 4]])
     a, r = np.array(model(ids)), np.array(ref(ids))
     assert calls == [True, True]  # two layers, causal prefill

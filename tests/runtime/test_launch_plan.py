@@ -8,23 +8,32 @@ emulator (a correct kernel), or a kernel that raises, or one that returns wrong 
 
 import json
 import warnings
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import FIXTURES
 
 from mlx_ternary import format as fmt
-from mlx_ternary.runtime import dispatch, probe, reference, tune
-from mlx_ternary.runtime.metal import launch
 from mlx_ternary.emulator import MetalCompileError, metal_kernel
+from mlx_ternary.runtime import dispatch, probe, reference, tune
 from mlx_ternary.runtime.layers import TernaryLinear
+from mlx_ternary.runtime.metal import launch
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = FIXTURES
 
 
-def make_layer(n=24, k=96, packing="fast", scale="row", group_size=None, act=None,
-               bias=False, backend=None, seed=0):
+def make_layer(
+    n=24,
+    k=96,
+    packing="fast",
+    scale="row",
+    group_size=None,
+    act=None,
+    bias=False,
+    backend=None,
+    seed=0,
+):
     """A TernaryLinear with random trits and scales, and its float64 weight (N, K)."""
     rng = np.random.default_rng(seed)
     t = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
@@ -64,6 +73,7 @@ class Counting:
             self.launches += 1
             out = kernel(**call)
             return [self.transform(o) for o in out] if self.transform else out
+
         return launch
 
 
@@ -74,8 +84,10 @@ class RaisingKernel:
         self.name = kw["name"]
 
     def __call__(self, **call):
-        raise RuntimeError(f"[metal::Device] Unable to build metal library from source\n"
-                           f"custom_kernel_{self.name}: error: no matching function")
+        raise RuntimeError(
+            f"[metal::Device] Unable to build metal library from source\n"
+            f"custom_kernel_{self.name}: error: no matching function"
+        )
 
 
 @pytest.fixture
@@ -83,7 +95,7 @@ def fake_metal(monkeypatch, tmp_path):
     """Metal reported available, caches in tmp_path, fresh probe and tuning state."""
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     # On a Mac the GPU is the default device, so the native CPU kernel is not chosen.
-    monkeypatch.setattr(dispatch.native, "available", lambda: False)
+    monkeypatch.setattr(dispatch.cpu, "available", lambda: False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(tune.ENV_TUNE, "0")
     monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
@@ -96,10 +108,16 @@ def fake_metal(monkeypatch, tmp_path):
 
 
 def reference_output(layer, x):
-    return reference.ternary_matmul(x, layer.packed, layer.scales, layer.get("bias"),
-                                    packing=layer.packing, in_features=layer.in_features,
-                                    group_size=layer.group_size,
-                                    activation_bits=layer.activation_bits)
+    return reference.ternary_matmul(
+        x,
+        layer.packed,
+        layer.scales,
+        layer.get("bias"),
+        packing=layer.packing,
+        in_features=layer.in_features,
+        group_size=layer.group_size,
+        activation_bits=layer.activation_bits,
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -135,8 +153,13 @@ def test_plan_follows_load_weights_update_and_assignment(backend):
 def test_plan_is_per_shape_and_dtype():
     layer, w = make_layer(act=8, backend="emulate")
     layer.eval()
-    for shape, dtype in [((1, 96), mx.float32), ((1, 1, 96), mx.float16), ((3, 96), mx.float32),
-                         ((2, 3, 96), mx.bfloat16), ((0, 96), mx.float32)]:
+    for shape, dtype in [
+        ((1, 96), mx.float32),
+        ((1, 1, 96), mx.float16),
+        ((3, 96), mx.float32),
+        ((2, 3, 96), mx.bfloat16),
+        ((0, 96), mx.float32),
+    ]:
         x = mx.array(np.random.default_rng(2).normal(size=shape).astype(np.float32)).astype(dtype)
         y = layer(x)
         assert y.shape == (*shape[:-1], 24) and y.dtype == dtype
@@ -156,16 +179,27 @@ def input_grad(layer, x, c):
     return mx.grad(lambda x_: (layer(x_) * c).sum())(x)
 
 
-@pytest.mark.parametrize("packing,scale,group,act,bias", [
-    ("fast", "row", None, None, True),
-    ("fast", "tensor", None, 8, False),
-    ("fast", "group", 64, 8, True),
-    ("compact", "group", 64, None, False),
-    ("compact", "row", None, 8, True),
-])
+@pytest.mark.parametrize(
+    "packing,scale,group,act,bias",
+    [
+        ("fast", "row", None, None, True),
+        ("fast", "tensor", None, 8, False),
+        ("fast", "group", 64, 8, True),
+        ("compact", "group", 64, None, False),
+        ("compact", "row", None, 8, True),
+    ],
+)
 def test_emulated_kernels_have_the_straight_through_gradient(packing, scale, group, act, bias):
-    layer, w = make_layer(n=20, k=128, packing=packing, scale=scale, group_size=group, act=act,
-                          bias=bias, backend="emulate")
+    layer, w = make_layer(
+        n=20,
+        k=128,
+        packing=packing,
+        scale=scale,
+        group_size=group,
+        act=act,
+        bias=bias,
+        backend="emulate",
+    )
     rng = np.random.default_rng(3)
     x = mx.array(rng.normal(size=(3, 128)).astype(np.float32))
     c = mx.array(rng.normal(size=(3, 20)).astype(np.float32))
@@ -230,8 +264,11 @@ def test_a_failing_kernel_warns_once_and_falls_back_to_the_reference(fake_metal,
     layer, w = make_layer(act=8, bias=True)
     layer.eval()
     x = mx.array(np.random.default_rng(8).normal(size=(1, 96)).astype(np.float32))
-    with pytest.warns(probe.KernelCheckWarning, match=r"prepass\+gemv_fast .*TM=1.*failed its "
-                      r"first-use check on .*reference path") as record:
+    with pytest.warns(
+        probe.KernelCheckWarning,
+        match=r"prepass\+gemv_fast .*TM=1.*failed its "
+        r"first-use check on .*reference path",
+    ) as record:
         y = layer(x)
     assert len(record) == 1
     np.testing.assert_array_equal(np.array(y), np.array(reference_output(layer, x)))
@@ -258,6 +295,7 @@ def fake_timer(times, calls):
     def timer(name, fn, x):
         calls.append(name)
         return times[name]
+
     return timer
 
 
@@ -341,8 +379,9 @@ def test_layers_under_8_packed_elements_run_the_reference_path(fake_metal):
     # Negative control: the kernel itself, given the 4-byte weight, does not compile (its
     # `(const device uint*)` cast of a `constant` buffer), as on Apple's compiler.
     with pytest.raises(MetalCompileError):
-        launch.ternary_matmul(x, small.packed, small.scales, packing="compact",
-                                 in_features=12, backend="emulate")
+        launch.ternary_matmul(
+            x, small.packed, small.scales, packing="compact", in_features=12, backend="emulate"
+        )
 
 
 # --------------------------------------------------------------------------- #
@@ -353,8 +392,12 @@ def test_layers_under_8_packed_elements_run_the_reference_path(fake_metal):
 def greedy(model, prompt, n):
     from mlx_lm.generate import generate_step
 
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n,
-                                             sampler=lambda lp: mx.argmax(lp, axis=-1))]
+    return [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(prompt), model, max_tokens=n, sampler=lambda lp: mx.argmax(lp, axis=-1)
+        )
+    ]
 
 
 @pytest.mark.parametrize("source", ["embedded", "hf bitnet"])
@@ -362,8 +405,11 @@ def test_greedy_generation_under_emulate_equals_reference(monkeypatch, source):
     from mlx_ternary import generate as gen
     from mlx_ternary.checkpoint.load import load_model
 
-    path = gen.EMBEDDED_MODEL if source == "embedded" else (
-        FIXTURES / "hf" / "bitnet_offline_autobitlinear")
+    path = (
+        gen.EMBEDDED_MODEL
+        if source == "embedded"
+        else (FIXTURES / "hf" / "bitnet_offline_autobitlinear")
+    )
     prompt = [5, 17, 40, 3, 99, 12, 7, 64, 21]
     monkeypatch.delenv(dispatch.ENV_BACKEND, raising=False)
     monkeypatch.setenv(dispatch.ENV_EMULATE, "1")
@@ -390,14 +436,20 @@ def test_a_host_backend_slots_in_through_host_matmul(monkeypatch):
 
     def native(x, packed, scales, bias, *, packing, in_features, group_size, activation_bits):
         calls.append((packing, in_features, group_size, activation_bits))
-        return reference.ternary_matmul(x, packed, scales, bias, packing=packing,
-                                        in_features=in_features, group_size=group_size,
-                                        activation_bits=activation_bits)
+        return reference.ternary_matmul(
+            x,
+            packed,
+            scales,
+            bias,
+            packing=packing,
+            in_features=in_features,
+            group_size=group_size,
+            activation_bits=activation_bits,
+        )
 
     real = dispatch.host_matmul
-    monkeypatch.setattr(kernels, "BACKENDS", dispatch.BACKENDS + ("native",))
-    monkeypatch.setattr(kernels, "host_matmul",
-                        lambda b: native if b == "native" else real(b))
+    monkeypatch.setattr(dispatch, "BACKENDS", dispatch.BACKENDS + ("native",))
+    monkeypatch.setattr(dispatch, "host_matmul", lambda b: native if b == "native" else real(b))
     layer, w = make_layer(act=8, bias=True, backend="native")
     layer.eval()
     x = mx.array(np.random.default_rng(11).normal(size=(2, 96)).astype(np.float32))
@@ -409,8 +461,9 @@ def test_a_host_backend_slots_in_through_host_matmul(monkeypatch):
 def test_first_use_check_inside_mx_compile(fake_metal):
     """The check evaluates only its own arrays, which MLX allows while tracing: a variant
     first met inside mx.compile is checked there, and its fallback compiles."""
-    fake_metal.setattr(mx.fast, "metal_kernel",
-                       Counting(metal_kernel, transform=lambda a: mx.zeros_like(a)))
+    fake_metal.setattr(
+        mx.fast, "metal_kernel", Counting(metal_kernel, transform=lambda a: mx.zeros_like(a))
+    )
     layer, w = make_layer(act=None)
     layer.eval()
     x = mx.array(np.random.default_rng(12).normal(size=(1, 96)).astype(np.float32))
@@ -443,8 +496,9 @@ def test_a_plan_made_in_one_thread_runs_in_another(backend):
     """A layer planned (and run) in this thread, then called in a fresh thread: MLX ties an
     unevaluated array to the stream of the thread that made it, so plans keep no lazy ones."""
     w = np.random.default_rng(5).integers(-1, 2, (24, 96)).astype(np.int8)
-    layer = TernaryLinear.from_packed(fmt.PackedTernary.from_trits(w, np.float32(0.5), "fast"),
-                                      activation_bits=8, backend=backend)
+    layer = TernaryLinear.from_packed(
+        fmt.PackedTernary.from_trits(w, np.float32(0.5), "fast"), activation_bits=8, backend=backend
+    )
     x = mx.array(np.random.default_rng(6).normal(size=(1, 3, 96)).astype(np.float32))
     want = np.array(layer(x))
     out = _run_in_thread(lambda: layer(x))
@@ -457,8 +511,11 @@ def test_cross_thread_negative_control(monkeypatch):
     monkeypatch.setattr(reference, "materialize", lambda *a: None)
     monkeypatch.setattr(reference, "_UNIT_AFFINE", {})
     w = np.random.default_rng(7).integers(-1, 2, (24, 96)).astype(np.int8)
-    layer = TernaryLinear.from_packed(fmt.PackedTernary.from_trits(w, np.float32(0.5), "fast"),
-                                      activation_bits=8, backend="reference")
+    layer = TernaryLinear.from_packed(
+        fmt.PackedTernary.from_trits(w, np.float32(0.5), "fast"),
+        activation_bits=8,
+        backend="reference",
+    )
     x = mx.array(np.random.default_rng(8).normal(size=(1, 3, 96)).astype(np.float32))
     mx.eval(layer(x))
     out = _run_in_thread(lambda: layer(x))

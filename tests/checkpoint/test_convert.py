@@ -14,19 +14,25 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from tiny import CONFIGS, FIXTURES, float_model, ternary_checkpoint, write_tokenizer
 
 import mlx_ternary
-from mlx_ternary.cli import main
 from mlx_ternary.checkpoint.convert import convert
+from mlx_ternary.checkpoint.verify import verify
+from mlx_ternary.cli import main
 from mlx_ternary.errors import FormatError, TernaryError
 from mlx_ternary.runtime.layers import ternary_layers
-from mlx_ternary.checkpoint.verify import verify
-
-from tiny import CONFIGS, float_model, ternary_checkpoint, write_tokenizer
 
 TOKENS = mx.array([[3, 17, 42, 5, 99, 64, 1, 20]])
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def logits(model) -> np.ndarray:
@@ -46,9 +52,10 @@ def hf_weights(model) -> dict:
 
 def save(out: Path, weights: dict, config: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"),
-                        {k: v if isinstance(v, mx.array) else mx.array(v)
-                         for k, v in weights.items()})
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in weights.items()},
+    )
     (out / "config.json").write_text(json.dumps(config))
     write_tokenizer(out)
     return out
@@ -81,12 +88,15 @@ def hf_bitnet_checkpoint(tmp: Path, linear_class: str, latent: bool = False):
         padded[:n] = t + 1
         packed = np.zeros((rows, k), np.uint8)
         for i in range(4):  # field i of packed row r holds output row r + i * rows
-            packed |= padded[i * rows:(i + 1) * rows] << (2 * i)
+            packed |= padded[i * rows : (i + 1) * rows] << (2 * i)
         w[f"{path}.weight"] = packed
         ws = 1 / s if linear_class == "bitlinear" else s
         w[f"{path}.weight_scale"] = np.array([ws], np.float32)
-    qc = {"quant_method": "bitnet", "linear_class": linear_class,
-          "quantization_mode": "online" if latent else "offline"}
+    qc = {
+        "quant_method": "bitnet",
+        "linear_class": linear_class,
+        "quantization_mode": "online" if latent else "offline",
+    }
     name = f"hf-{linear_class}-{'latent' if latent else 'packed'}"
     return save(tmp / name, w, {**config, "quantization_config": qc}), expected
 
@@ -116,12 +126,21 @@ def affine_pack(tmp: Path, group_size=64, hidden=128, hadamard=False):
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
-    config = dict(CONFIGS["llama"], hidden_size=hidden, intermediate_size=2 * hidden,
-                  bos_token_id=0, eos_token_id=1)
+    config = dict(
+        CONFIGS["llama"],
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    nn.quantize(model, group_size=group_size, bits=2,
-                class_predicate=lambda p, m: isinstance(m, nn.Linear) and "lm_head" not in p)
+    nn.quantize(
+        model,
+        group_size=group_size,
+        bits=2,
+        class_predicate=lambda p, m: isinstance(m, nn.Linear) and "lm_head" not in p,
+    )
     rng = np.random.default_rng(3)
     w, expected = {}, {}
     from mlx.utils import tree_flatten
@@ -142,8 +161,11 @@ def affine_pack(tmp: Path, group_size=64, hidden=128, hadamard=False):
             w[f"{path}.biases"] = -s
             expected[path] = t * np.repeat(s.astype(np.float32), group_size, axis=1)
         else:
-            w[name] = rng.normal(0, 0.5, v.shape).astype(np.float32) if v.ndim > 1 else \
-                np.ones(v.shape, np.float32)
+            w[name] = (
+                rng.normal(0, 0.5, v.shape).astype(np.float32)
+                if v.ndim > 1
+                else np.ones(v.shape, np.float32)
+            )
     config["quantization"] = {"group_size": group_size, "bits": 2}
     return save(tmp / f"affine-g{group_size}", w, config), expected
 
@@ -153,8 +175,7 @@ def check_weights(model, expected: dict, tol=0.0):
     assert set(expected) <= set(layers)
     for path, want in expected.items():
         got = np.array(layers[path].dequantize())
-        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(),
-                                   err_msg=path)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=path)
 
 
 # --------------------------------------------------------------------------- #
@@ -170,8 +191,7 @@ def test_hf_bitnet_packed(tmp_path, linear_class):
     model, _, config = mlx_ternary.load(str(tmp_path / "out"), return_config=True)
     check_weights(model, expected, tol=1e-6)
     assert config["quantization"]["activation_bits"] == 8
-    np.testing.assert_allclose(logits(model), logits(mlx_ternary.load(str(src))[0]),
-                               atol=1e-4)
+    np.testing.assert_allclose(logits(model), logits(mlx_ternary.load(str(src))[0]), atol=1e-4)
 
 
 def test_hf_bitnet_latent(tmp_path):
@@ -201,8 +221,11 @@ def test_trilm_refuses_non_ternary_tensor(tmp_path):
     w = load_file(str(src / "model.safetensors"))
     w["model.layers.1.mlp.up_proj.weight"][0, :3] = [0.5, 0.25, -0.125]
     save_file(w, str(src / "model.safetensors"))
-    with pytest.raises(FormatError, match=r"model\.layers\.1\.mlp\.up_proj\.weight: not "
-                                          "ternary-valued: row 0"):
+    with pytest.raises(
+        FormatError,
+        match=r"model\.layers\.1\.mlp\.up_proj\.weight: not "
+        "ternary-valued: row 0",
+    ):
         convert(str(src), tmp_path / "out")
     assert leftovers(tmp_path, "out") == []
 
@@ -263,9 +286,12 @@ def test_stock_mlx_outputs_load_in_plain_mlx_lm(tmp_path):
         assert "activation quantization" in (outs[bits] / "README.md").read_text()
     outs["d"] = tmp_path / "deq"
     convert(str(src), outs["d"], dequantize=True)
-    proc = subprocess.run([sys.executable, "-c", PLAIN_MLX_LM, json.dumps(TOKENS.tolist()),
-                           *map(str, outs.values())], capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_MLX_LM, json.dumps(TOKENS.tolist()), *map(str, outs.values())],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     got = {k: np.array(v) for k, v in json.loads(proc.stdout).items()}
     # the reference: the native model with activation quantization switched off
@@ -281,8 +307,8 @@ def test_stock_mlx_outputs_load_in_plain_mlx_lm(tmp_path):
 
 def test_mx_quantize_is_lossy_on_ternary():
     """Why the affine writer builds codes itself."""
-    from mlx_ternary.format import PackedTernary
     from mlx_ternary.checkpoint.writers.mlx_affine import affine_tensors
+    from mlx_ternary.format import PackedTernary
 
     t = np.random.default_rng(0).integers(-1, 2, (8, 64)).astype(np.int8)
     pt = PackedTernary.from_trits(t, np.full((8, 1), 0.5, np.float32), "fast")
@@ -325,12 +351,15 @@ def _unknown_version(src):
     (src / "config.json").write_text(json.dumps(c))
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (_truncate, "truncated safetensors"),
-    (_missing_shard, r"model-00002\.safetensors listed in .* missing"),
-    (_wrong_shape, r"mlp\.(gate|up|down)_proj.* the config implies"),
-    (_unknown_version, "format_version 99 is not one"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (_truncate, "truncated safetensors"),
+        (_missing_shard, r"model-00002\.safetensors listed in .* missing"),
+        (_wrong_shape, r"mlp\.(gate|up|down)_proj.* the config implies"),
+        (_unknown_version, "format_version 99 is not one"),
+    ],
+)
 def test_corrupt_inputs_leave_nothing(tmp_path, native_src, corrupt, message):
     corrupt(native_src)
     with pytest.raises(TernaryError, match=message):
@@ -364,8 +393,12 @@ def test_manifest_and_verify(tmp_path, native_src):
     for name, meta in manifest["files"].items():
         data = (out / name).read_bytes()
         assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    assert {"config.json", "model.safetensors", "model.safetensors.index.json",
-            "tokenizer.json"} <= set(manifest["files"])
+    assert {
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    } <= set(manifest["files"])
     runner = CliRunner()
     ok = runner.invoke(main, ["verify", str(out)])
     assert ok.exit_code == 0 and ok.output.startswith("OK"), ok.output
@@ -377,29 +410,44 @@ def test_manifest_and_verify(tmp_path, native_src):
     assert not report.ok and "sha256 differs" in report.problems[0]
     shard.unlink()
     bad = runner.invoke(main, ["verify", str(out)])
-    assert bad.exit_code == 1 and "model.safetensors: listed in manifest.json but missing" \
-        in bad.output
+    assert (
+        bad.exit_code == 1
+        and "model.safetensors: listed in manifest.json but missing" in bad.output
+    )
 
 
 def test_cli_convert(tmp_path, native_src):
     runner = CliRunner()
-    res = runner.invoke(main, ["convert", "--hf-path", str(native_src), "--output-dir",
-                               str(tmp_path / "o"), "--packing", "fast"])
+    res = runner.invoke(
+        main,
+        [
+            "convert",
+            "--hf-path",
+            str(native_src),
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--packing",
+            "fast",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "max error 0" in res.output and "bits per weight" in res.output
-    res = runner.invoke(main, ["convert", "--hf-path", str(native_src), "--mlx-path",
-                               str(tmp_path / "o")])
+    res = runner.invoke(
+        main, ["convert", "--hf-path", str(native_src), "--mlx-path", str(tmp_path / "o")]
+    )
     assert res.exit_code == 1 and "already exists" in res.output
-    res = runner.invoke(main, ["convert", "--hf-path", str(tmp_path / "nope"),
-                               "--mlx-path", str(tmp_path / "p")])
+    res = runner.invoke(
+        main, ["convert", "--hf-path", str(tmp_path / "nope"), "--mlx-path", str(tmp_path / "p")]
+    )
     assert res.exit_code == 1 and "no such model directory" in res.output
 
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = FIXTURES / "hf"
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-                         if FIXTURES.is_dir() else [])
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()) if FIXTURES.is_dir() else []
+)
 def test_transformers_fixtures_convert(tmp_path, name):
     """transformers-made HF BitNet checkpoints: converting keeps load()'s logits exactly."""
     from mlx_ternary.checkpoint.load import load_model

@@ -15,16 +15,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import FIXTURES, write_tokenizer
 
 import mlx_ternary
 from mlx_ternary.runtime.layers import ternary_layers
 
-from tiny import write_tokenizer
-
 H, I, V, LAYERS = 64, 128, 128, 2
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FIXTURES = FIXTURES / "hf"
 
 
 def bf16(x) -> np.ndarray:
@@ -45,19 +44,35 @@ def hf_pack(t: np.ndarray) -> np.ndarray:
     padded[: t.shape[0]] = t + 1
     out = np.zeros((rows, t.shape[1]), np.uint8)
     for i in range(4):
-        out |= padded[i * rows:(i + 1) * rows] << (2 * i)
+        out |= padded[i * rows : (i + 1) * rows] << (2 * i)
     return out
 
 
 def shapes(cfg):
     kv = cfg["num_key_value_heads"] * cfg.get("head_dim", H // cfg["num_attention_heads"])
     q = cfg["num_attention_heads"] * cfg.get("head_dim", H // cfg["num_attention_heads"])
-    return {"q_proj": (q, H), "k_proj": (kv, H), "v_proj": (kv, H), "o_proj": (H, q),
-            "gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    return {
+        "q_proj": (q, H),
+        "k_proj": (kv, H),
+        "v_proj": (kv, H),
+        "o_proj": (H, q),
+        "gate_proj": (I, H),
+        "up_proj": (I, H),
+        "down_proj": (H, I),
+    }
 
 
-def build(tmp: Path, name: str, config: dict, linear: str, dtype: str, *,
-          sub_norms: bool, seed: int, names=None):
+def build(
+    tmp: Path,
+    name: str,
+    config: dict,
+    linear: str,
+    dtype: str,
+    *,
+    sub_norms: bool,
+    seed: int,
+    names=None,
+):
     """Write a checkpoint; returns (dir, {module path: (t int8, s float)} as encoded).
 
     linear: "packed:inv" (uint8 + weight_scale = 1/s), "packed:mean" (weight_scale = s),
@@ -125,9 +140,17 @@ def generates(model, tok) -> int:
 
 
 def common(**extra):
-    return dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS,
-                num_attention_heads=4, num_key_value_heads=2, bos_token_id=0,
-                eos_token_id=1, **extra)
+    return dict(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=I,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=0,
+        eos_token_id=1,
+        **extra,
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -135,15 +158,33 @@ def common(**extra):
 # --------------------------------------------------------------------------- #
 
 BITNET_2B4T = common(
-    architectures=["BitNetForCausalLM"], hidden_act="relu2", initializer_range=0.02,
-    max_position_embeddings=4096, model_type="bitnet", rms_norm_eps=1e-5, rope_theta=500000.0,
-    tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True)
-REV_2025_04 = {**BITNET_2B4T,
-               "auto_map": {"AutoConfig": "configuration_bitnet.BitNetConfig",
-                            "AutoModelForCausalLM": "modeling_bitnet.BitNetForCausalLM"},
-               "quantization_config": {"quant_method": "bitnet", "offline_quantization": True}}
-REV_CURRENT = {**BITNET_2B4T, "quantization_config": {
-    "quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"}}
+    architectures=["BitNetForCausalLM"],
+    hidden_act="relu2",
+    initializer_range=0.02,
+    max_position_embeddings=4096,
+    model_type="bitnet",
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+    torch_dtype="bfloat16",
+    use_cache=True,
+)
+REV_2025_04 = {
+    **BITNET_2B4T,
+    "auto_map": {
+        "AutoConfig": "configuration_bitnet.BitNetConfig",
+        "AutoModelForCausalLM": "modeling_bitnet.BitNetForCausalLM",
+    },
+    "quantization_config": {"quant_method": "bitnet", "offline_quantization": True},
+}
+REV_CURRENT = {
+    **BITNET_2B4T,
+    "quantization_config": {
+        "quant_method": "bitnet",
+        "linear_class": "autobitlinear",
+        "quantization_mode": "offline",
+    },
+}
 
 
 @pytest.mark.parametrize("rev", ["2025-04 offline_quantization", "current linear_class"])
@@ -156,10 +197,13 @@ def test_bitnet_2b4t_packed(tmp_path, rev):
     assert generates(model, tok) == 3
 
 
-@pytest.mark.parametrize("qc", [
-    {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"},
-    {"quant_method": "bitnet", "online_quantization": True},
-])
+@pytest.mark.parametrize(
+    "qc",
+    [
+        {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "online"},
+        {"quant_method": "bitnet", "online_quantization": True},
+    ],
+)
 def test_bitnet_2b4t_bf16_master_weights(tmp_path, qc):
     cfg = {**BITNET_2B4T, "quantization_config": qc}
     src, enc = build(tmp_path, "bf16", cfg, "latent", "bfloat16", sub_norms=True, seed=2)
@@ -172,18 +216,24 @@ def test_bitnet_2b4t_bf16_master_weights(tmp_path, qc):
 def test_bitnet_dequantized_output_reads_back_exactly(tmp_path):
     """`convert -d` of a bitnet-type model: floats t * s and no BitNet block. Read exactly,
     not re-ternarized with absmean (which would give s * mean|t|)."""
-    src, enc = build(tmp_path, "2b4t", REV_CURRENT, "packed:mean", "bfloat16", sub_norms=True,
-                     seed=10)
+    src, enc = build(
+        tmp_path, "2b4t", REV_CURRENT, "packed:mean", "bfloat16", sub_norms=True, seed=10
+    )
     mlx_ternary.convert(str(src), tmp_path / "d", dequantize=True)
     check_layers(mlx_ternary.load(str(tmp_path / "d"))[0], enc)
 
 
 def test_unsupported_bitnet_variant_is_refused_by_name(tmp_path):
-    cfg = {**REV_CURRENT, "quantization_config": {**REV_CURRENT["quantization_config"],
-                                                  "use_rms_norm": True}}
+    cfg = {
+        **REV_CURRENT,
+        "quantization_config": {**REV_CURRENT["quantization_config"], "use_rms_norm": True},
+    }
     src, _ = build(tmp_path, "rms", cfg, "packed:mean", "bfloat16", sub_norms=True, seed=11)
-    with pytest.raises(mlx_ternary.TernaryError, match=r"rms/config\.json: quantization_config"
-                                                       r"\.use_rms_norm is true"):
+    with pytest.raises(
+        mlx_ternary.TernaryError,
+        match=r"rms/config\.json: quantization_config"
+        r"\.use_rms_norm is true",
+    ):
         mlx_ternary.load(str(src))
 
 
@@ -197,46 +247,67 @@ def test_mlx_lm_convert_q_bitnet_made_by_mlx_lm(tmp_path):
     import mlx_lm
     from mlx_lm.utils import quantize_model, save
 
-    src, enc = build(tmp_path, "2b4t", REV_CURRENT, "packed:mean", "bfloat16", sub_norms=True,
-                     seed=3)
+    src, enc = build(
+        tmp_path, "2b4t", REV_CURRENT, "packed:mean", "bfloat16", sub_norms=True, seed=3
+    )
     model, tok, config = mlx_lm.load(str(src), return_config=True, lazy=True)
     model, config = quantize_model(model, config, 64, 4)
     save(tmp_path / "q4", src, model, tok, config)
     assert json.loads((tmp_path / "q4" / "config.json").read_text())["quantization"] == {
-        "group_size": 64, "bits": 4, "mode": "affine"}
+        "group_size": 64,
+        "bits": 4,
+        "mode": "affine",
+    }
     ours, tok, cfg = mlx_ternary.load(str(tmp_path / "q4"), return_config=True)
     check_layers(ours, enc)
     emb = ours.model.embed_tokens
     assert type(emb).__name__ == "QuantizedEmbedding" and (emb.bits, emb.group_size) == (4, 64)
-    assert cfg["quantization"]["model.embed_tokens"] == {"group_size": 64, "bits": 4,
-                                                          "mode": "affine"}
+    assert cfg["quantization"]["model.embed_tokens"] == {
+        "group_size": 64,
+        "bits": 4,
+        "mode": "affine",
+    }
     # the embedding (and tied head) are mlx-lm's own quantized arrays, untouched
     saved = mx.load(str(tmp_path / "q4" / "model.safetensors"))
     for leaf in ("weight", "scales", "biases"):
-        np.testing.assert_array_equal(np.array(getattr(emb, leaf).astype(mx.float32)),
-                                      np.array(saved[f"model.embed_tokens.{leaf}"]
-                                               .astype(mx.float32)))
+        np.testing.assert_array_equal(
+            np.array(getattr(emb, leaf).astype(mx.float32)),
+            np.array(saved[f"model.embed_tokens.{leaf}"].astype(mx.float32)),
+        )
     assert generates(ours, tok) == 3
 
 
 def test_mlx_community_bitnet_4bit_2025_06_block(tmp_path):
     """The block older mlx-lm wrote: the HF BitNet keys merged into `quantization`."""
-    q = {"group_size": 64, "bits": 4, "quant_method": "bitnet", "linear_class": "autobitlinear",
-         "quantization_mode": "offline"}
+    q = {
+        "group_size": 64,
+        "bits": 4,
+        "quant_method": "bitnet",
+        "linear_class": "autobitlinear",
+        "quantization_mode": "offline",
+    }
     cfg = {**BITNET_2B4T, "quantization": q, "quantization_config": dict(q)}
     src, enc = build(tmp_path, "mc", cfg, "packed:mean", "bfloat16", sub_norms=True, seed=4)
     emb = mx.load(str(src / "model.safetensors"))["model.embed_tokens.weight"]
     wq, sc, bi = mx.quantize(emb, group_size=64, bits=4)
-    tensors = {**mx.load(str(src / "model.safetensors")), "model.embed_tokens.weight": wq,
-               "model.embed_tokens.scales": sc, "model.embed_tokens.biases": bi}
+    tensors = {
+        **mx.load(str(src / "model.safetensors")),
+        "model.embed_tokens.weight": wq,
+        "model.embed_tokens.scales": sc,
+        "model.embed_tokens.biases": bi,
+    }
     mx.save_safetensors(str(src / "model.safetensors"), tensors)
     model, tok = mlx_ternary.load(str(src))
     check_layers(model, enc)
     np.testing.assert_array_equal(
         np.array(model.model.embed_tokens(mx.array([[5, 9]])).astype(mx.float32))[0],
         # the exact values the file encodes (scales widened first: bfloat16 math would round)
-        np.array(mx.dequantize(wq, sc.astype(mx.float32), bi.astype(mx.float32),
-                               group_size=64, bits=4)[mx.array([5, 9])]))
+        np.array(
+            mx.dequantize(wq, sc.astype(mx.float32), bi.astype(mx.float32), group_size=64, bits=4)[
+                mx.array([5, 9])
+            ]
+        ),
+    )
     assert generates(model, tok) == 3
 
 
@@ -244,24 +315,43 @@ def test_mlx_community_bitnet_4bit_2025_06_block(tmp_path):
 # Llama-typed BitNet: Falcon3-*-1.58bit, HF1BitLLM, Falcon-E (three revisions)
 # --------------------------------------------------------------------------- #
 
-LLAMA = common(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-               rms_norm_eps=1e-6, rope_theta=1000042.0, max_position_embeddings=8192,
-               tie_word_embeddings=False, torch_dtype="bfloat16", attention_bias=False,
-               mlp_bias=False, pretraining_tp=1, head_dim=16)
+LLAMA = common(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=1000042.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    attention_bias=False,
+    mlp_bias=False,
+    pretraining_tp=1,
+    head_dim=16,
+)
 PUBLISHED_LLAMA = {
-    "Falcon3-1.58bit": {**LLAMA, "is_bitnet_config": True, "quantization_config": {
-        "modules_to_not_convert": None, "quant_method": "bitnet"}},
-    "HF1BitLLM": {**LLAMA, "quantization_config": {
-        "modules_to_not_convert": None, "quant_method": "bitnet"}},
-    "Falcon-E main": {**LLAMA, "is_bitnet_config": True, "quantization_config": {
-        "modules_to_not_convert": ["lm_head"], "quant_method": "bitnet"}},
+    "Falcon3-1.58bit": {
+        **LLAMA,
+        "is_bitnet_config": True,
+        "quantization_config": {"modules_to_not_convert": None, "quant_method": "bitnet"},
+    },
+    "HF1BitLLM": {
+        **LLAMA,
+        "quantization_config": {"modules_to_not_convert": None, "quant_method": "bitnet"},
+    },
+    "Falcon-E main": {
+        **LLAMA,
+        "is_bitnet_config": True,
+        "quantization_config": {"modules_to_not_convert": ["lm_head"], "quant_method": "bitnet"},
+    },
 }
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_LLAMA))
 def test_llama_bitnet_packed(tmp_path, name):
-    src, enc = build(tmp_path, "m", PUBLISHED_LLAMA[name], "packed:inv", "bfloat16",
-                     sub_norms=False, seed=5)
+    src, enc = build(
+        tmp_path, "m", PUBLISHED_LLAMA[name], "packed:inv", "bfloat16", sub_norms=False, seed=5
+    )
     model, tok = mlx_ternary.load(str(src))
     check_layers(model, enc)
     assert {m.activation_bits for _, m in ternary_layers(model)} == {8}
@@ -269,8 +359,15 @@ def test_llama_bitnet_packed(tmp_path, name):
 
 
 def test_falcon_e_prequantized_latent(tmp_path):
-    src, enc = build(tmp_path, "pre", {**LLAMA, "is_bitnet_config": True}, "latent",
-                     "bfloat16", sub_norms=False, seed=6)
+    src, enc = build(
+        tmp_path,
+        "pre",
+        {**LLAMA, "is_bitnet_config": True},
+        "latent",
+        "bfloat16",
+        sub_norms=False,
+        seed=6,
+    )
     model, tok = mlx_ternary.load(str(src))
     check_layers(model, enc, invert_control=False)
     assert {m.activation_bits for _, m in ternary_layers(model)} == {8}
@@ -293,8 +390,18 @@ def test_falcon_e_bfloat16_revision(tmp_path, marked):
 
         from mlx_ternary.cli import main
 
-        res = CliRunner().invoke(main, ["convert", "--hf-path", str(src), "--mlx-path",
-                                        str(tmp_path / "a8"), "--activation-bits", "8"])
+        res = CliRunner().invoke(
+            main,
+            [
+                "convert",
+                "--hf-path",
+                str(src),
+                "--mlx-path",
+                str(tmp_path / "a8"),
+                "--activation-bits",
+                "8",
+            ],
+        )
         assert res.exit_code == 0, res.output
         assert "activation quantization set by the caller: int8" in res.output
         model = mlx_ternary.load(str(tmp_path / "a8"))[0]
@@ -325,9 +432,16 @@ def test_1bitllm_fixture_layers_and_generation(tmp_path):
 
 
 def test_trilm_unpacked(tmp_path):
-    cfg = common(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                 rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
-                 tie_word_embeddings=False, torch_dtype="float16")
+    cfg = common(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        torch_dtype="float16",
+    )
     src, enc = build(tmp_path, "trilm", cfg, "ts", "float16", sub_norms=False, seed=8)
     model, tok, config = mlx_ternary.load(str(src), return_config=True)
     check_layers(model, enc)
@@ -347,13 +461,26 @@ def bonsai(tmp: Path, tied: bool, seed=9):
 
     from mlx_ternary.checkpoint.writers.mlx_affine import pack_codes
 
-    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256,
-               intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=64, vocab_size=V, rms_norm_eps=1e-6,
-               rope_theta=1e6, max_position_embeddings=1024, tie_word_embeddings=tied,
-               bos_token_id=0, eos_token_id=1, torch_dtype="float16",
-               quantization={"group_size": 128, "bits": 2},
-               quantization_config={"group_size": 128, "bits": 2})
+    cfg = dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=V,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=1024,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=1,
+        torch_dtype="float16",
+        quantization={"group_size": 128, "bits": 2},
+        quantization_config={"group_size": 128, "bits": 2},
+    )
     model_class, args_class = _get_classes(cfg)
     rng = np.random.default_rng(seed)
     w, enc = {}, {}
@@ -389,8 +516,11 @@ def test_ternary_bonsai_stays_packed(tmp_path, tied):
         else:  # the embedding: MLX 2-bit affine, as stored
             m = dict(model.named_modules())[path]
             assert type(m).__name__ == "QuantizedEmbedding" and m.bits == 2
-            got = np.array(mx.dequantize(m.weight, m.scales, m.biases, group_size=128,
-                                         bits=2).astype(mx.float32))
+            got = np.array(
+                mx.dequantize(m.weight, m.scales, m.biases, group_size=128, bits=2).astype(
+                    mx.float32
+                )
+            )
         np.testing.assert_array_equal(got, t * s, err_msg=path)
     assert ("lm_head" in layers) != tied and len(layers) == 14 + (not tied)
     resident = sum(a.nbytes for _, a in tree_flatten(model.parameters()))

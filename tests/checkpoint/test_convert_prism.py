@@ -5,28 +5,49 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import write_tokenizer
 
 import mlx_ternary
 from mlx_ternary.checkpoint.convert import convert
-from mlx_ternary.runtime.layers import HadamardTernaryLinear
 from mlx_ternary.checkpoint.writers.mlx_affine import pack_codes
-
-from tiny import write_tokenizer
+from mlx_ternary.runtime.layers import HadamardTernaryLinear
 
 TOKENS = mx.array([[3, 17, 42, 5, 99, 64, 1, 20]])
-TEXT = dict(model_type="qwen3_5_text", hidden_size=512, intermediate_size=512,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            vocab_size=128, linear_num_value_heads=2, linear_num_key_heads=2,
-            linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-            full_attention_interval=2, tie_word_embeddings=False, rms_norm_eps=1e-6,
-            max_position_embeddings=256,
-            rope_parameters={"type": "default", "rope_theta": 10000.0,
-                             "partial_rotary_factor": 0.25, "mrope_section": [4, 2, 2]})
-MODULES = ([{"path": f"model.layers.{i}.mlp.{m}", "embedding": False, "dtype": "float16",
-             "block": 0 if (i, m) == (1, "down_proj") else 512}
-            for i in range(2) for m in ("gate_proj", "up_proj", "down_proj")]
-           + [{"path": "model.embed_tokens", "embedding": True, "dtype": "float16",
-               "block": 512}])
+TEXT = dict(
+    model_type="qwen3_5_text",
+    hidden_size=512,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=128,
+    linear_num_value_heads=2,
+    linear_num_key_heads=2,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    rope_parameters={
+        "type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [4, 2, 2],
+    },
+)
+MODULES = [
+    {
+        "path": f"model.layers.{i}.mlp.{m}",
+        "embedding": False,
+        "dtype": "float16",
+        "block": 0 if (i, m) == (1, "down_proj") else 512,
+    }
+    for i in range(2)
+    for m in ("gate_proj", "up_proj", "down_proj")
+] + [{"path": "model.embed_tokens", "embedding": True, "dtype": "float16", "block": 512}]
 
 
 def logits(model):
@@ -39,10 +60,17 @@ def pack(tmp_path_factory):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    config = {"model_type": "prism_hadamard_qwen35", "schema_version": 1,
-              "tensor_namespace": "mlx-lm-text", "gdn_activation_layout": "grouped",
-              "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
-              "modules": MODULES, "text_config": TEXT, "bos_token_id": 0, "eos_token_id": 1}
+    config = {
+        "model_type": "prism_hadamard_qwen35",
+        "schema_version": 1,
+        "tensor_namespace": "mlx-lm-text",
+        "gdn_activation_layout": "grouped",
+        "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
+        "modules": MODULES,
+        "text_config": TEXT,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
     model_class, args_class = _get_classes(config)
     params = dict(tree_flatten(model_class(args_class.from_dict(config)).parameters()))
     rng = np.random.default_rng(5)
@@ -61,9 +89,11 @@ def pack(tmp_path_factory):
         elif leaf == "signs":
             w[name] = mx.array(rng.choice([-1.0, 1.0], v.shape).astype(np.float32))
         elif v.ndim == 1:
-            w[name] = mx.array((1 + 0.05 * rng.normal(size=v.shape)).astype(np.float32)) \
-                if "norm" in name else mx.array(0.1 * rng.normal(size=v.shape)
-                                                .astype(np.float32))
+            w[name] = (
+                mx.array((1 + 0.05 * rng.normal(size=v.shape)).astype(np.float32))
+                if "norm" in name
+                else mx.array(0.1 * rng.normal(size=v.shape).astype(np.float32))
+            )
         else:
             w[name] = mx.array(rng.normal(0, 0.1, v.shape).astype(np.float32))
     out = tmp_path_factory.mktemp("prism") / "pack"

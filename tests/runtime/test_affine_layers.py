@@ -9,13 +9,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from tiny import ternary_checkpoint
 
 import mlx_ternary
 from mlx_ternary import format as F
 from mlx_ternary.errors import FormatError
 from mlx_ternary.runtime.layers import ternary_layers
-
-from tiny import ternary_checkpoint
 
 TOKENS = mx.array([[3, 17, 42, 5, 99, 64, 1, 20]])
 
@@ -65,16 +64,21 @@ def test_native_version_2_keeps_affine_layers(quantized, tmp_path, monkeypatch):
     assert verify(tmp_path / "n").ok
     # a reader that knows only version 1 refuses, naming the file and the versions it reads
     monkeypatch.setattr(F, "KNOWN_VERSIONS", (1,))
-    with pytest.raises(FormatError, match=r"config\.json: mlx-ternary format_version 2 is not "
-                                          r"one .* \(known: 1\)"):
+    with pytest.raises(
+        FormatError,
+        match=r"config\.json: mlx-ternary format_version 2 is not "
+        r"one .* \(known: 1\)",
+    ):
         mlx_ternary.load(str(tmp_path / "n"))
 
 
 def test_without_affine_layers_version_1_is_written(tmp_path):
     src, _ = ternary_checkpoint(tmp_path, "llama", "compact", "row")
     mlx_ternary.convert(str(src), tmp_path / "n")
-    assert json.loads((tmp_path / "n" / "config.json").read_text())["quantization"][
-        "format_version"] == 1
+    assert (
+        json.loads((tmp_path / "n" / "config.json").read_text())["quantization"]["format_version"]
+        == 1
+    )
 
 
 PLAIN_MLX_LM = """
@@ -93,8 +97,11 @@ def test_stock_output_records_kept_layers_per_layer(quantized, tmp_path):
     q = json.loads((tmp_path / "q2" / "config.json").read_text())["quantization"]
     assert (q["bits"], q["group_size"]) == (2, 32)
     assert q["model.embed_tokens"] == {"group_size": 64, "bits": 4, "mode": "affine"}
-    proc = subprocess.run([sys.executable, "-c", PLAIN_MLX_LM, json.dumps(TOKENS.tolist()),
-                           str(tmp_path / "q2")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_MLX_LM, json.dumps(TOKENS.tolist()), str(tmp_path / "q2")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     ours = mlx_ternary.load(str(path))[0]
     for _, layer in ternary_layers(ours):  # stock mlx-lm has no activation quantization
@@ -122,19 +129,27 @@ def _with_lm_head_entry(src, dst, entry):
 
 
 def test_unsupported_mode_is_one_clear_line(quantized, tmp_path):
-    dst = _with_lm_head_entry(quantized[0], tmp_path / "m",
-                              {"group_size": 32, "bits": 4, "mode": "mxfp4"})
-    with pytest.raises(FormatError, match=r"config\.json: quantization\.lm_head: quantization "
-                                          "mode 'mxfp4' is not kept by mlx-ternary"):
+    dst = _with_lm_head_entry(
+        quantized[0], tmp_path / "m", {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    )
+    with pytest.raises(
+        FormatError,
+        match=r"config\.json: quantization\.lm_head: quantization "
+        "mode 'mxfp4' is not kept by mlx-ternary",
+    ):
         mlx_ternary.load(str(dst))
 
 
 def test_affine_shape_mismatch_names_file_and_tensor(quantized, tmp_path):
-    dst = _with_lm_head_entry(quantized[0], tmp_path / "m",
-                              {"group_size": 64, "bits": 8, "mode": "affine"})
-    with pytest.raises(FormatError, match=r"m: lm_head\.weight: shape \(128, 8\) with scales "
-                                          r"\(128, 1\) does not hold a \(128, 64\) weight at "
-                                          "8 bits"):
+    dst = _with_lm_head_entry(
+        quantized[0], tmp_path / "m", {"group_size": 64, "bits": 8, "mode": "affine"}
+    )
+    with pytest.raises(
+        FormatError,
+        match=r"m: lm_head\.weight: shape \(128, 8\) with scales "
+        r"\(128, 1\) does not hold a \(128, 64\) weight at "
+        "8 bits",
+    ):
         mlx_ternary.load(str(dst))
 
 

@@ -1,23 +1,22 @@
 """GGUF in: llama.cpp's layouts (architectures, quant types, tokenizers) read exactly."""
 
 import json
-from pathlib import Path
 
+import gguf_build as gb
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny import FIXTURES
 
 import mlx_ternary
 from mlx_ternary.checkpoint.convert import convert, convert_source
-from mlx_ternary.errors import FormatError
-from mlx_ternary.format import AffineTensor, PackedTernary
 from mlx_ternary.checkpoint.readers import gguf as reader
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
+from mlx_ternary.errors import FormatError
+from mlx_ternary.format import AffineTensor, PackedTernary
 
-import gguf_build as gb
-
-FIXTURES = Path(__file__).parent / "fixtures" / "gguf"
+FIXTURES = FIXTURES / "gguf"
 TOKENS = [3, 17, 42, 5, 99, 64, 1, 20]
 
 
@@ -25,15 +24,20 @@ def _items(path, **kw):
     return dict(reader.source(path, "compact", **kw).items())
 
 
-@pytest.mark.parametrize("arch,embd,output", [("llama", "Q4_K", "Q6_K"),
-                                              ("qwen3", "Q4_0", None),
-                                              ("bitnet", "Q4_K", None)])
+@pytest.mark.parametrize(
+    "arch,embd,output",
+    [("llama", "Q4_K", "Q6_K"), ("qwen3", "Q4_0", None), ("bitnet", "Q4_K", None)],
+)
 def test_quantizer_layout_loads_exactly(tmp_path, arch, embd, output):
     # bitnet: mlx_ternary.activation_bits 0 so the float twin is the reference
-    extra = {"bitnet.hidden_activation": "relu2", "mlx_ternary.activation_bits": 0} \
-        if arch == "bitnet" else None
-    path, config, weights = gb.write(tmp_path / f"{arch}.gguf", arch, embd=embd,
-                                     output=output, extra_kv=extra)
+    extra = (
+        {"bitnet.hidden_activation": "relu2", "mlx_ternary.activation_bits": 0}
+        if arch == "bitnet"
+        else None
+    )
+    path, config, weights = gb.write(
+        tmp_path / f"{arch}.gguf", arch, embd=embd, output=output, extra_kv=extra
+    )
     items = _items(path, keep_affine=False)
     ternary = {k: v for k, v in items.items() if isinstance(v, PackedTernary)}
     assert len(ternary) == 14
@@ -84,24 +88,35 @@ def test_llama_rotary_rows_negative_control(tmp_path):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K"])
 def test_affine_types_map_exactly(tmp_path, qtype):
     """Q8_0/Q4_0/Q4_1/Q4_K/Q5_K -> AffineTensor: the same numbers as gguf-py decodes."""
-    path, _, weights = gb.write(tmp_path / "m.gguf", "llama", embd=qtype, output="Q5_K",
-                                seed=3)
+    path, _, weights = gb.write(tmp_path / "m.gguf", "llama", embd=qtype, output="Q5_K", seed=3)
     items = _items(path)
-    for module, want in (("model.embed_tokens", weights["model.embed_tokens.weight"]),
-                         ("lm_head", weights["lm_head.weight"])):
+    for module, want in (
+        ("model.embed_tokens", weights["model.embed_tokens.weight"]),
+        ("lm_head", weights["lm_head.weight"]),
+    ):
         at = items[module]
         assert isinstance(at, AffineTensor) and at.group_size == 32
-        as_f32 = mx.dequantize(at.weight, at.scales.astype(mx.float32),
-                               at.biases.astype(mx.float32), group_size=32, bits=at.bits)
+        as_f32 = mx.dequantize(
+            at.weight,
+            at.scales.astype(mx.float32),
+            at.biases.astype(mx.float32),
+            group_size=32,
+            bits=at.bits,
+        )
         np.testing.assert_array_equal(np.array(as_f32), want)
         x = mx.array(np.random.default_rng(0).normal(size=(3, want.shape[1])).astype(np.float32))
-        y = mx.quantized_matmul(x, at.weight, at.scales, at.biases, transpose=True,
-                                group_size=32, bits=at.bits)
+        y = mx.quantized_matmul(
+            x, at.weight, at.scales, at.biases, transpose=True, group_size=32, bits=at.bits
+        )
         np.testing.assert_allclose(np.array(y), np.array(x) @ want.T, rtol=1e-4, atol=1e-4)
         # negative control: without the bias (Q4_0's -8 d, Q8_0's -128 d, the k-quant mins)
-        no_bias = mx.dequantize(at.weight, at.scales.astype(mx.float32),
-                                mx.zeros_like(at.biases, mx.float32), group_size=32,
-                                bits=at.bits)
+        no_bias = mx.dequantize(
+            at.weight,
+            at.scales.astype(mx.float32),
+            mx.zeros_like(at.biases, mx.float32),
+            group_size=32,
+            bits=at.bits,
+        )
         assert not np.array_equal(np.array(no_bias), want)
 
 
@@ -120,8 +135,10 @@ def test_q8_0_ternary_codes_read_as_ternary(tmp_path):
     data = _q8_0_codes(t, np.full(t.shape, s, np.float32))
     from gguf import quants
 
-    np.testing.assert_array_equal(quants.dequantize(data, Q.Q8_0).reshape(t.shape),
-                                  weights["model.layers.0.mlp.up_proj.weight"])
+    np.testing.assert_array_equal(
+        quants.dequantize(data, Q.Q8_0).reshape(t.shape),
+        weights["model.layers.0.mlp.up_proj.weight"],
+    )
     from mlx_ternary.checkpoint.readers import gguf_quants
 
     found = gguf_quants.q8_0_trits(data, *t.shape)
@@ -163,9 +180,10 @@ def test_i2s_fixture_reads_exactly():
     info = next(t for t in gf.tensors if t.name == "blk.0.attn_q.weight")
     raw = np.asarray(gf.tensor_bytes(info))
     n = info.size
-    arm = ((raw[:n // 4].reshape(-1, 1, 16) >> np.array([6, 4, 2, 0], np.uint8)[:, None]) & 3)
-    assert not np.array_equal(arm.reshape(info.shape).astype(np.int8) - 1,
-                              expected["blk.0.attn_q.weight.trits"])
+    arm = (raw[: n // 4].reshape(-1, 1, 16) >> np.array([6, 4, 2, 0], np.uint8)[:, None]) & 3
+    assert not np.array_equal(
+        arm.reshape(info.shape).astype(np.int8) - 1, expected["blk.0.attn_q.weight.trits"]
+    )
     t, s = i2s.decode(raw, *info.shape, "x")
     np.testing.assert_array_equal(t, expected["blk.0.attn_q.weight.trits"])
 
@@ -176,13 +194,13 @@ def test_i2s_model_generates(tmp_path, monkeypatch):
     from mlx_lm import generate
 
     assert isinstance(generate(model, tok, "the", max_tokens=4), str)
-    cfg = json.loads(next((tmp_path / "mlx_ternary" / "gguf").iterdir()).joinpath(
-        "config.json").read_text())
+    cfg = json.loads(
+        next((tmp_path / "mlx_ternary" / "gguf").iterdir()).joinpath("config.json").read_text()
+    )
     assert cfg["quantization"]["activation_bits"] == 8
 
 
-@pytest.mark.parametrize("name", ["gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder",
-                                  "falcon"])
+@pytest.mark.parametrize("name", ["gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "falcon"])
 def test_pre_tokenizer_matches_llamacpp_expected_ids(name):
     """Vocabularies cut from llama.cpp's ggml-vocab-<name>.gguf test files (llama-cpp-python
     0.3.36 sdist; scripts/make_gguf_vocab_fixtures.py): the rebuilt tokenizer gives the ids
@@ -244,13 +262,20 @@ def test_bad_files_fail_with_one_clear_line(tmp_path):
     raw = np.zeros((4, 256 // 32 * 40), np.uint8)  # Q8_1: no gguf-py dequantizer
     path = _write_one(tmp_path / "q.gguf", tensors=[("token_embd.weight", raw, Q.Q8_1)])
     src = reader.source(path, "compact")
-    with pytest.raises(FormatError, match=r"q\.gguf: token_embd\.weight: GGUF type Q8_1 is "
-                                          r"not read"):
+    with pytest.raises(
+        FormatError,
+        match=r"q\.gguf: token_embd\.weight: GGUF type Q8_1 is "
+        r"not read",
+    ):
         list(src.items())
-    path = _write_one(tmp_path / "n.gguf",
-                      tensors=[("blk.0.mystery.weight", np.ones(4, np.float32), None)])
-    with pytest.raises(FormatError, match=r"n\.gguf: tensor blk\.0\.mystery\.weight \(F32\) "
-                                          "has no entry"):
+    path = _write_one(
+        tmp_path / "n.gguf", tensors=[("blk.0.mystery.weight", np.ones(4, np.float32), None)]
+    )
+    with pytest.raises(
+        FormatError,
+        match=r"n\.gguf: tensor blk\.0\.mystery\.weight \(F32\) "
+        "has no entry",
+    ):
         list(reader.source(path, "compact").items())
 
 

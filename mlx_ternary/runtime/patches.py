@@ -1,0 +1,90 @@
+"""Every place mlx-ternary reaches into mlx-lm, and why; nothing else patches it.
+
+mlx-lm picks its functions by name at call time from the namespace of the module that
+imported them (`from .utils import load_model`), so a replacement must reach every copy.
+Three callers use the two mechanisms below:
+
+- `swapped` (for the length of a block, then restored):
+  - `lm.routed`: mlx-lm's `load_model`, `linear_to_lora_layers` and `dequantize_model`,
+    so mlx-lm's own tools (`mlx-ternary lm TOOL`) load, LoRA-wrap and fuse ternary models;
+  - `runtime.shard`: mlx's `shard_linear` / `shard_inplace` as seen by a model's own
+    `shard()` method, so mlx-lm's tensor-parallel plans shard TernaryLinear too.
+- `route_attention` (for the life of the process, inert for other models):
+  - `runtime.cpu.attention`: mlx-lm's `scaled_dot_product_attention` in the modules of one
+    model's classes, and that model's class `__call__`, so the native CPU attention runs
+    inside that model only.
+"""
+
+import sys
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Callable, Dict, Iterable, List
+
+
+def mlx_lm_namespaces() -> List[dict]:
+    """The global namespaces of every imported mlx-lm module."""
+    return [
+        vars(m)
+        for name, m in list(sys.modules.items())
+        if m is not None and (name == "mlx_lm" or name.startswith("mlx_lm."))
+    ]
+
+
+@contextmanager
+def swapped(replacements: Dict[Callable, Callable], extra: Iterable[dict] = ()):
+    """Within the block, every name in an mlx-lm module (and in the `extra` namespaces) that
+    is bound to a key of `replacements` is bound to its value; restored on exit."""
+    by_id = {id(old): (old, new) for old, new in replacements.items()}
+    undo = []
+    for namespace in [*extra, *mlx_lm_namespaces()]:
+        for name, value in list(namespace.items()):
+            old, new = by_id.get(id(value), (None, None))
+            if old is value:
+                undo.append((namespace, name, value))
+                namespace[name] = new
+    try:
+        yield
+    finally:
+        for namespace, name, value in reversed(undo):
+            namespace[name] = value
+
+
+@lru_cache(maxsize=None)
+def _wrapped_class(cls, around: Callable):
+    def __call__(self, *args, **kwargs):
+        with around():
+            return cls.__call__(self, *args, **kwargs)
+
+    attrs = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    return type(cls.__name__, (cls,), attrs)
+
+
+def route_attention(model, dispatcher: Callable[[Callable], Callable], around: Callable) -> bool:
+    """Replace mlx-lm's `scaled_dot_product_attention` with `dispatcher(original)` in the
+    modules that define `model`'s classes, and run `model`'s calls inside `around()` (a
+    context manager the dispatcher checks, so other models keep mlx-lm's attention).
+
+    The model's class is swapped for a subclass of the same name whose `__call__` adds only
+    `around()`. Returns False (and changes nothing) when no module of the model calls
+    mlx-lm's attention.
+    """
+    from mlx_lm.models import base
+
+    original = getattr(
+        base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention
+    )
+    found = False
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        fn = getattr(module, "scaled_dot_product_attention", None)
+        if fn is original:
+            replacement = dispatcher(original)
+            replacement.__wrapped__ = original
+            module.scaled_dot_product_attention = replacement
+            found = True
+        elif getattr(fn, "__wrapped__", None) is original:
+            found = True
+    if found and getattr(type(model), "_routed_around", None) is not around:
+        model.__class__ = _wrapped_class(type(model), around)
+        model.__class__._routed_around = around
+    return found
