@@ -22,11 +22,12 @@ import mlx.core as mx
 
 from ...format import (
     CODES_PER_WORD,
-    GROUP_SIZES,
-    PACKINGS,
+    TERNARY_GROUP_SIZES,
     TRITS_PER_BYTE,
+    check_packing,
     compact_row_bytes,
     fast_padded_k,
+    packing_code,
 )
 from .sources import read_source
 
@@ -138,28 +139,8 @@ class LayerSpec:
         return self.packed_size >= MIN_DEVICE_ELEMENTS and self.k >= MIN_DEVICE_ELEMENTS
 
 
-def check_layer(
-    packed: mx.array,
-    scales: mx.array,
-    bias: Optional[mx.array],
-    *,
-    packing: str,
-    in_features: int,
-    group_size: Optional[int],
-    activation_bits: Optional[int],
-) -> LayerSpec:
-    """Validate a layer's arrays for the kernels; returns its LayerSpec.
-
-    Raises:
-        ValueError: naming the rule a shape or dtype breaks.
-    """
-    if packing not in PACKINGS:
-        raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    if packed.ndim != 2:
-        raise ValueError(f"packed must be 2-D (N, row), got shape {tuple(packed.shape)}")
+def _check_packed(packed: mx.array, packing: str, in_features: int, group_size) -> None:
     n = packed.shape[0]
-    if group_size is not None and group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size}")
     if packing == "fast":
         want, dtype = (n, fast_padded_k(in_features) // CODES_PER_WORD), mx.uint32
     else:
@@ -170,6 +151,10 @@ def check_layer(
             f"{group_size} must be {dtype} of shape {want}, got {packed.dtype} "
             f"{tuple(packed.shape)}"
         )
+
+
+def _scale_mode(scales: mx.array, n: int, in_features: int, group_size) -> int:
+    """The kernels' SMODE of a scales array: 0 tensor, 1 row, 2 group."""
     if scales.dtype not in FLOAT_DTYPES or scales.ndim != 2:
         raise ValueError(
             f"scales must be a 2-D float array, got {scales.dtype} {tuple(scales.shape)}"
@@ -185,6 +170,34 @@ def check_layer(
             f"(1, 1), ({n}, 1) or ({n}, {groups or '?'}), got "
             f"{tuple(scales.shape)} with group_size = {group_size}"
         )
+    return mode
+
+
+def check_layer(
+    packed: mx.array,
+    scales: mx.array,
+    bias: Optional[mx.array],
+    *,
+    packing: str,
+    in_features: int,
+    group_size: Optional[int],
+    activation_bits: Optional[int],
+) -> LayerSpec:
+    """Validate a layer's arrays for the kernels; returns its LayerSpec.
+
+    Raises:
+        ValueError: naming the rule a shape or dtype breaks.
+    """
+    check_packing(packing)
+    if packed.ndim != 2:
+        raise ValueError(f"packed must be 2-D (N, row), got shape {tuple(packed.shape)}")
+    n = packed.shape[0]
+    if group_size is not None and group_size not in TERNARY_GROUP_SIZES:
+        raise ValueError(
+            f"group_size must be one of {TERNARY_GROUP_SIZES} or None, got {group_size}"
+        )
+    _check_packed(packed, packing, in_features, group_size)
+    mode = _scale_mode(scales, n, in_features, group_size)
     if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype not in FLOAT_DTYPES):
         raise ValueError(f"bias must be a float ({n},) array, got {bias.dtype} {tuple(bias.shape)}")
     if activation_bits not in (None, 8):
@@ -349,7 +362,7 @@ def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend, aw) -> Launch:
         ("ST", spec.scale_dtype),
         ("BT", spec.bias_dtype),
         ("TT", mx.float16 if exact_half else mx.float32),
-        ("PACKING", PACKINGS.index(spec.packing)),
+        ("PACKING", packing_code(spec.packing)),
         ("SMODE", spec.mode),
         ("G", spec.group_size or 0),
         ("ACTQ", spec.act),
@@ -430,32 +443,50 @@ def prepare(
         main = _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw)
     else:
         main = _gemm(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend, aw)
-    # Everything the closures touch is a local: no attribute lookups per call.
-    kern, rest, tmpl, grid, tg, odt = (
+    out_shape = (*shape[:-1], spec.n)
+    if not spec.act:
+        return _run_float(main, out_shape), (main.variant,)
+    pre = _prepass(spec, dtype, m, corr, backend)
+    return _run_int8(pre, main, out_shape, (m, spec.k), (m, aw)), (pre.variant, main.variant)
+
+
+def _run_float(main: Launch, out_shape: tuple) -> Callable[[mx.array], mx.array]:
+    """run(x) of a float-activation call: the main kernel only."""
+    # Everything the closure touches is a local: no attribute lookups per call.
+    kern, tmpl, grid, tg, odt = (
         main.kernel,
-        main.rest,
         main.template,
         main.grid,
         main.threadgroup,
         main.out_dtypes,
     )
-    out_shapes = [(*shape[:-1], spec.n)]
-    if not spec.act:
-        aux, w, s, b, params = rest
+    aux, w, s, b, params = main.rest
+    out_shapes = [out_shape]
 
-        def run(x):
-            return kern(
-                inputs=[x, aux, w, s, b, params],
-                template=tmpl,
-                grid=grid,
-                threadgroup=tg,
-                output_shapes=out_shapes,
-                output_dtypes=odt,
-            )[0]
+    def run(x):
+        return kern(
+            inputs=[x, aux, w, s, b, params],
+            template=tmpl,
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=out_shapes,
+            output_dtypes=odt,
+        )[0]
 
-        return run, (main.variant,)
+    return run
 
-    pre = _prepass(spec, dtype, m, corr, backend)
+
+def _run_int8(
+    pre: Launch, main: Launch, out_shape: tuple, xq_shape: tuple, aux_shape: tuple
+) -> Callable[[mx.array], mx.array]:
+    """run(x) of an int8-activation call: the pre-pass, then the main kernel."""
+    kern, tmpl, grid, tg, odt = (
+        main.kernel,
+        main.template,
+        main.grid,
+        main.threadgroup,
+        main.out_dtypes,
+    )
     pkern, (pparams,), ptmpl, pgrid, ptg, pdt = (
         pre.kernel,
         pre.rest,
@@ -464,8 +495,9 @@ def prepare(
         pre.threadgroup,
         pre.out_dtypes,
     )
-    pshapes = [(m, spec.k), (m, aw)]
-    _, w, s, b, params = rest
+    pshapes = [xq_shape, aux_shape]
+    out_shapes = [out_shape]
+    _, w, s, b, params = main.rest
 
     def run_act(x):
         xq, xaux = pkern(
@@ -485,7 +517,7 @@ def prepare(
             output_dtypes=odt,
         )[0]
 
-    return run_act, (pre.variant, main.variant)
+    return run_act
 
 
 def ternary_matmul(
