@@ -49,7 +49,7 @@ PACKINGS = tuple(PACKING_CODES)
 SCALE_KINDS = ("tensor", "row", "group")
 # Group sizes of ternary group scales (not the affine ones above).
 TERNARY_GROUP_SIZES = (64, 128, 256)
-GROUP_SIZES = TERNARY_GROUP_SIZES
+GROUP_SIZES = TERNARY_GROUP_SIZES  # the older name, still imported
 
 TRITS_PER_BYTE = 5
 CODES_PER_WORD = 16
@@ -125,8 +125,8 @@ def scales_shape(
     if scale == "row":
         return (out_features, 1)
     if scale == "group":
-        if group_size not in GROUP_SIZES:
-            raise FormatError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+        if group_size not in TERNARY_GROUP_SIZES:
+            raise FormatError(f"group_size must be one of {TERNARY_GROUP_SIZES}, got {group_size}")
         return (out_features, _ceil_div(in_features, group_size))
     raise FormatError(f"unknown scale kind {scale!r}; expected one of {SCALE_KINDS}")
 
@@ -516,9 +516,9 @@ class QuantizationConfig:
             raise FormatError(
                 f"quantization.scale is {self.scale!r}; expected one of {SCALE_KINDS}"
             )
-        if self.scale == "group" and self.group_size not in GROUP_SIZES:
+        if self.scale == "group" and self.group_size not in TERNARY_GROUP_SIZES:
             raise FormatError(
-                f"quantization.group_size is {self.group_size!r}; group scales need one of {GROUP_SIZES}"
+                f"quantization.group_size is {self.group_size!r}; group scales need one of {TERNARY_GROUP_SIZES}"
             )
         if self.activation_bits not in (None, 8):
             raise FormatError(
