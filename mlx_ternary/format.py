@@ -35,17 +35,39 @@ FORMAT_NAME = "mlx-ternary"
 FORMAT_VERSION = 1  # written when every non-ternary weight is float
 AFFINE_FORMAT_VERSION = 2  # written when some weight stays MLX affine-quantized
 KNOWN_VERSIONS = (1, 2)
+# MLX affine quantization (mx.quantize): the bits and group sizes of a kept affine layer,
+# of --q-bits / --q-group-size, and of a quantized KV cache (--kv-bits / --kv-group-size).
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUP_SIZES = (32, 64, 128)
-PACKINGS = ("compact", "fast")
+KV_BITS = AFFINE_BITS
+KV_GROUP_SIZES = AFFINE_GROUP_SIZES
+# The integer code of each packing, the one table both kernel families read: the Metal
+# kernels' PACKING template constant and the native CPU backend's `Packing` enum
+# (runtime/cpu/csrc/tkernels.h).
+PACKING_CODES = {"compact": 0, "fast": 1}
+PACKINGS = tuple(PACKING_CODES)
 SCALE_KINDS = ("tensor", "row", "group")
-GROUP_SIZES = (64, 128, 256)
+# Group sizes of ternary group scales (not the affine ones above).
+TERNARY_GROUP_SIZES = (64, 128, 256)
+GROUP_SIZES = TERNARY_GROUP_SIZES  # the older name, still imported
 
 TRITS_PER_BYTE = 5
 CODES_PER_WORD = 16
 FAST_K_ALIGN = 32
 ROW_ALIGN_BYTES = 4
 _POW3 = np.array([81, 27, 9, 3, 1], dtype=np.uint32)
+
+
+def check_packing(packing: str, what: str = "packing") -> str:
+    """`packing` if it names a packing; FormatError naming `what` and the allowed ones."""
+    if packing not in PACKING_CODES:
+        raise FormatError(f"{what} is {packing!r}; expected one of {PACKINGS}")
+    return packing
+
+
+def packing_code(packing: str, what: str = "packing") -> int:
+    """The integer code the kernels (Metal and native CPU) take for a packing."""
+    return PACKING_CODES[check_packing(packing, what)]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -86,15 +108,13 @@ def fast_padded_k(in_features: int) -> int:
 def packed_shape(
     packing: str, out_features: int, in_features: int, group_size: Optional[int] = None
 ) -> tuple:
-    if packing == "compact":
+    if check_packing(packing) == "compact":
         return (out_features, compact_row_bytes(in_features, group_size))
-    if packing == "fast":
-        return (out_features, fast_padded_k(in_features) // CODES_PER_WORD)
-    raise FormatError(f"unknown packing {packing!r}; expected one of {PACKINGS}")
+    return (out_features, fast_padded_k(in_features) // CODES_PER_WORD)
 
 
 def packed_dtype(packing: str):
-    return np.uint8 if packing == "compact" else np.uint32
+    return np.uint8 if check_packing(packing) == "compact" else np.uint32
 
 
 def scales_shape(
@@ -105,8 +125,8 @@ def scales_shape(
     if scale == "row":
         return (out_features, 1)
     if scale == "group":
-        if group_size not in GROUP_SIZES:
-            raise FormatError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+        if group_size not in TERNARY_GROUP_SIZES:
+            raise FormatError(f"group_size must be one of {TERNARY_GROUP_SIZES}, got {group_size}")
         return (out_features, _ceil_div(in_features, group_size))
     raise FormatError(f"unknown scale kind {scale!r}; expected one of {SCALE_KINDS}")
 
@@ -202,21 +222,17 @@ def unpack_fast(packed: np.ndarray, in_features: int) -> np.ndarray:
 
 
 def pack(t: np.ndarray, packing: str, group_size: Optional[int] = None) -> np.ndarray:
-    if packing == "compact":
+    if check_packing(packing) == "compact":
         return pack_compact(t, group_size)
-    if packing == "fast":
-        return pack_fast(t)
-    raise FormatError(f"unknown packing {packing!r}; expected one of {PACKINGS}")
+    return pack_fast(t)
 
 
 def unpack(
     packed: np.ndarray, packing: str, in_features: int, group_size: Optional[int] = None
 ) -> np.ndarray:
-    if packing == "compact":
+    if check_packing(packing) == "compact":
         return unpack_compact(packed, in_features, group_size)
-    if packing == "fast":
-        return unpack_fast(packed, in_features)
-    raise FormatError(f"unknown packing {packing!r}; expected one of {PACKINGS}")
+    return unpack_fast(packed, in_features)
 
 
 # --------------------------------------------------------------------------- #
@@ -272,13 +288,13 @@ def unpack_fast_mx(packed: mx.array, in_features: int) -> mx.array:
 def unpack_mx(
     packed: mx.array, packing: str, in_features: int, group_size: Optional[int] = None
 ) -> mx.array:
-    if packing == "compact":
+    if check_packing(packing) == "compact":
         return unpack_compact_mx(packed, in_features, group_size)
     return unpack_fast_mx(packed, in_features)
 
 
 def pack_mx(t: mx.array, packing: str, group_size: Optional[int] = None) -> mx.array:
-    if packing == "compact":
+    if check_packing(packing) == "compact":
         return pack_compact_mx(t, group_size)
     return pack_fast_mx(t)
 
@@ -495,17 +511,14 @@ class QuantizationConfig:
     layers: Dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.packing not in PACKINGS:
-            raise FormatError(
-                f"quantization.packing is {self.packing!r}; expected one of {PACKINGS}"
-            )
+        check_packing(self.packing, "quantization.packing")
         if self.scale not in SCALE_KINDS:
             raise FormatError(
                 f"quantization.scale is {self.scale!r}; expected one of {SCALE_KINDS}"
             )
-        if self.scale == "group" and self.group_size not in GROUP_SIZES:
+        if self.scale == "group" and self.group_size not in TERNARY_GROUP_SIZES:
             raise FormatError(
-                f"quantization.group_size is {self.group_size!r}; group scales need one of {GROUP_SIZES}"
+                f"quantization.group_size is {self.group_size!r}; group scales need one of {TERNARY_GROUP_SIZES}"
             )
         if self.activation_bits not in (None, 8):
             raise FormatError(

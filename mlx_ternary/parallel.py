@@ -22,7 +22,8 @@ from .checkpoint.readers.common import SAFETENSORS_DTYPES, shard_files, tensor_i
 from .errors import TernaryError
 from .format import QuantizationConfig, is_native_config
 from .runtime.layers import ternary_layers
-from .runtime.shard import TernaryParts, shard_model
+from .runtime.shard import TernaryParts
+from .runtime.shard_plans import shard_model
 
 
 def free_ports(n: int) -> int:

@@ -186,3 +186,42 @@ def test_affine_tensor_matches_mlx_dequantize():
     np.testing.assert_array_equal(np.array(at.dequantize()), ref)
     assert np.abs(ref - np.array(w)).max() < 0.5  # the quantized weight is near the float one
     assert at.nbytes == q.nbytes + s.nbytes + b.nbytes
+
+
+@pytest.mark.parametrize("bad", ["Fast", "ternary", "", "2bit"])
+def test_unknown_packing_is_refused_naming_it_and_the_allowed_ones(bad):
+    t = np.zeros((2, 40), np.int8)
+    calls = [
+        lambda: F.pack_mx(mx.array(t), bad),
+        lambda: F.unpack_mx(mx.zeros((2, 4), dtype=mx.uint32), bad, 40),
+        lambda: F.pack(t, bad),
+        lambda: F.unpack(np.zeros((2, 4), np.uint32), bad, 40),
+        lambda: F.packed_shape(bad, 2, 40),
+        lambda: F.packed_dtype(bad),
+        lambda: F.check_packing(bad),
+    ]
+    for call in calls:
+        with pytest.raises(FormatError) as e:
+            call()
+        assert repr(bad) in str(e.value) and "'compact', 'fast'" in str(e.value)
+    with pytest.raises(FormatError, match="quantization.packing"):
+        F.QuantizationConfig(packing=bad)
+
+
+@pytest.mark.parametrize("packing", F.PACKINGS)
+@pytest.mark.parametrize("k", [7, 40, 129])
+def test_valid_packings_round_trip_between_mlx_and_numpy(packing, k):
+    rng = np.random.default_rng(k)
+    t = rng.integers(-1, 2, size=(3, k)).astype(np.int8)
+    assert F.check_packing(packing) == packing
+    packed = F.pack_mx(mx.array(t), packing, None)
+    np.testing.assert_array_equal(np.array(packed), F.pack(t, packing))  # numpy's bytes
+    np.testing.assert_array_equal(np.array(F.unpack_mx(packed, packing, k)), t)
+
+
+def test_packing_codes_are_one_table():
+    assert F.PACKINGS == tuple(F.PACKING_CODES) == ("compact", "fast")
+    assert sorted(F.PACKING_CODES.values()) == [0, 1]
+    assert [F.packing_code(p) for p in F.PACKINGS] == [0, 1]
+    # Affine (MLX quantize) and ternary group sizes are different facts with their own names.
+    assert F.GROUP_SIZES is F.TERNARY_GROUP_SIZES and F.AFFINE_GROUP_SIZES == (32, 64, 128)

@@ -22,7 +22,6 @@ a smoke test of this code (checks included), with no timing claims.
 import math
 import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Callable, Dict, List, Optional
@@ -34,6 +33,7 @@ from .. import format as fmt
 from ..errors import TernaryError
 from ..runtime import probe, reference
 from ..runtime.metal import launch
+from ..runtime.tune import chain_seconds
 from . import ceiling
 
 SHAPES = {  # name: (K in, N out)
@@ -49,7 +49,7 @@ SWEEP_TOKENS = (1, 64)  # scale modes and dtypes are swept at these token counts
 SMOKE_SHAPES = {"smoke 256->96": (256, 96), "smoke 320->512": (320, 512)}
 SMOKE_TOKENS = (1, 3, 16, 64)  # one GEMV, split GEMV and GEMM each
 CHAIN = 50  # dependent calls per timed evaluation (>= 50)
-TRIALS = 5
+BENCH_TRIALS = 5  # timed chains per variant: more than the tuner's, the bench reports a median
 ROTATE_BYTES = 512 * 2**20  # weights cycled per chain: well past any GPU cache
 COPY_BYTES = 256 * 2**20  # the bandwidth probe's buffer
 STOCK_GROUP = 64
@@ -194,35 +194,11 @@ def _glue(k: int, n: int) -> Callable[[mx.array], mx.array]:
     return link
 
 
-def chain_seconds(steps: List[Callable], x: mx.array, length: int, trials: int) -> List[float]:
-    """Seconds per call of `length` dependent calls (step i % len(steps)), one evaluation each.
-
-    The graph is built before the clock starts: only its evaluation is timed.
-    """
-
-    def build():
-        y = x
-        for i in range(length):
-            y = steps[i % len(steps)](y)
-        return y
-
-    mx.eval(build())
-    times = []
-    for _ in range(trials):
-        y = build()
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(y)
-        mx.synchronize()
-        times.append((time.perf_counter() - t0) / length)
-    return times
-
-
-def copy_bandwidth(nbytes: int = COPY_BYTES, length: int = 10, trials: int = TRIALS) -> float:
+def copy_bandwidth(nbytes: int = COPY_BYTES, length: int = 10, trials: int = BENCH_TRIALS) -> float:
     """GB/s of a streaming read + write (x + 1 over nbytes of float16), chained."""
     x = mx.zeros((nbytes // 2,), dtype=mx.float16)
     mx.eval(x)
-    t = min(chain_seconds([lambda y: y + 1], x, length, trials))
+    t = min(chain_seconds([lambda y: y + 1], x, length, trials, warm=True))
     return 2 * nbytes / t / 1e9
 
 
@@ -269,7 +245,7 @@ def measure_point(
         activation_bits=8 if act else None,
     )
     link = _glue(k, n)
-    glue = None
+    glue = []  # the links' own time, measured once at the first timed variant
     rows = []
     # Stock layers quantize no activations: with int8 x they are not run at all.
     for name, (make, arrays) in _variants(layer, k, n, m, act, dtype, backend, decodes).items():
@@ -283,24 +259,27 @@ def measure_point(
             continue
         copies = max(1, min(16, rotate_bytes // max(row.bytes, 1)))
         steps = [lambda y, fn=make(w): link(fn(y)) for w in _copies(arrays, copies)]
-        times = chain_seconds(steps, x, chain, trials)
-        if glue is None:  # the links alone: a broadcast view in place of the layer
-            glue = min(
-                chain_seconds(
-                    [lambda y: link(mx.broadcast_to(y[..., :1], (m, n)))], x, chain, trials
-                )
-            )
-        per_call = [max(t - glue, 1e-9) for t in times]
-        row.us_median, row.us_min = statistics.median(per_call) * 1e6, min(per_call) * 1e6
-        sec = row.us_min / 1e6
-        row.gbs = row.bytes / sec / 1e9
-        if bandwidth:
-            row.of_measured = row.gbs / bandwidth
-        if nominal:
-            row.of_nominal = row.gbs / nominal
-        if m > launch.MAX_GEMV_TOKENS:
-            row.tflops = 2 * m * n * k / sec / 1e12
+        times = chain_seconds(steps, x, chain, trials, warm=True)
+        if not glue:  # the links alone: a broadcast view in place of the layer
+            only_links = [lambda y: link(mx.broadcast_to(y[..., :1], (m, n)))]
+            glue.append(min(chain_seconds(only_links, x, chain, trials, warm=True)))
+        _fill_times(row, [max(t - glue[0], 1e-9) for t in times], bandwidth, nominal)
     return rows
+
+
+def _fill_times(
+    row: Row, per_call: List[float], bandwidth: Optional[float], nominal: Optional[float]
+) -> None:
+    """A timed row's microseconds, GB/s, fractions of the bandwidths and (prefill) TFLOPS."""
+    row.us_median, row.us_min = statistics.median(per_call) * 1e6, min(per_call) * 1e6
+    sec = row.us_min / 1e6
+    row.gbs = row.bytes / sec / 1e9
+    if bandwidth:
+        row.of_measured = row.gbs / bandwidth
+    if nominal:
+        row.of_nominal = row.gbs / nominal
+    if row.m > launch.MAX_GEMV_TOKENS:
+        row.tflops = 2 * row.m * row.n * row.k / sec / 1e12
 
 
 def _against_stock(rows: List[Row]) -> None:
@@ -365,6 +344,25 @@ def context() -> dict:
     }
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in ("metal", "emulate"):
+        raise TernaryError(f"bench --kernels runs backend 'metal' or 'emulate', not {backend!r}")
+    if backend == "metal" and not mx.metal.is_available():
+        raise TernaryError(
+            "bench --kernels times the Metal kernels and needs a Mac with Metal; "
+            "off a Mac, `--backend emulate` runs it as a smoke test (no timing)"
+        )
+
+
+def _nominal(emulate: bool, bandwidth_gbs: Optional[float]) -> tuple:
+    """(nominal GB/s, where it came from): --bandwidth, else the chip's table entry."""
+    if bandwidth_gbs:
+        return bandwidth_gbs, "--bandwidth"
+    if emulate:
+        return None, ""
+    return ceiling.device_bandwidth(context()["device_info"].get("device_name", ""))
+
+
 def run(
     backend: str = "metal",
     quick: bool = False,
@@ -376,23 +374,15 @@ def run(
     Raises:
         TernaryError: backend "metal" without Metal, or an unknown backend.
     """
-    if backend not in ("metal", "emulate"):
-        raise TernaryError(f"bench --kernels runs backend 'metal' or 'emulate', not {backend!r}")
-    if backend == "metal" and not mx.metal.is_available():
-        raise TernaryError(
-            "bench --kernels times the Metal kernels and needs a Mac with Metal; "
-            "off a Mac, `--backend emulate` runs it as a smoke test (no timing)"
-        )
+    _check_backend(backend)
     emulate = backend == "emulate"
-    chain, trials = (2, 1) if emulate else (CHAIN, TRIALS)
+    chain, trials = (2, 1) if emulate else (CHAIN, BENCH_TRIALS)
     rotate = 0 if emulate else ROTATE_BYTES
     progress("measuring copy bandwidth")
     measured = copy_bandwidth(
-        2**20 if emulate else COPY_BYTES, 2 if emulate else 10, 1 if emulate else TRIALS
+        2**20 if emulate else COPY_BYTES, 2 if emulate else 10, 1 if emulate else BENCH_TRIALS
     )
-    nominal, source = (bandwidth_gbs, "--bandwidth") if bandwidth_gbs else (None, "")
-    if nominal is None and not emulate:
-        nominal, source = ceiling.device_bandwidth(context()["device_info"].get("device_name", ""))
+    nominal, source = _nominal(emulate, bandwidth_gbs)
     rows = []
     points = plan_points(backend, quick)
     for i, (name, k, n, m, act, scale, dtype, decodes) in enumerate(points):

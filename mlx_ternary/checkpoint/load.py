@@ -20,7 +20,7 @@ from ..runtime.layers import (
     replacement,
     ternary_layers,
 )
-from ..runtime.shard import make_shardable
+from ..runtime.shard_plans import make_shardable
 from .hub import model_dir
 from .readers import gguf, open_source
 from .readers.arch import Checker, get_classes, hadamard_paths, normalize_config, read_config  # noqa: F401 (re-exported)

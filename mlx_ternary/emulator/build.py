@@ -2,7 +2,6 @@
 cached on disk by a hash of everything that goes into the build."""
 
 import ctypes
-import hashlib
 import os
 import subprocess
 import tempfile
@@ -10,6 +9,7 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
+from .. import paths
 from .errors import EmulatorError, MetalCompileError
 
 CSRC = Path(__file__).parent / "csrc"
@@ -50,33 +50,25 @@ _kernels: dict[str, ctypes.CDLL] = {}
 
 def cache_dir() -> Path:
     """Where compiled libraries live (paths.CACHE_ENV["emulator"] moves it)."""
-    from ..paths import cache_dir as kind_dir
-
-    return kind_dir("emulator")
+    return paths.cache_dir("emulator")
 
 
 def compiler() -> str:
-    return os.environ.get("MLX_TERNARY_EMULATOR_CXX") or os.environ.get("CXX") or "g++"
+    return paths.compiler("MLX_TERNARY_EMULATOR_CXX", "g++")
 
 
-@lru_cache(maxsize=None)
 def _compiler_id(cxx: str) -> str:
     try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError) as e:
+        return paths.compiler_id(cxx)
+    except OSError as e:
         raise EmulatorError(
-            f"the Metal emulator needs a C++17 compiler; running `{cxx} --version` failed ({e}). "
+            f"the Metal emulator needs a C++17 compiler; {e}. "
             "Install g++ or point MLX_TERNARY_EMULATOR_CXX at one."
         ) from e
-    return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
 def _digest(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else str(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:32]
+    return paths.digest(*parts, length=32)
 
 
 @lru_cache(maxsize=1)
@@ -86,15 +78,17 @@ def _header_bytes() -> bytes:
 
 def _compile(source_path: Path, out_path: Path, flags: list[str], what: str) -> None:
     cxx = compiler()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_path.parent)
-    os.close(fd)
-    cmd = [cxx, *flags, f"-I{CSRC}", f"-I{CSRC / 'include'}", str(source_path), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise MetalCompileError(f"{what} failed to compile:\n{_trim(proc.stderr)}")
-    os.replace(tmp, out_path)
+    with paths.locked(out_path.parent):
+        if out_path.exists():  # another process built it while we waited
+            return
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_path.parent)
+        os.close(fd)
+        cmd = [cxx, *flags, f"-I{CSRC}", f"-I{CSRC / 'include'}", str(source_path), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise MetalCompileError(f"{what} failed to compile:\n{_trim(proc.stderr)}")
+        paths.publish(Path(tmp), out_path)
 
 
 def _trim(stderr: str, limit: int = 60) -> str:

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..errors import TernaryError
-from ..format import CODES_PER_WORD
+from ..format import CODES_PER_WORD, check_packing
 from . import cpu, probe, reference, tune
 from .metal import launch
 
@@ -112,7 +112,8 @@ class LayerPlan:
         backend: Optional[str] = None,
     ):
         self.packed, self.scales, self.bias = packed, scales, bias
-        self.packing, self.k, self.n = packing, in_features, packed.shape[0]
+        self.packing = check_packing(packing)
+        self.k, self.n = in_features, packed.shape[0]
         self.group_size, self.activation_bits = group_size, activation_bits
         self.backend = resolve_backend(backend)
         self.calls = {}  # (x shape, dtype) -> x -> y, inference

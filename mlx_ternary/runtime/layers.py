@@ -39,7 +39,11 @@ class TernaryLinear(nn.Module):
         group_size: 64, 128 or 256 for group scales.
         scale_dtype: dtype of `scales`.
         activation_bits: 8 for BitNet int8 per-token activation quantization.
-        backend: force "metal", "emulate" or "reference" (default: automatic).
+        backend: force one of the four backends: "metal" (the Metal kernels, the default
+            on the GPU), "emulate" (the same kernels through the CPU emulator), "native"
+            (the C++ CPU backend, the default when MLX runs on the CPU and it builds) or
+            "reference" (pure MLX, the default where neither runs); None: automatic
+            (dispatch.resolve_backend).
 
     Calls run a launch plan made once per (packed, scales, bias) (dispatch.LayerPlan),
     made again whenever one of them or a setting is replaced. In
@@ -64,7 +68,7 @@ class TernaryLinear(nn.Module):
         self.__dict__["_plan"] = None
         self.in_features = input_dims
         self.out_features = output_dims
-        self.packing = packing
+        self.packing = fmt.check_packing(packing, "TernaryLinear packing")
         self.group_size = group_size if scale == "group" else None
         self.activation_bits = activation_bits
         self.backend = backend
@@ -164,7 +168,7 @@ class TernaryLinear(nn.Module):
 
     def repack(self, packing: str) -> None:
         """Switch the packed layout in place; lossless."""
-        if packing == self.packing:
+        if fmt.check_packing(packing, "repack packing") == self.packing:
             return
         self.packed = fmt.pack_mx(self.trits(), packing, self.group_size)
         self.packing = packing

@@ -7,7 +7,7 @@ Three callers use the two mechanisms below:
 - `swapped` (for the length of a block, then restored):
   - `lm.routed`: mlx-lm's `load_model`, `linear_to_lora_layers` and `dequantize_model`,
     so mlx-lm's own tools (`mlx-ternary lm TOOL`) load, LoRA-wrap and fuse ternary models;
-  - `runtime.shard`: mlx's `shard_linear` / `shard_inplace` as seen by a model's own
+  - `runtime.shard_plans`: mlx's `shard_linear` / `shard_inplace` as seen by a model's own
     `shard()` method, so mlx-lm's tensor-parallel plans shard TernaryLinear too.
 - `route_attention` (for the life of the process, inert for other models):
   - `runtime.cpu.attention`: mlx-lm's `scaled_dot_product_attention` in the modules of one

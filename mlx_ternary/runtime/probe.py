@@ -166,8 +166,3 @@ def check(spec: launch.LayerSpec, dtype, m: int, backend: str, variant: tuple) -
             stacklevel=3,
         )
     return why is None
-
-
-def passed_variants() -> list:
-    """The variants checked and accepted so far (for reports)."""
-    return [v for v, ok in _STATUS.items() if ok]

@@ -16,7 +16,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
@@ -100,20 +100,33 @@ def _glue(k: int) -> Callable[[mx.array], mx.array]:
     return link
 
 
-def chain_seconds(fn: Callable, x: mx.array, length: int) -> float:
-    """Best of TRIALS: seconds per call of `length` dependent calls in one evaluation."""
-    link = _glue(x.shape[-1])
-    best = float("inf")
-    for _ in range(TRIALS):
+def chain_seconds(
+    steps: List[Callable], x: mx.array, length: int, trials: int = TRIALS, warm: bool = False
+) -> List[float]:
+    """Seconds per call of `length` dependent calls (step i % len(steps)), one evaluation
+    per trial; the tuner and `bench --kernels` both time with it.
+
+    The graph is built before the clock starts: only its evaluation is timed. `warm`
+    evaluates one chain first, untimed.
+    """
+
+    def build():
         y = x
-        for _ in range(length):  # built before the clock starts: only evaluation is timed
-            y = link(fn(y))
+        for i in range(length):
+            y = steps[i % len(steps)](y)
+        return y
+
+    if warm:
+        mx.eval(build())
+    times = []
+    for _ in range(trials):
+        y = build()
         mx.synchronize()
         t0 = time.perf_counter()
         mx.eval(y)
         mx.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best / length
+        times.append((time.perf_counter() - t0) / length)
+    return times
 
 
 def time_candidate(name: str, fn: Callable, x: mx.array) -> float:
@@ -123,7 +136,8 @@ def time_candidate(name: str, fn: Callable, x: mx.array) -> float:
     mx.eval(fn(x))
     one = max(time.perf_counter() - t0, 1e-6)
     length = int(min(CHAIN_MAX, max(CHAIN_MIN, CHAIN_SECONDS / one)))
-    return chain_seconds(fn, x, length)
+    link = _glue(x.shape[-1])
+    return min(chain_seconds([lambda y: link(fn(y))], x, length))
 
 
 def choose(
@@ -155,8 +169,3 @@ def choose(
     cache[key] = best
     _save(_state["path"], cache)
     return best
-
-
-def spent_seconds() -> float:
-    """Seconds this process has spent tuning."""
-    return _state["spent"]

@@ -230,7 +230,7 @@ def test_groups_that_a_rank_would_cut_are_refused(models):
 def test_in_place_sharding_of_a_ternary_layer_is_refused():
     from mlx.nn.layers.distributed import shard_inplace
 
-    from mlx_ternary.runtime.shard import _ternary_aware
+    from mlx_ternary.runtime.shard_plans import _ternary_aware
 
     layer = mlx_ternary.TernaryLinear(64, 32)
     holder = nn.Module()

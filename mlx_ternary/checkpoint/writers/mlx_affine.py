@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import TernaryError
+from ...format import AFFINE_BITS as BITS
+from ...format import AFFINE_GROUP_SIZES as GROUP_SIZES
 from ...format import PackedTernary
 
-BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
 _CHUNK_VALUES = 1 << 22  # codes packed per step: bounds the bit-stream scratch memory
 
 

@@ -17,9 +17,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from ...format import packing_code
 from . import build
-
-PACKING_CODES = {"fast": 0, "compact": 1}
 
 
 class NativeBackendWarning(UserWarning):
@@ -107,7 +106,7 @@ def ternary_matmul(
         packed,
         scales,
         bias,
-        PACKING_CODES[packing],
+        packing_code(packing),
         in_features,
         group_size or 0,
         activation_bits or 0,
@@ -129,5 +128,5 @@ def ternary_weight(
 ) -> mx.array:
     """The (N, K) float32 weight s * t (what the backward pass multiplies by)."""
     return _require().ternary_weight(
-        packed, scales, PACKING_CODES[packing], in_features, group_size or 0
+        packed, scales, packing_code(packing), in_features, group_size or 0
     )

@@ -10,10 +10,7 @@ its headers. Loading checks the nanobind ABI, the MLX version the library was bu
 and runs the kernels' self-check before anything is served.
 """
 
-import contextlib
-import hashlib
 import importlib.util
-import os
 import platform
 import re
 import subprocess
@@ -25,7 +22,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import List
 
+from ... import paths
 from ...paths import cache_dir as kind_dir
+from ...paths import digest, locked, publish
 
 CSRC = Path(__file__).parent / "csrc"
 MODULE = "_mlx_ternary_native"
@@ -54,21 +53,17 @@ def cache_dir() -> Path:
 
 
 def compiler() -> str:
-    return os.environ.get(ENV_CXX) or os.environ.get("CXX") or "c++"
+    return paths.compiler(ENV_CXX, "c++")
 
 
-@lru_cache(maxsize=None)
 def compiler_id(cxx: str) -> str:
     try:
-        out = subprocess.run(
-            [cxx, "--version"], capture_output=True, text=True, check=True, timeout=60
-        )
-    except (OSError, subprocess.SubprocessError) as e:
+        return paths.compiler_id(cxx)
+    except OSError as e:
         raise NativeBuildError(
-            f"the native CPU kernel needs a C++20 compiler and `{cxx} --version` failed "
-            f"({type(e).__name__}); install g++ or clang++, or point ${ENV_CXX} at one"
+            f"the native CPU kernel needs a C++20 compiler and {e}; install g++ or "
+            f"clang++, or point ${ENV_CXX} at one"
         ) from None
-    return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
 def arch_flags() -> List[str]:
@@ -168,14 +163,6 @@ def check_nanobind_abi(mlx: MlxBuild, nb: Nanobind) -> None:
         )
 
 
-def _digest(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else str(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:24]
-
-
 def _sources() -> bytes:
     return b"".join(
         p.name.encode() + p.read_bytes()
@@ -207,7 +194,7 @@ def build_key(mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str]) -> str:
     nanobind and Python: a change of any of them is a new library. The compiler's own version
     is not in it, so a cached library still loads where the compiler has since been removed."""
     lib = mlx.library.stat()
-    return _digest(
+    return digest(
         _sources(),
         flags,
         cxx,
@@ -238,20 +225,6 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _locked(directory: Path):
-    """One build at a time per cache directory (processes may start together)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as f:
-        try:
-            import fcntl
-
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except ImportError:  # not POSIX: no lock, builds still land atomically
-            pass
-        yield
-
-
 def compile_library(
     path: Path, mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str], progress=lambda s: None
 ) -> None:
@@ -264,7 +237,7 @@ def compile_library(
         + python_flags(mlx)
         + [f"-I{nb.include}", f"-I{nb.robin_map}", "-DNB_BUILD"]
     )
-    nb_obj = cache_dir() / f"nanobind-{_digest(nb.version, cxx, nb_flags, cpu_fingerprint())}.o"
+    nb_obj = cache_dir() / f"nanobind-{digest(nb.version, cxx, nb_flags, cpu_fingerprint())}.o"
     progress(f"compiling the native CPU kernel for mlx {mlx.version} (once, about half a minute)")
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         jobs = []
@@ -288,13 +261,13 @@ def compile_library(
         for proc, what in jobs:
             _finish(proc, what)
         if not nb_obj.exists():
-            os.replace(nb_tmp, nb_obj)
+            publish(nb_tmp, nb_obj)
         lib = Path(tmp) / path.name
         _finish(
             _start([cxx, "-shared", str(ext_obj), str(nb_obj), "-o", str(lib), *link_flags(mlx)]),
             "the native CPU kernel (link)",
         )
-        os.replace(lib, path)
+        publish(lib, path)
 
 
 def ext_flags(mlx: MlxBuild, nb: Nanobind) -> List[str]:
@@ -362,7 +335,7 @@ def load(progress=lambda s: None):
     flags = ext_flags(mlx, nb)
     path = library_path(build_key(mlx, nb, cxx, flags), mlx)
     if not path.exists():
-        with _locked(cache_dir()):
+        with locked(cache_dir()):
             if not path.exists():
                 compile_library(path, mlx, nb, cxx, flags, progress)
     module = import_library(path)

@@ -1,7 +1,7 @@
 """Launches of the Metal kernels in metal/*.metal (real GPU or CPU emulator), prepared once.
 
-`check_layer` validates a layer's arrays once (ValueError naming the rule) and returns a
-LayerSpec; `prepare` turns a spec, an activation dtype and a token count into a `run(x)`
+`check_layer` (spec.py) validates a layer's arrays once (ValueError naming the rule) and
+returns a LayerSpec; `prepare` turns a spec, an activation dtype and a token count into a `run(x)`
 that only launches: kernel objects, template arguments, grids, the params array and the
 dummy inputs are all decided before the first call. Kernels are built through
 `mx.fast.metal_kernel` ("metal") or `mlx_ternary.emulator.metal_kernel` ("emulate"); each
@@ -20,15 +20,16 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from ...format import (
-    CODES_PER_WORD,
-    GROUP_SIZES,
-    PACKINGS,
-    TRITS_PER_BYTE,
-    compact_row_bytes,
-    fast_padded_k,
-)
+from ...format import CODES_PER_WORD, TRITS_PER_BYTE, fast_padded_k, packing_code
 from .sources import read_source
+from .spec import (  # noqa: F401 - check_layer, check_x: part of the launcher's API
+    FLOAT_DTYPES,
+    MIN_DEVICE_ELEMENTS,
+    LayerSpec,
+    ceil_div,
+    check_layer,
+    check_x,
+)
 
 BODY_MARKER = "//// BODY ////"
 GEMV_ROWS = 8  # output rows per GEMV threadgroup (2 SIMD groups x 4)
@@ -36,9 +37,6 @@ GEMV_TOKENS = 4  # tokens per GEMV threadgroup at most: bounded registers
 MAX_GEMV_TOKENS = 16  # GEMV passes up to here (<= 4 threadgroups deep), GEMM above
 GEMM_TOKENS, GEMM_ROWS = 64, 32
 PREPASS_THREADS = 256
-# MLX binds an input of fewer elements in the `constant` address space, where the kernels'
-# `(const device uint*)` casts do not compile: such layers run the reference path.
-MIN_DEVICE_ELEMENTS = 8
 FAST_DECODES = ("offset", "exact")
 COMPACT_DECODES = ("select",)
 KERNEL_CHOICES = ("gemv", "gemm", "gemm_fma")
@@ -46,7 +44,6 @@ KERNEL_CHOICES = ("gemv", "gemm", "gemm_fma")
 # docs/KERNELS.md): below float16/bfloat16 output rounding, so it is the default there;
 # float32 gets "exact". With int8 activations both are exact.
 DEFAULT_FAST_DECODE = {mx.float16: "offset", mx.bfloat16: "offset", mx.float32: "exact"}
-FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 _MAIN_INPUTS = ["x", "aux", "wq", "scales", "bias", "params"]
 KERNELS = {  # name: (input names, output names)
@@ -103,10 +100,6 @@ def get_kernel(name: str, backend: str):
     return _KERNELS[key]
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _dummy(name: str) -> mx.array:
     """A 1-element float32 stand-in for an input a variant does not read (bias, aux)."""
     if name not in _DUMMY:
@@ -115,116 +108,16 @@ def _dummy(name: str) -> mx.array:
     return _DUMMY[name]
 
 
-@dataclass(frozen=True)
-class LayerSpec:
-    """What the launches need to know about one layer, validated once."""
-
-    packing: str
-    n: int  # out_features
-    k: int  # in_features
-    group_size: Optional[int]
-    mode: int  # scales: 0 tensor, 1 row, 2 group
-    act: bool  # int8 activation quantization
-    has_bias: bool
-    row_width: int  # uint32 words (fast) or bytes (compact) per packed row
-    scale_cols: int
-    scale_dtype: object
-    bias_dtype: object
-    packed_size: int
-
-    @property
-    def fits_kernels(self) -> bool:
-        """False for toy layers MLX would bind as `constant` (the <8-element guard)."""
-        return self.packed_size >= MIN_DEVICE_ELEMENTS and self.k >= MIN_DEVICE_ELEMENTS
-
-
-def check_layer(
-    packed: mx.array,
-    scales: mx.array,
-    bias: Optional[mx.array],
-    *,
-    packing: str,
-    in_features: int,
-    group_size: Optional[int],
-    activation_bits: Optional[int],
-) -> LayerSpec:
-    """Validate a layer's arrays for the kernels; returns its LayerSpec.
-
-    Raises:
-        ValueError: naming the rule a shape or dtype breaks.
-    """
-    if packing not in PACKINGS:
-        raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    if packed.ndim != 2:
-        raise ValueError(f"packed must be 2-D (N, row), got shape {tuple(packed.shape)}")
-    n = packed.shape[0]
-    if group_size is not None and group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES} or None, got {group_size}")
-    if packing == "fast":
-        want, dtype = (n, fast_padded_k(in_features) // CODES_PER_WORD), mx.uint32
-    else:
-        want, dtype = (n, compact_row_bytes(in_features, group_size)), mx.uint8
-    if packed.dtype != dtype or tuple(packed.shape) != want:
-        raise ValueError(
-            f"{packing} packed weight for K = {in_features}, group_size = "
-            f"{group_size} must be {dtype} of shape {want}, got {packed.dtype} "
-            f"{tuple(packed.shape)}"
-        )
-    if scales.dtype not in FLOAT_DTYPES or scales.ndim != 2:
-        raise ValueError(
-            f"scales must be a 2-D float array, got {scales.dtype} {tuple(scales.shape)}"
-        )
-    groups = _ceil_div(in_features, group_size) if group_size else None
-    shapes = {(1, 1): 0, (n, 1): 1}
-    if groups is not None:
-        shapes[(n, groups)] = 2
-    mode = shapes.get(tuple(scales.shape))
-    if mode is None:
-        raise ValueError(
-            f"scales must be (1, 1), (N, 1) or (N, ceil(K / group_size)) = "
-            f"(1, 1), ({n}, 1) or ({n}, {groups or '?'}), got "
-            f"{tuple(scales.shape)} with group_size = {group_size}"
-        )
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype not in FLOAT_DTYPES):
-        raise ValueError(f"bias must be a float ({n},) array, got {bias.dtype} {tuple(bias.shape)}")
-    if activation_bits not in (None, 8):
-        raise ValueError(f"activation_bits must be 8 or None, got {activation_bits}")
-    return LayerSpec(
-        packing,
-        n,
-        in_features,
-        group_size,
-        mode,
-        bool(activation_bits),
-        bias is not None,
-        packed.shape[1],
-        scales.shape[1],
-        scales.dtype,
-        bias.dtype if bias is not None else mx.float32,
-        packed.size,
-    )
-
-
-def check_x(x: mx.array, spec: LayerSpec) -> None:
-    """Raises ValueError unless x is (..., K) float16, bfloat16 or float32."""
-    if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.ndim < 1 or x.shape[-1] != spec.k:
-        raise ValueError(
-            f"x must end in in_features = {spec.k} columns, got shape {tuple(x.shape)}"
-        )
-
-
 def gemv_split(m: int) -> Tuple[int, int]:
     """(tokens per threadgroup TM, threadgroups along z) for an m-token GEMV, balanced."""
-    chunks = _ceil_div(m, GEMV_TOKENS)
-    return _ceil_div(m, chunks), chunks
+    chunks = ceil_div(m, GEMV_TOKENS)
+    return ceil_div(m, chunks), chunks
 
 
 def _blocks(spec: LayerSpec) -> Tuple[int, int, int]:
     """(B columns per compact block, BPB bytes per block, NB blocks per row)."""
     b = spec.group_size or spec.k
-    return b, _ceil_div(b, TRITS_PER_BYTE), _ceil_div(spec.k, b)
+    return b, ceil_div(b, TRITS_PER_BYTE), ceil_div(spec.k, b)
 
 
 def _params(values) -> mx.array:
@@ -334,7 +227,7 @@ def _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw) -> Laun
         backend,
         rest,
         tmpl,
-        (64, _ceil_div(spec.n, GEMV_ROWS), chunks),
+        (64, ceil_div(spec.n, GEMV_ROWS), chunks),
         (64, 1, 1),
         [dtype],
         sizes,
@@ -349,7 +242,7 @@ def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend, aw) -> Launch:
         ("ST", spec.scale_dtype),
         ("BT", spec.bias_dtype),
         ("TT", mx.float16 if exact_half else mx.float32),
-        ("PACKING", PACKINGS.index(spec.packing)),
+        ("PACKING", packing_code(spec.packing)),
         ("SMODE", spec.mode),
         ("G", spec.group_size or 0),
         ("ACTQ", spec.act),
@@ -363,7 +256,7 @@ def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend, aw) -> Launch:
         backend,
         rest,
         tmpl,
-        (256, _ceil_div(spec.n, GEMM_ROWS), _ceil_div(m, GEMM_TOKENS)),
+        (256, ceil_div(spec.n, GEMM_ROWS), ceil_div(m, GEMM_TOKENS)),
         (256, 1, 1),
         [dtype],
         sizes,
@@ -430,32 +323,50 @@ def prepare(
         main = _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw)
     else:
         main = _gemm(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend, aw)
-    # Everything the closures touch is a local: no attribute lookups per call.
-    kern, rest, tmpl, grid, tg, odt = (
+    out_shape = (*shape[:-1], spec.n)
+    if not spec.act:
+        return _run_float(main, out_shape), (main.variant,)
+    pre = _prepass(spec, dtype, m, corr, backend)
+    return _run_int8(pre, main, out_shape, (m, spec.k), (m, aw)), (pre.variant, main.variant)
+
+
+def _run_float(main: Launch, out_shape: tuple) -> Callable[[mx.array], mx.array]:
+    """run(x) of a float-activation call: the main kernel only."""
+    # Everything the closure touches is a local: no attribute lookups per call.
+    kern, tmpl, grid, tg, odt = (
         main.kernel,
-        main.rest,
         main.template,
         main.grid,
         main.threadgroup,
         main.out_dtypes,
     )
-    out_shapes = [(*shape[:-1], spec.n)]
-    if not spec.act:
-        aux, w, s, b, params = rest
+    aux, w, s, b, params = main.rest
+    out_shapes = [out_shape]
 
-        def run(x):
-            return kern(
-                inputs=[x, aux, w, s, b, params],
-                template=tmpl,
-                grid=grid,
-                threadgroup=tg,
-                output_shapes=out_shapes,
-                output_dtypes=odt,
-            )[0]
+    def run(x):
+        return kern(
+            inputs=[x, aux, w, s, b, params],
+            template=tmpl,
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=out_shapes,
+            output_dtypes=odt,
+        )[0]
 
-        return run, (main.variant,)
+    return run
 
-    pre = _prepass(spec, dtype, m, corr, backend)
+
+def _run_int8(
+    pre: Launch, main: Launch, out_shape: tuple, xq_shape: tuple, aux_shape: tuple
+) -> Callable[[mx.array], mx.array]:
+    """run(x) of an int8-activation call: the pre-pass, then the main kernel."""
+    kern, tmpl, grid, tg, odt = (
+        main.kernel,
+        main.template,
+        main.grid,
+        main.threadgroup,
+        main.out_dtypes,
+    )
     pkern, (pparams,), ptmpl, pgrid, ptg, pdt = (
         pre.kernel,
         pre.rest,
@@ -464,8 +375,9 @@ def prepare(
         pre.threadgroup,
         pre.out_dtypes,
     )
-    pshapes = [(m, spec.k), (m, aw)]
-    _, w, s, b, params = rest
+    pshapes = [xq_shape, aux_shape]
+    out_shapes = [out_shape]
+    _, w, s, b, params = main.rest
 
     def run_act(x):
         xq, xaux = pkern(
@@ -485,7 +397,7 @@ def prepare(
             output_dtypes=odt,
         )[0]
 
-    return run_act, (pre.variant, main.variant)
+    return run_act
 
 
 def ternary_matmul(

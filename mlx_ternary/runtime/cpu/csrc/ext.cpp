@@ -430,7 +430,7 @@ std::string shape_str(const mx::array& a) {
 // The layer's parameters from its packed trits and scales, or an error naming what is wrong.
 TernaryParams check_layer(const mx::array& packed, const mx::array& scales, int packing,
                           int in_features, int group_size) {
-  if (packing != tk::FAST && packing != tk::COMPACT) bad("packing must be 0 (fast) or 1 (compact)");
+  if (packing != tk::FAST && packing != tk::COMPACT) bad("packing must be 0 (compact) or 1 (fast)");
   if (in_features < 1) bad("in_features must be positive");
   if (packed.ndim() != 2) bad("packed must be 2-D, got " + shape_str(packed));
   TernaryParams p{packing, 0, 0, packed.shape(0), in_features, false, false};
@@ -524,8 +524,8 @@ NB_MODULE(_mlx_ternary_native, m) {
   m.def("ternary_matmul", &ternary_matmul, nb::arg("x"), nb::arg("packed"), nb::arg("scales"),
         nb::arg("bias").none(), nb::arg("packing"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("activation_bits"),
-        "y = act_quant(x) @ (s * t).T + bias for a packed ternary weight (packing 0 fast, "
-        "1 compact; group_size 0 unless scales are per group; activation_bits 0 or 8).");
+        "y = act_quant(x) @ (s * t).T + bias for a packed ternary weight (packing 0 compact, "
+        "1 fast; group_size 0 unless scales are per group; activation_bits 0 or 8).");
   m.def("dense_matmul", &dense_matmul, nb::arg("x"), nb::arg("w"),
         "x @ w.T in float32 for w float16/bfloat16/float32 of shape (N, K).");
   m.def("ternary_weight", &ternary_weight_op, nb::arg("packed"), nb::arg("scales"),
@@ -541,6 +541,8 @@ NB_MODULE(_mlx_ternary_native, m) {
   m.def("isa", []() { return std::string(tk::NativeOps::name) + " / " + tk::dense_isa(); });
   m.def("selfcheck", []() { return tk::selfcheck(); },
         "Compare this build's SIMD kernels with the portable ones; '' when they agree.");
+  m.attr("PACKING_COMPACT") = int(tk::COMPACT);
+  m.attr("PACKING_FAST") = int(tk::FAST);
   m.def("built_for_mlx", []() { return std::string(MLXT_MLX_VERSION); });
   m.def("linked_mlx", []() { return std::string(mx::version()); });
 }

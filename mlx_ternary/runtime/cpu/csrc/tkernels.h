@@ -23,7 +23,8 @@
 
 namespace tk {
 
-enum Packing { FAST = 0, COMPACT = 1 };
+// The codes of mlx_ternary/format.py PACKING_CODES (the Python side passes them in).
+enum Packing { COMPACT = 0, FAST = 1 };
 enum DType { F32 = 0, F16 = 1, BF16 = 2 };
 
 // ----------------------------------------------------------------------------------------------
