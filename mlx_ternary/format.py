@@ -309,42 +309,8 @@ def expand_scales(scales, in_features: int, group_size: Optional[int]):
 
 
 # --------------------------------------------------------------------------- #
-# Ternarization and the packed tensor
+# The packed tensor
 # --------------------------------------------------------------------------- #
-
-
-def ternarize_absmean(w: np.ndarray, eps: float = 1e-5):
-    """BitNet b1.58 absmean: s = mean|W| (per tensor), t = clamp(round(W / s), -1, 1).
-
-    Returns (t int8 (N, K), s float32 (1, 1)).
-    """
-    w = np.asarray(w, dtype=np.float32)
-    s = max(float(np.abs(w).mean()), eps)
-    t = np.clip(np.rint(w / s), -1, 1).astype(np.int8)
-    return t, np.array([[s]], dtype=np.float32)
-
-
-def ternarize(
-    w: np.ndarray, scale: str = "tensor", group_size: Optional[int] = None, eps: float = 1e-5
-):
-    """Absmean ternarization at any scale granularity.
-
-    Returns (t int8 (N, K), scales float32 of the granularity's shape).
-    """
-    if scale == "tensor":
-        return ternarize_absmean(w, eps)
-    w = np.asarray(w, dtype=np.float32)
-    n, k = w.shape
-    if scale == "row":
-        s = np.maximum(np.abs(w).mean(axis=1, keepdims=True), eps)
-    else:
-        g = _ceil_div(k, group_size)
-        padded = np.zeros((n, g * group_size), np.float32)
-        padded[:, :k] = np.abs(w)
-        counts = np.minimum(group_size, k - group_size * np.arange(g))
-        s = np.maximum(padded.reshape(n, g, group_size).sum(-1) / counts, eps)
-    t = np.clip(np.rint(w / expand_scales(s, k, group_size)), -1, 1).astype(np.int8)
-    return t, s.astype(np.float32)
 
 
 @dataclass

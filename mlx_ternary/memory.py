@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .runtime.layers import TernaryLinear, activation_dtype, materialize, ternary_layers
+from .runtime.cpu.layers import HalfEmbedding, HalfLinear
+from .runtime.layers import TernaryLinear, ternary_layers
 
 GiB = 1024**3
 # Python, MLX, tokenizers and the HTTP stack: resident memory outside MLX's allocator
@@ -220,6 +221,27 @@ def weight_bytes(model: nn.Module) -> Dict[str, int]:
         )
         sizes[kind] += sum(a.nbytes for _, a in tree_flatten(m.parameters()))
     return sizes
+
+
+def activation_dtype(model: nn.Module):
+    """The float dtype activations (and the KV cache) run in: the embedding's (float32
+    where the native backend keeps a float16 table and widens what it looks up)."""
+    for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(m, (HalfEmbedding, HalfLinear)):
+            return mx.float32
+        for _, a in tree_flatten(m.parameters()):
+            if mx.issubdtype(a.dtype, mx.floating) and a.ndim == 2:
+                return a.dtype
+    return mx.float32
+
+
+def materialize(model: nn.Module, dtype=None) -> None:
+    """Evaluate the model's weights and its ternary layers' runtime arrays on this thread
+    (for activations of `dtype`, default the model's), so a thread that runs the model
+    later finds no lazy graph built on this thread's stream."""
+    mx.eval(model.parameters())
+    dtype = dtype or activation_dtype(model)
+    mx.eval([a for _, layer in ternary_layers(model) for a in layer.runtime_arrays(dtype)])
 
 
 def kv_bytes(

@@ -9,6 +9,7 @@ import pytest
 
 from mlx_ternary import format as F
 from mlx_ternary.errors import FormatError
+from mlx_ternary.ternarize import ternarize
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
 ODD_K = [1, 4, 5, 7, 31, 32, 33, 100, 128, 129, 257, 300]
@@ -160,7 +161,7 @@ def test_ternarize_group_scales_use_true_group_counts():
     w = np.zeros((1, 70), np.float32)
     w[0, :64] = 0.5
     w[0, 64:] = -0.25  # a partial last group of 6 columns
-    t, s = F.ternarize(w, "group", 64)
+    t, s = ternarize(w, "group", 64)
     np.testing.assert_allclose(s, [[0.5, 0.25]])
     np.testing.assert_array_equal(t[0, :64], 1)
     np.testing.assert_array_equal(t[0, 64:], -1)

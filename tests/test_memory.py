@@ -44,7 +44,8 @@ def test_weights_equal_mlx_active_memory():
 
     from tiny import float_model
 
-    from mlx_ternary.runtime.layers import materialize, ternarize_model, ternary_layers
+    from mlx_ternary.memory import materialize
+    from mlx_ternary.runtime.layers import ternarize_model, ternary_layers
 
     gc.collect()
     mx.clear_cache()

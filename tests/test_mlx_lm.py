@@ -26,7 +26,7 @@ from mlx_ternary.cli import main
 from mlx_ternary.errors import TernaryError
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.lm import routed
-from mlx_ternary.runtime import layers as tnn
+from mlx_ternary.runtime import linears
 from mlx_ternary.runtime.layers import (
     FusedTernaryLinear,
     TernaryLinear,
@@ -509,7 +509,7 @@ def test_gemma3n_altup_coefficient_layers_stay_float(monkeypatch):
     ids = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     assert _logits_close(model(ids), twin(ids))
     # Negative control: ternarize them too, and the model's own writes to them fail.
-    monkeypatch.setattr(tnn, "MIN_QUANT_GROUP", 1)
+    monkeypatch.setattr(linears, "MIN_QUANT_GROUP", 1)
     everything = _seeded(GEMMA3N)
     ternarize_model(everything)
     with pytest.raises(AttributeError):

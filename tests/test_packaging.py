@@ -69,3 +69,26 @@ def test_installed_wheel_finds_its_metal_sources(wheel, tmp_path):
     found_dir, listing = res.stdout.splitlines()
     assert Path(found_dir).resolve() == (target / "mlx_ternary" / "metal").resolve()
     assert json.loads(listing) == METAL_FILES
+
+
+def test_old_import_paths_reach_the_moved_modules():
+    """Import paths of earlier releases give the module now holding what they held, one copy."""
+    import importlib
+    import sys
+
+    import mlx_ternary
+
+    for old, new in mlx_ternary.MOVED.items():
+        module = importlib.import_module(f"mlx_ternary.{old}")
+        assert module is importlib.import_module(f"mlx_ternary.{new}"), old
+    from mlx_ternary.kernels import resolve_backend
+    from mlx_ternary.nn import TernaryLinear
+
+    assert TernaryLinear is mlx_ternary.TernaryLinear
+    assert resolve_backend is sys.modules["mlx_ternary.runtime.dispatch"].resolve_backend
+    import mlx_ternary.readers.native as old_reader
+
+    assert old_reader is sys.modules["mlx_ternary.checkpoint.readers.native"]
+    # Negative control: a name that never existed is still an ImportError.
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("mlx_ternary.no_such_module")

@@ -20,7 +20,6 @@ from ..runtime.layers import (
     replacement,
     ternary_layers,
 )
-from ..runtime.shard_plans import make_shardable
 from .hub import model_dir
 from .readers import gguf, open_source
 from .readers.arch import Checker, get_classes, hadamard_paths, normalize_config, read_config  # noqa: F401 (re-exported)
@@ -106,26 +105,9 @@ def load_model(
     model = source.model  # the skeleton: its layers are replaced, its parameters loaded
     weights, layers = read_layers(source, model, backend=backend)
     model.update_modules(tree_unflatten(list(layers.items())))
-    # Native CPU backend: native attention; embeddings / output layer stay float16/bfloat16.
-    keep = (
-        native_layers.adopt(model, weights, dtype)
-        if dispatch.resolve_backend(backend) == "native"
-        else set()
-    )
-    dtype = dtype or default_dtype()
-    if dtype is not None:
-        weights = {
-            k: v.astype(dtype)
-            if mx.issubdtype(v.dtype, mx.floating)
-            and not k.endswith((".scales", ".biases"))
-            and k not in keep
-            else v
-            for k, v in weights.items()
-        }
-        for _, m in model.named_modules():  # quantized embeddings give rows in `dtype`
-            if isinstance(m, QuantizedEmbedding):
-                m.out_dtype = dtype
-    model.load_weights(list(weights.items()), strict=False)
+    # The backend's own rule for float tables: the native one keeps float16 ones as stored.
+    keep = native_layers.adopt(model, weights, dtype, backend=dispatch.resolve_backend(backend))
+    model.load_weights(list(_cast(model, weights, dtype or default_dtype(), keep)), strict=False)
     model.eval()
     if runtime:
         for _, layer in ternary_layers(model):
@@ -136,7 +118,28 @@ def load_model(
         mx.eval(model.parameters())
     config = dict(source.config)
     config["quantization"] = model_quantization(model).to_dict()
-    return make_shardable(model), config  # model.shard(group) knows TernaryLinear
+    return _shardable(model), config
+
+
+def _cast(model: nn.Module, weights: dict, dtype, keep: set):
+    """(name, array) of the float weights in `dtype` (None: as stored), except scales, biases
+    of quantized layers and the names in `keep`."""
+    if dtype is None:
+        return weights.items()
+    for _, m in model.named_modules():  # quantized embeddings give rows in `dtype`
+        if isinstance(m, QuantizedEmbedding):
+            m.out_dtype = dtype
+    floating = (k for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating))
+    cast = {k for k in floating if not k.endswith((".scales", ".biases")) and k not in keep}
+    return ((k, v.astype(dtype) if k in cast else v) for k, v in weights.items())
+
+
+def _shardable(model: nn.Module) -> nn.Module:
+    """The model with a `shard(group)` that knows TernaryLinear (runtime/shard_plans.py).
+    Imported here: tensor parallelism is the one step of a load only mlx.launch runs use."""
+    from ..runtime.shard_plans import make_shardable
+
+    return make_shardable(model)
 
 
 def load(

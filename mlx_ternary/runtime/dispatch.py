@@ -24,8 +24,8 @@ import mlx.core as mx
 
 from ..errors import TernaryError
 from ..format import CODES_PER_WORD, check_packing
-from . import cpu, probe, reference, tune
-from .metal import launch
+from . import cpu, reference
+from .metal.spec import FLOAT_DTYPES, check_layer
 
 BACKENDS = ("metal", "emulate", "native", "reference")
 ENV_BACKEND = "MLX_TERNARY_BACKEND"
@@ -121,7 +121,7 @@ class LayerPlan:
         self._affine = {}  # dtype -> reference.qmm_affine(...)
         self.spec = None
         if self.backend in ("metal", "emulate"):
-            self.spec = launch.check_layer(
+            self.spec = check_layer(
                 packed,
                 scales,
                 bias,
@@ -163,7 +163,7 @@ class LayerPlan:
             group_size=self.group_size,
             activation_bits=self.activation_bits,
         )
-        if backend == "reference" and dtype in launch.FLOAT_DTYPES:
+        if backend == "reference" and dtype in FLOAT_DTYPES:
             affine = self.affine(dtype) if self.packing == "fast" else None
             return reference.prepare(
                 self.packed, self.scales, self.bias, **args, dtype=dtype, affine=affine
@@ -185,17 +185,22 @@ class LayerPlan:
         )
 
     def tune_key(self, dtype, m: int) -> str:
+        from .metal.launch import MAX_GEMV_TOKENS
+
         spec = self.spec
         return (
             f"{spec.packing}/{spec.n}x{spec.k}/scale{spec.mode}/g{spec.group_size or 0}/"
             f"act{int(spec.act)}/bias{int(spec.has_bias)}/{str(dtype).split('.')[-1]}/"
-            f"m{m if m <= launch.MAX_GEMV_TOKENS else 'gemm'}"
+            f"m{m if m <= MAX_GEMV_TOKENS else 'gemm'}"
         )
 
     def _kernel_call(self, dtype, shape: tuple) -> Optional[Callable]:
         """The prepared kernel launches, or None where the reference path must run."""
+        from . import probe, tune  # Metal and emulated plans only: CPU runs import neither
+        from .metal import launch
+
         spec = self.spec
-        if spec is None or not spec.fits_kernels or dtype not in launch.FLOAT_DTYPES:
+        if spec is None or not spec.fits_kernels or dtype not in FLOAT_DTYPES:
             return None
         run, variant = launch.prepare(
             spec, self.packed, self.scales, self.bias, dtype, shape, self.backend

@@ -1,6 +1,6 @@
 """TernaryLinear, and swapping it into an mlx-lm model in place of Linear layers."""
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -8,8 +8,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import format as fmt
+from ..ternarize import ternarize
 from . import dispatch, reference
-from .cpu.layers import HalfEmbedding, HalfLinear
+from .linears import linear_dims, linear_paths, split_indices  # noqa: F401 (re-exported)
 
 # Settings a launch plan depends on besides the arrays; assigning one drops the plan.
 _PLAN_SETTINGS = (
@@ -117,7 +118,7 @@ class TernaryLinear(nn.Module):
         activation_bits: Optional[int] = None,
     ) -> "TernaryLinear":
         """Absmean-ternarize a float nn.Linear (BitNet b1.58 at `scale` granularity)."""
-        t, s = fmt.ternarize(np.array(linear.weight.astype(mx.float32)), scale, group_size)
+        t, s = ternarize(np.array(linear.weight.astype(mx.float32)), scale, group_size)
         pt = fmt.PackedTernary.from_trits(t, s, packing, group_size)
         return cls.from_packed(pt, linear.get("bias"), activation_bits)
 
@@ -348,55 +349,10 @@ class FusedTernaryLinear(TernaryLinear):
         return FusedTernaryLoRALinear.from_base(self, r=r, dropout=dropout, scale=scale)
 
 
-# MLX quantizes whole groups of K (32 at the least): mlx-lm never quantizes a narrower layer.
-MIN_QUANT_GROUP = 32
-
-
-def _split_indices(module: nn.Module) -> Optional[List[int]]:
-    # afm7's FusedLinear: an nn.Linear subclass whose output is split at `indices`.
-    indices = getattr(module, "indices", None) if isinstance(module, nn.Linear) else None
-    return list(indices) if isinstance(indices, (list, tuple)) else None
-
-
-def linear_dims(module: nn.Module):
-    """(in, out, has_bias) of a Linear-like layer ternary weights can stand in for, else None.
-
-    nn.Linear, afm7's split-output FusedLinear and mlx-lm's BitLinear. Other nn.Linear
-    subclasses change what the layer computes in ways a TernaryLinear cannot know: None.
-    """
-    if type(module) is nn.Linear or _split_indices(module) is not None:
-        out_f, in_f = module.weight.shape
-        return in_f, out_f, "bias" in module
-    if type(module).__name__ == "BitLinear" and hasattr(module, "in_features"):
-        return module.in_features, module.out_features, module.get("bias") is not None
-    return None
-
-
-def linear_paths(model: nn.Module) -> Dict[str, tuple]:
-    """{module path: (in, out, has_bias)} of the Linear-like leaves to hold ternary weights.
-
-    The layers mlx-lm's `quantize_model` would quantize: it skips those the model's
-    `quant_predicate` refuses (kimi_k3's residual projections) and those whose K is not a
-    whole number of groups. Ternary packings pad K, so of the latter only layers narrower
-    than MLX's smallest group stay float: gemma3n's AltUp coefficient layers (K = 4),
-    whose weights the model clips and reads itself.
-    """
-    predicate = getattr(model, "quant_predicate", None)
-    out = {}
-    for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        dims = linear_dims(m)
-        if dims is None or dims[0] < MIN_QUANT_GROUP:
-            continue
-        if predicate is not None and not predicate(path, m):
-            continue
-        out[path] = dims
-    return out
-
-
 def replacement(module: nn.Module, layer: nn.Module) -> nn.Module:
     """`layer` as it must stand in for `module`: a TernaryLinear replacing a split-output
     layer (afm7's FusedLinear) splits its output too."""
-    indices = _split_indices(module)
+    indices = split_indices(module)
     if indices is not None and type(layer) is TernaryLinear:
         return FusedTernaryLinear.from_ternary(layer, indices)
     return layer
@@ -467,24 +423,3 @@ def model_quantization(model: nn.Module) -> fmt.QuantizationConfig:
         activation_bits=first.activation_bits,
         layers=affine,
     )
-
-
-def activation_dtype(model: nn.Module):
-    """The float dtype activations (and the KV cache) run in: the embedding's (float32
-    where the native backend keeps a float16 table and widens what it looks up)."""
-    for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        if isinstance(m, (HalfEmbedding, HalfLinear)):
-            return mx.float32
-        for _, a in tree_flatten(m.parameters()):
-            if mx.issubdtype(a.dtype, mx.floating) and a.ndim == 2:
-                return a.dtype
-    return mx.float32
-
-
-def materialize(model: nn.Module, dtype=None) -> None:
-    """Evaluate the model's weights and its ternary layers' runtime arrays on this thread
-    (for activations of `dtype`, default the model's), so a thread that runs the model
-    later finds no lazy graph built on this thread's stream."""
-    mx.eval(model.parameters())
-    dtype = dtype or activation_dtype(model)
-    mx.eval([a for _, layer in ternary_layers(model) for a in layer.runtime_arrays(dtype)])

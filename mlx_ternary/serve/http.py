@@ -17,8 +17,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
-from ..memory import kv_bytes
-from ..runtime.layers import materialize
+from ..memory import kv_bytes, materialize
 from . import anthropic as anthropic
 from .engine import POLL_S, Engine, Job
 from .kv_quant import make_cache

@@ -6,8 +6,8 @@ from typing import Dict
 import mlx.core as mx
 
 from ..errors import TernaryError
+from ..memory import materialize
 from ..parallel import agree_seed, share_json
-from ..runtime.layers import materialize
 from .engine import POLL_S, Engine, Job
 
 

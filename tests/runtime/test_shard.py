@@ -26,6 +26,7 @@ from mlx_ternary.runtime.shard import (
     rank_ranges,
     ternary_bytes,
 )
+from mlx_ternary.ternarize import ternarize
 
 
 class Ranks:
@@ -44,7 +45,7 @@ class Ranks:
 def parts_of(t, scale, packing, group_size, out=None, bias=True):
     n, k = t.shape
     w = np.random.default_rng(1).normal(size=(n, k)).astype(np.float32)
-    _, s = fmt.ternarize(w, scale, group_size)
+    _, s = ternarize(w, scale, group_size)
     pt = fmt.PackedTernary.from_trits(t, s, packing, group_size)
     b = mx.arange(n, dtype=mx.float32) if bias else None
     return TernaryParts(

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from ...errors import FormatError, TernaryError, read_json
 from ...format import AffineTensor, PackedTernary, affine_entry
-from ...runtime.layers import linear_paths
+from ...runtime.linears import linear_paths
 from .common import read_sanitized, sanitized_index, shard_files
 
 HADAMARD_MODEL_TYPE = "prism_hadamard_qwen35"

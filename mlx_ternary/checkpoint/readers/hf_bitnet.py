@@ -16,10 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import PackedTernary, is_native_config, ternarize_absmean
+from ...format import PackedTernary, is_native_config
+from ...ternarize import read_scales, ternarize_absmean
 from . import arch
 from .common import Source, shard_files, tensor_index
-from .trilm import read_scales
 
 # 1bitLLM/bitnet_b1_58-* checkpoints: model_type "llama", architecture BitnetForCausalLM,
 # with the BitNet sub-norms under their own names and a configurable activation.

@@ -94,7 +94,7 @@ def source(path: Path, packing: str = "compact") -> Source:
         return pt
 
     def linear(p, w, read):  # a float linear layer beside the pack: ternary if exactly t*s
-        from .trilm import read_scales
+        from ...ternarize import read_scales
 
         if not mx.issubdtype(w.dtype, mx.floating) or tuple(w.shape) != targets[p][1::-1]:
             return None

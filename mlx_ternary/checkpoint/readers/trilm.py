@@ -9,67 +9,18 @@ with absmean as onebitllms' BitNetLinear does.
 """
 
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import GROUP_SIZES, PackedTernary, ternarize_absmean
+from ...format import PackedTernary
+from ...ternarize import read_scales, ternarize_absmean
 from . import arch
 from .common import Source
 
 FLOAT_SKIP = ("lm_head",)
-
-
-def _runs(values: np.ndarray) -> int:
-    return int(1 + np.count_nonzero(values[1:] != values[:-1])) if values.size else 0
-
-
-def read_scales(
-    w: np.ndarray, group_size: int, name: str
-) -> Tuple[np.ndarray, np.ndarray, Optional[int], str]:
-    """Exact (trits, scales, group_size or None, description) of a t*s float weight.
-
-    Tries one scale per tensor, then per row, then per `group_size` columns of a row.
-
-    Raises:
-        FormatError: the weight is not ternary-valued at any of those granularities.
-    """
-    w = np.asarray(w, dtype=np.float32)
-    n, k = w.shape
-    a = np.abs(w)
-    t = np.sign(w).astype(np.int8)
-    row = a.max(axis=1)
-    if ((a == 0) | (a == row[:, None])).all():
-        used = row[row > 0]
-        if used.size == 0 or (used == used[0]).all():
-            s = used[:1] if used.size else np.ones(1, np.float32)
-            return t, s.reshape(1, 1), None, "1 scale"
-        filled = np.where(row > 0, row, np.maximum.accumulate(row))  # zero rows: any scale
-        return (
-            t,
-            filled.reshape(n, 1),
-            None,
-            (f"{len(np.unique(used))} scales in {_runs(filled)} row block(s)"),
-        )
-    if group_size in GROUP_SIZES:
-        g = -(-k // group_size)
-        pad = np.zeros((n, g * group_size), np.float32)
-        pad[:, :k] = a
-        blocks = pad.reshape(n, g, group_size)
-        gmax = blocks.max(axis=2)
-        if ((blocks == 0) | (blocks == gmax[:, :, None])).all():
-            used = np.unique(gmax[gmax > 0])
-            return t, gmax, group_size, (f"{len(used)} scales in groups of {group_size} columns")
-    r = int(np.argmax(((a != 0) & (a != row[:, None])).any(axis=1)))
-    vals = np.unique(w[r])[:6]
-    raise FormatError(
-        f"{name}: not ternary-valued: row {r} holds {len(np.unique(a[r][a[r] > 0]))} distinct "
-        f"magnitudes (e.g. {', '.join(f'{v:.6g}' for v in vals)}), not one scale per "
-        f"tensor, row or group of {group_size} columns; convert only takes weights that "
-        "already are t*s (it never re-quantizes a float model)"
-    )
 
 
 def detect(path: Path) -> bool:

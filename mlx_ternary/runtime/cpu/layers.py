@@ -71,9 +71,14 @@ def keep_half_tables(model: nn.Module, weights: Dict[str, mx.array]) -> Set[str]
     return kept
 
 
-def adopt(model: nn.Module, weights: Dict[str, mx.array], dtype=None) -> Set[str]:
-    """Prepare a model built for the native backend: native attention, and (unless the caller
-    asked for a float dtype) its float16/bfloat16 tables as stored. Returns the weight names
-    that keep their stored dtype."""
+def adopt(
+    model: nn.Module, weights: Dict[str, mx.array], dtype=None, backend: str = "native"
+) -> Set[str]:
+    """Prepare a freshly built model for `backend` (resolved): on the native one, native
+    attention and (unless the caller asked for a float dtype) its float16/bfloat16 tables as
+    stored; other backends change nothing. Returns the weight names that keep their stored
+    dtype."""
+    if backend != "native":
+        return set()
     attention.install(model)
     return keep_half_tables(model, weights) if dtype is None else set()
