@@ -10,7 +10,7 @@ import mlx.nn as nn
 from ..errors import TernaryError
 from ..format import is_native_config
 from .load import get_classes, load_model, read_config
-from .readers.arch import Checker
+from .readers.arch import Checker, build_model
 from .readers.common import shard_files, tensor_shapes
 from .writers.native import MANIFEST_FILE, MANIFEST_FORMAT, sha256_file
 
@@ -66,7 +66,7 @@ def _check_manifest(path: Path, report: VerifyReport) -> None:
 
 def _stock_model(path: Path, config: dict, names) -> nn.Module:
     model_class, args_class = get_classes(config, path)
-    model = model_class(args_class.from_dict(config))
+    model = build_model(model_class, args_class, config, path)
     q = config.get("quantization")
     if q:  # as mlx-lm's load does: a layer's own entry wins over the global one
         nn.quantize(

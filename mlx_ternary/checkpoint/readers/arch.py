@@ -22,6 +22,7 @@ from ...errors import FormatError, TernaryError, read_json
 from ...format import AffineTensor, PackedTernary, affine_entry
 from ...runtime.linears import linear_paths
 from .common import read_sanitized, sanitized_index, shard_files
+from .config_check import check_args
 
 HADAMARD_MODEL_TYPE = "prism_hadamard_qwen35"
 HADAMARD_QUANTIZATION = {"bits": 2, "group_size": 128, "mode": "affine"}
@@ -42,8 +43,13 @@ def read_config(model_path: Path) -> dict:
             "its safetensors weights and tokenizer files"
         )
     config = read_json(path)
-    if "model_type" not in config:
-        raise FormatError(f"{path}: no model_type field; cannot tell the architecture")
+    if not isinstance(config, dict):
+        raise FormatError(f"{path}: not a JSON object; config.json maps field names to values")
+    if not isinstance(config.get("model_type"), str):
+        raise FormatError(
+            f"{path}: model_type is {config.get('model_type')!r}; it names the architecture "
+            "(a string such as 'llama')"
+        )
     return normalize_config(config)
 
 
@@ -62,16 +68,42 @@ def architecture(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in QUANT_KEYS}
 
 
+def config_file(model_path: Path) -> Path:
+    """Where a checkpoint's config comes from: config.json, or a single file's metadata."""
+    return model_path / "config.json" if model_path.is_dir() else model_path
+
+
 def get_classes(config: dict, model_path: Path):
+    """mlx-lm's (Model, ModelArgs) for the config, its fields checked against ModelArgs."""
     from mlx_lm.utils import _get_classes
 
     try:
-        return _get_classes(config)
+        classes = _get_classes(config)
     except ValueError:
         raise TernaryError(
-            f"{model_path / 'config.json'}: model_type {config['model_type']!r} "
+            f"{config_file(model_path)}: model_type {config['model_type']!r} "
             "is not an architecture the installed mlx-lm knows; upgrade mlx-lm "
             "or check the model"
+        ) from None
+    check_args(config, classes[1], config_file(model_path))
+    return classes
+
+
+# What a model class raises on a config it cannot build (after check_args, the fields'
+# combinations it does not model). TernaryError is a ValueError and passes through.
+_BUILD_ERRORS = (ValueError, TypeError, AssertionError, ArithmeticError, KeyError, IndexError)
+
+
+def build_model(model_class, args_class, cfg: dict, model_path: Path) -> nn.Module:
+    """`model_class(args_class.from_dict(cfg))`, or one FormatError naming the config."""
+    try:
+        return model_class(args_class.from_dict(cfg))
+    except TernaryError:
+        raise
+    except _BUILD_ERRORS as e:
+        raise FormatError(
+            f"{config_file(model_path)}: mlx-lm cannot build a {cfg.get('model_type')} "
+            f"model from this config ({type(e).__name__}: {e}); fix the config"
         ) from None
 
 
@@ -119,7 +151,7 @@ def skeleton(config: dict, model_path: Path) -> nn.Module:
         else architecture(config)
     )
     model_class, args_class = get_classes(cfg, model_path)
-    model = model_class(args_class.from_dict(cfg))
+    model = build_model(model_class, args_class, cfg, model_path)
     act = config.get("hidden_act", "relu2")
     if config.get("model_type") == "bitnet" and act != "relu2":  # 1bitLLM: silu
         if act not in ACTIVATIONS:
