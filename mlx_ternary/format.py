@@ -60,7 +60,7 @@ _POW3 = np.array([81, 27, 9, 3, 1], dtype=np.uint32)
 
 def check_packing(packing: str, what: str = "packing") -> str:
     """`packing` if it names a packing; FormatError naming `what` and the allowed ones."""
-    if packing not in PACKING_CODES:
+    if not isinstance(packing, str) or packing not in PACKING_CODES:
         raise FormatError(f"{what} is {packing!r}; expected one of {PACKINGS}")
     return packing
 

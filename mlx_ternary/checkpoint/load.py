@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from ..errors import TernaryError
+from ..errors import FormatError, TernaryError
 from ..format import PACKINGS, AffineTensor, PackedTernary
 from ..runtime import dispatch
 from ..runtime.cpu import layers as native_layers
@@ -193,9 +193,10 @@ def load(
         tokenizer = load_tokenizer(
             model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
         )
-    except (OSError, ValueError) as e:
-        raise TernaryError(
-            f"{model_path}: cannot load the tokenizer ({e}); the directory needs "
-            "tokenizer.json or tokenizer.model with tokenizer_config.json"
+    except Exception as e:  # transformers and tokenizers raise bare Exception on a bad file
+        raise FormatError(
+            f"{model_path}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]}); "
+            "the directory needs a valid tokenizer.json or tokenizer.model with "
+            "tokenizer_config.json"
         ) from None
     return (model, tokenizer, config) if return_config else (model, tokenizer)

@@ -34,6 +34,19 @@ class _Shape(NamedTuple):
     shape: tuple
 
 
+def _manifest_entry(name: str, meta) -> bool:
+    """Whether a manifest entry names a file inside the checkpoint with size and sha256."""
+    parts = Path(name).parts
+    return (
+        bool(parts)
+        and not Path(name).is_absolute()
+        and ".." not in parts
+        and isinstance(meta, dict)
+        and isinstance(meta.get("size"), int)
+        and isinstance(meta.get("sha256"), str)
+    )
+
+
 def _check_manifest(path: Path, report: VerifyReport) -> None:
     mf = path / MANIFEST_FILE
     if not mf.exists():
@@ -49,7 +62,12 @@ def _check_manifest(path: Path, report: VerifyReport) -> None:
     report.manifest = True
     for name, meta in files.items():
         f = path / name
-        if not f.is_file():
+        if not _manifest_entry(name, meta):
+            report.problems.append(
+                f"{mf}: entry {name!r} is not a file of the checkpoint with its size and "
+                "sha256; re-convert the model"
+            )
+        elif not f.is_file():
             report.problems.append(f"{f}: listed in {MANIFEST_FILE} but missing")
         elif f.stat().st_size != meta["size"]:
             report.problems.append(

@@ -22,7 +22,7 @@ from ...errors import FormatError, TernaryError, read_json
 from ...format import AffineTensor, PackedTernary, affine_entry
 from ...runtime.linears import linear_paths
 from .common import read_sanitized, sanitized_index, shard_files
-from .config_check import check_args
+from .config_check import check_args, check_scale
 
 HADAMARD_MODEL_TYPE = "prism_hadamard_qwen35"
 HADAMARD_QUANTIZATION = {"bits": 2, "group_size": 128, "mode": "affine"}
@@ -73,6 +73,13 @@ def config_file(model_path: Path) -> Path:
     return model_path / "config.json" if model_path.is_dir() else model_path
 
 
+def weight_bytes(model_path: Path) -> int:
+    """Bytes of a checkpoint's weight files (the file itself for a single-file one)."""
+    if model_path.is_file():
+        return model_path.stat().st_size
+    return sum(f.stat().st_size for f in model_path.glob("*.safetensors") if f.is_file())
+
+
 def get_classes(config: dict, model_path: Path):
     """mlx-lm's (Model, ModelArgs) for the config, its fields checked against ModelArgs."""
     from mlx_lm.utils import _get_classes
@@ -80,7 +87,7 @@ def get_classes(config: dict, model_path: Path):
     try:
         classes = _get_classes(config)
     except ValueError:
-        raise TernaryError(
+        raise FormatError(
             f"{config_file(model_path)}: model_type {config['model_type']!r} "
             "is not an architecture the installed mlx-lm knows; upgrade mlx-lm "
             "or check the model"
@@ -151,6 +158,7 @@ def skeleton(config: dict, model_path: Path) -> nn.Module:
         else architecture(config)
     )
     model_class, args_class = get_classes(cfg, model_path)
+    check_scale(cfg, config_file(model_path), weight_bytes(model_path))
     model = build_model(model_class, args_class, cfg, model_path)
     act = config.get("hidden_act", "relu2")
     if config.get("model_type") == "bitnet" and act != "relu2":  # 1bitLLM: silu

@@ -1,6 +1,7 @@
 """Safetensors files of a checkpoint: find the shards, check them cheaply, load them."""
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +29,13 @@ def safetensors_header(path: Path) -> dict:
             raise FormatError(f"{path}: truncated safetensors header; re-download or re-convert it")
         try:
             header = json.loads(f.read(n))
-        except ValueError:
+        except (ValueError, RecursionError):  # also bad UTF-8 (UnicodeDecodeError)
             raise FormatError(
                 f"{path}: corrupt safetensors header; re-download or re-convert it"
             ) from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: corrupt safetensors header (not a JSON object)")
+    end = max((_entry_end(path, k, v) for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise FormatError(
             f"{path}: truncated safetensors file: its header needs {8 + n + end} bytes, "
@@ -41,14 +44,58 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _entry_end(path: Path, name: str, meta) -> int:
+    """Where a header entry's data ends; checks its form before anything trusts it.
+
+    An entry is {"dtype": name, "shape": [n, ...], "data_offsets": [begin, end]} with
+    0 <= begin <= end and end - begin the bytes its shape and dtype need: a size claim the
+    file cannot back (a 1 TB tensor) is refused here, from the header alone.
+    """
+    offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    dtype = meta.get("dtype") if isinstance(meta, dict) else None
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+        and isinstance(shape, list)
+        and all(_is_count(d) for d in shape)
+        and isinstance(dtype, str)
+    ):
+        raise FormatError(
+            f"{path}: corrupt safetensors header entry {name!r} (needs dtype, shape and "
+            "data_offsets [begin, end]); re-download or re-convert it"
+        )
+    if dtype in SAFETENSORS_DTYPES:
+        need = math.prod(shape) * np.dtype(SAFETENSORS_DTYPES[dtype][0]).itemsize
+        if offsets[1] - offsets[0] != need:
+            raise FormatError(
+                f"{path}: tensor {name} has {offsets[1] - offsets[0]} bytes for shape "
+                f"{tuple(shape)} {dtype}; the file is corrupt: re-download or re-convert it"
+            )
+    return offsets[1]
+
+
 def shard_files(model_path: Path) -> List[Path]:
     """The weight files of a checkpoint, all present and whole, or a FormatError."""
     index = model_path / INDEX_FILE
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError):
-            raise FormatError(f"{index}: not a valid safetensors index (no weight_map)") from None
+        except (ValueError, KeyError, TypeError, RecursionError):
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()
+        ):
+            raise FormatError(
+                f"{index}: not a valid safetensors index (weight_map must map tensor names "
+                "to shard file names in the directory); re-download or re-convert it"
+            )
         files = [model_path / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.exists()]
         if missing:

@@ -154,3 +154,37 @@ def _check_heads(config: dict, where: Path) -> None:
     kv_int = isinstance(kv, int) and not isinstance(kv, bool) and kv > 0
     if kv_int and isinstance(heads, int) and not isinstance(heads, bool) and heads % kv:
         raise _refuse(where, "num_key_value_heads", kv, f"a divisor of num_attention_heads {heads}")
+
+
+def check_scale(config: dict, where: Path, weight_bytes: int) -> None:
+    """Refuse sizes the weights cannot hold, before a class builds layer objects for them.
+
+    Every layer of every architecture holds at least `hidden_size` norm weights of at
+    least one byte, and the embedding at least one bit per entry: a config claiming more
+    than its files hold (a corrupt num_hidden_layers of 2**32) is refused here instead of
+    building billions of modules.
+    """
+    ints = {
+        k: config.get(k)
+        for k in ("num_hidden_layers", "hidden_size", "vocab_size")
+        if isinstance(config.get(k), int)
+    }
+    if weight_bytes <= 0 or len(ints) < 3:
+        return
+    layers, hidden, vocab = ints["num_hidden_layers"], ints["hidden_size"], ints["vocab_size"]
+    for name, need in (("num_hidden_layers", layers * hidden), ("vocab_size", vocab * hidden // 8)):
+        if need > weight_bytes:
+            raise _refuse(
+                where,
+                name,
+                config[name],
+                f"a size the {weight_bytes}-byte weights can hold (hidden_size {hidden})",
+            )
+
+
+def check_counts(config: dict, names, where: Path) -> None:
+    """The named fields are integers >= 1 (for a reader that divides by them)."""
+    for name in names:
+        value = config.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise _refuse(where, name, value, "an integer >= 1")

@@ -35,6 +35,7 @@ from ..gguf_tables import (
 from . import gguf_quants as gq
 from . import i2s
 from .common import Source
+from .config_check import check_counts
 from .gguf_file import GGUFFile
 from .gguf_tokenizer import tokenizer_files
 
@@ -116,6 +117,7 @@ def read_config(gf: GGUFFile, path: Path) -> dict:
     missing = [k for k, v in config.items() if v is None and k != "rope_scaling"]
     if missing:
         raise FormatError(f"{path}: GGUF metadata lacks the {name}.* entries for {missing}")
+    check_counts(config, ("hidden_size", "num_attention_heads"), path)
     head_dim = a("attention.key_length") or hidden // heads
     if head_dim != hidden // heads or arch.model_type == "qwen3":
         config["head_dim"] = head_dim
@@ -314,7 +316,15 @@ def source(path: Path, packing: str, *, keep_affine: bool = True, unpermute: boo
     """
     path = Path(path)
     gf = GGUFFile(path)
-    config = read_config(gf, path)
+    try:
+        config = read_config(gf, path)
+    except FormatError:
+        raise
+    except (ValueError, TypeError, ArithmeticError, KeyError, AttributeError) as e:
+        raise FormatError(
+            f"{path}: GGUF metadata does not describe a model mlx-ternary can build "
+            f"({type(e).__name__}: {e}); the file is corrupt: re-download it"
+        ) from None
     files = tokenizer_files(gf, path)
     kept = [t for t in gf.tensors if t.name not in IGNORED_TENSORS]
     types = Counter(t.type_name for t in kept)

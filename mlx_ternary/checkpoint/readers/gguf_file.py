@@ -8,6 +8,7 @@ metadata (key, value type, value), the tensor table (name, dims with ne0 = colum
 first, type id, offset), padding to `general.alignment` (32), then the tensor data.
 """
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ _SCALARS = {
     12: ("<d", "<f8"),
 }
 _STRING, _ARRAY = 8, 9
+MAX_ARRAY_DEPTH = 4  # arrays of arrays: llama.cpp's own files nest one deep at most
+MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass
@@ -49,7 +52,7 @@ class TensorInfo:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 def type_name(type_id: int) -> str:
@@ -64,15 +67,18 @@ def type_name(type_id: int) -> str:
 
 
 def _nbytes(type_id: int, shape: tuple) -> Optional[int]:
+    """Bytes of a tensor; None for an unknown type id, -1 for rows of partial blocks."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    n = int(np.prod(shape, dtype=np.int64))
+    n = math.prod(shape)  # Python ints: a forged dimension cannot wrap around
     if type_id == I2_S:  # bitnet.cpp's ggml_nbytes: 2 bits a weight, then 32 bytes (scale)
         return n // 4 + 32
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
     except (ValueError, KeyError):
         return None
+    if shape and shape[-1] % block:  # llama.cpp: a row holds whole blocks
+        return -1
     return n // block * size
 
 
@@ -102,7 +108,12 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="surrogateescape")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
+        if depth > MAX_ARRAY_DEPTH:
+            raise FormatError(
+                f"{self.path}: not a readable GGUF file (arrays nested more than "
+                f"{MAX_ARRAY_DEPTH} deep at byte {self.pos}); the file is corrupt"
+            )
         if vtype == 6:  # float32: the shortest decimal that rounds to it (1e-05, not 9.99e-06)
             return float(str(np.float32(self.take("<f"))))
         if vtype in _SCALARS:
@@ -122,7 +133,7 @@ class _Cursor:
                 arr = np.frombuffer(self.buf[self.pos : end], dtype=dt).copy()
                 self.pos = end
                 return arr.tolist()
-            return [self.value(item) for _ in range(n)]
+            return [self.value(item, depth + 1) for _ in range(n)]
         raise FormatError(
             f"{self.path}: not a readable GGUF file (unknown metadata value "
             f"type {vtype} at byte {self.pos})"
@@ -161,16 +172,36 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.take("<I")
+            if n_dims > MAX_DIMS:
+                raise FormatError(
+                    f"{self.path}: tensor {name} has {n_dims} dimensions; GGUF tensors have "
+                    f"at most {MAX_DIMS}: the file is corrupt"
+                )
             dims = [cur.take("<Q") for _ in range(n_dims)]
             type_id, offset = cur.take("<IQ")
             infos.append((name, tuple(reversed(dims)), type_id, offset))
-        align = int(self.fields.get("general.alignment", 32))
-        if align <= 0 or align & (align - 1):
+        align = self.fields.get("general.alignment", 32)
+        if (
+            not isinstance(align, int)
+            or isinstance(align, bool)
+            or align <= 0
+            or align & (align - 1)
+        ):
             raise FormatError(f"{self.path}: general.alignment {align} is not a power of two")
         start = -(-cur.pos // align) * align
         self.tensors: List[TensorInfo] = []
         for name, shape, type_id, offset in infos:
             info = TensorInfo(name, shape, type_id, start + offset, _nbytes(type_id, shape))
+            if info.nbytes == -1:
+                raise FormatError(
+                    f"{self.path}: tensor {name} ({info.type_name}, shape {shape}) has rows "
+                    "that are not whole quantization blocks: the file is corrupt"
+                )
+            if offset % align:
+                raise FormatError(
+                    f"{self.path}: tensor {name} starts at offset {offset}, not a multiple "
+                    f"of general.alignment {align}: the file is corrupt"
+                )
             if info.nbytes is not None and info.offset + info.nbytes > len(self._map):
                 raise FormatError(
                     f"{self.path}: truncated GGUF file: tensor {name} needs bytes up to "

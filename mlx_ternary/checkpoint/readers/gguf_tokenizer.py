@@ -25,6 +25,44 @@ def _add_bos(gf: GGUFFile, pre_name: str) -> bool:
     return PRE_ALIASES.get(pre_name, pre_name) == "llama-bpe"
 
 
+def _strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the reader kept as lone surrogates: not UTF-8
+        return False
+    return True
+
+
+def _vocabulary(gf: GGUFFile, path: Path):
+    """(tokens, token types, merge pairs) from the metadata, each checked for its form."""
+    tokens = gf.field("tokenizer.ggml.tokens") or []
+    merges = gf.field("tokenizer.ggml.merges") or []
+    if not _strings(tokens) or not _strings(merges):
+        raise FormatError(
+            f"{path}: tokenizer.ggml.tokens and tokenizer.ggml.merges must be arrays of "
+            "strings; the file is corrupt: re-download it"
+        )
+    bad = next((t for t in tokens + merges if not _encodable(t)), None)
+    if bad is not None:
+        raise FormatError(
+            f"{path}: a tokenizer string ({bad!r}) is not valid UTF-8; the file is "
+            "corrupt: re-download it"
+        )
+    if any(" " not in m for m in merges):
+        raise FormatError(f"{path}: a tokenizer.ggml.merges entry is not two tokens 'a b'")
+    types = gf.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise FormatError(
+            f"{path}: tokenizer.ggml.token_type has no entry for each of the "
+            f"{len(tokens)} tokens; the file is corrupt: re-download it"
+        )
+    return tokens, types, [tuple(m.split(" ", 1)) for m in merges]
+
+
 def tokenizer_files(gf: GGUFFile, path: Path) -> Dict[str, str]:
     """tokenizer.json and tokenizer_config.json rebuilt from the metadata ({} if none)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
@@ -46,15 +84,19 @@ def tokenizer_files(gf: GGUFFile, path: Path) -> Dict[str, str]:
             f"{path}: tokenizer.ggml.pre {pre_name!r} is not a pre-tokenizer "
             f"mlx-ternary can rebuild (known: {known})"
         )
-    tokens = list(gf.field("tokenizer.ggml.tokens") or [])
-    types = list(gf.field("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in gf.field("tokenizer.ggml.merges") or []]
+    tokens, types, merges = _vocabulary(gf, path)
     vocab = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, unk_token=None, ignore_merges=pre.ignore_merges)
-    )
+    try:  # tokenizers raises a bare Exception on merges it cannot resolve
+        tok = Tokenizer(
+            models.BPE(vocab=vocab, merges=merges, unk_token=None, ignore_merges=pre.ignore_merges)
+        )
+    except Exception as e:
+        raise FormatError(
+            f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e}); "
+            "the file is corrupt: re-download it"
+        ) from None
     if pre.nfc:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = hf_pre_tokenizer(pre)

@@ -40,6 +40,11 @@ def source(path: Path, packing: str = "compact") -> Source:
     order = [n for n in index if n not in skip]
 
     def read(name):
+        if name not in index:
+            raise FormatError(
+                f"{path}: tensor {name} is missing (its layer's other tensors are there); "
+                "re-download or re-convert the model"
+            )
         return read_tensor(name, index[name])
 
     def items():
@@ -81,6 +86,11 @@ def _packed(
     path: str, packed, scales, dims: tuple, quant: QuantizationConfig, where: Path
 ) -> PackedTernary:
     k, n, _ = dims
+    if scales.ndim != 2:
+        raise FormatError(
+            f"{where}: tensor {path}.scales has shape {tuple(scales.shape)}; ternary "
+            "scales are 2-D (rows, groups)"
+        )
     kind = scale_kind(tuple(scales.shape), n)
     gs = quant.group_size if kind == "group" else None
     for leaf, arr, want in (
