@@ -1,7 +1,7 @@
 """llama.cpp on the same GGUF, for side-by-side figures (npm `node-llama-cpp`, CPU build).
 
 Nothing here is needed to use mlx-ternary: `mlx-ternary bench --llama-cpp DIR --gguf FILE`
-and scripts/bench_llamacpp.py use it when node-llama-cpp is installed. DIR is a
+and scripts/bench/bench_llamacpp.py use it when node-llama-cpp is installed. DIR is a
 node_modules directory holding node-llama-cpp (or $MLX_TERNARY_LLAMA_CPP); `node` must be on
 PATH. The runner is timed as mlx-lm reports it: prefill = prompt tokens / time to the first
 generated token, decode = further tokens / their time, greedy, on seeded random token ids;

@@ -25,7 +25,7 @@ ALL = list(B.FORMATS)
 
 def _synthetic():
     spec = importlib.util.spec_from_file_location(
-        "make_synthetic_model", ROOT / "scripts" / "make_synthetic_model.py"
+        "make_synthetic_model", ROOT / "scripts" / "fixtures" / "make_synthetic_model.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,6 +1,6 @@
-// llama.cpp's side of scripts/llamacpp_check.py, through node-llama-cpp (CPU build).
+// llama.cpp's side of scripts/bench/llamacpp_check.py, through node-llama-cpp (CPU build).
 //
-//   node scripts/llamacpp_check.mjs NODE_MODULES_DIR REQUEST.json
+//   node scripts/bench/llamacpp_check.mjs NODE_MODULES_DIR REQUEST.json
 //
 // REQUEST: {"model": "x.gguf", "prompt_ids": [...], "max_tokens": 40,
 //           "strings": ["I'll", ...], "teacher_ids": [...], "threads": 2}

@@ -1,7 +1,7 @@
 """Does llama.cpp run our GGUF export as mlx-ternary runs the model? (node-llama-cpp)
 
-    python scripts/llamacpp_check.py --node-modules DIR            # the embedded model
-    python scripts/llamacpp_check.py --node-modules DIR --model M --gguf-type TQ1_0 --json
+    python scripts/bench/llamacpp_check.py --node-modules DIR            # the embedded model
+    python scripts/bench/llamacpp_check.py --node-modules DIR --model M --gguf-type TQ1_0 --json
 
 DIR is a node_modules folder holding node-llama-cpp (3.x, prebuilt CPU binaries), or set
 NODE_LLAMA_CPP_MODULES. The model is exported with `convert --to-gguf` (a --model that
@@ -44,7 +44,7 @@ STRINGS = [
     "It's 1599, they've 3 ducats",
     "O Romeo, Romeo! wherefore art thou Romeo?",
 ]
-TEACHER_TEXT = HERE.parent / "tests" / "fixtures" / "heldout_sample.txt"
+TEACHER_TEXT = HERE.parents[1] / "tests" / "fixtures" / "heldout_sample.txt"
 
 
 def mlx_greedy(model, tokenizer, prompt_ids, max_tokens):

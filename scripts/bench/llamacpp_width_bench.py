@@ -1,6 +1,6 @@
 """How should a ternary layer whose width is not whole TQ blocks go into a GGUF? (llama.cpp)
 
-    python scripts/llamacpp_width_bench.py --node-modules DIR --repeats 5
+    python scripts/bench/llamacpp_width_bench.py --node-modules DIR --repeats 5
 
 Writes four synthetic llama GGUFs (hidden 1024, 4 layers, an FFN intermediate size of
 2880 = 11.25 TQ blocks; random trits, d = s) that differ only in how ffn_down (rows of
@@ -9,7 +9,7 @@ Writes four synthetic llama GGUFs (hidden 1024, 4 layers, an FFN intermediate si
   pad     intermediate zero-padded to 3072: gate/up/down all TQ2_0 (exact: act(0) * 0 = 0)
   pad_q8  padded as `pad`, ffn_down as Q8_0 codes (isolates the Q8_0 cost at equal shape)
   f16     ffn_down as F16 (the old export)
-and times llama.cpp (node-llama-cpp, scripts/llamacpp_check.mjs, one thread) on each,
+and times llama.cpp (node-llama-cpp, scripts/bench/llamacpp_check.mjs, one thread) on each,
 interleaved: prompt of 128 tokens (prefill tokens/s) then 32 greedy tokens (decode
 tokens/s). Prints file sizes and median (min-max) speeds.
 """
