@@ -203,7 +203,7 @@ def test_i2s_model_generates(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "falcon"])
 def test_pre_tokenizer_matches_llamacpp_expected_ids(name):
     """Vocabularies cut from llama.cpp's ggml-vocab-<name>.gguf test files (llama-cpp-python
-    0.3.36 sdist; scripts/make_gguf_vocab_fixtures.py): the rebuilt tokenizer gives the ids
+    0.3.36 sdist; scripts/fixtures/make_gguf_vocab_fixtures.py): the rebuilt tokenizer gives the ids
     of their .out files for every .inp string."""
     from tokenizers import Tokenizer
 

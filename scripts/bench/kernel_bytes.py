@@ -5,7 +5,7 @@ mlx_ternary.emulator and prints, per kernel launch, the bytes read from each buf
 (packed weights, x, scales, the pre-pass outputs...) and their sum; docs/KERNELS.md quotes
 this table. Counts, not times: the emulator says nothing about speed.
 
-    python scripts/kernel_bytes.py [--k 2560] [--n 2560] [--tokens 1 4 8 16 64]
+    python scripts/bench/kernel_bytes.py [--k 2560] [--n 2560] [--tokens 1 4 8 16 64]
 """
 
 import argparse

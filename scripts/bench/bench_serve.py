@@ -1,8 +1,8 @@
 """Serve benchmarks: the prompt cache's time to first token, and memory under many clients.
 
-    python scripts/bench_serve.py prompt-cache --model DIR [--history-tokens 1200]
-    python scripts/bench_serve.py soak --model DIR [--clients 16] [--turns 3]
-    python scripts/bench_serve.py grammar --tokenizer DIR [--tokenizer DIR ...]
+    python scripts/bench/bench_serve.py prompt-cache --model DIR [--history-tokens 1200]
+    python scripts/bench/bench_serve.py soak --model DIR [--clients 16] [--turns 3]
+    python scripts/bench/bench_serve.py grammar --tokenizer DIR [--tokenizer DIR ...]
 
 prompt-cache: one in-process server per setting (prompt cache on / off), the real
 `openai` client over loopback. Turn 1 sends a conversation with >= --history-tokens

@@ -7,7 +7,7 @@ absmax activation quantization in front (float32) -- the inference semantics. fl
 with stock mlx_lm.load. Reports held-out slice perplexity next to the trainer's numbers in
 metrics.json, and a greedy sample.
 
-Usage: python scripts/train_check_mlx.py [--dir build/tiny] [--all-windows]
+Usage: python scripts/train/train_check_mlx.py [--dir build/tiny] [--all-windows]
 """
 
 import argparse
@@ -71,7 +71,7 @@ def slice_nll(model, windows: np.ndarray) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument(
-        "--dir", type=Path, default=Path(__file__).resolve().parent.parent / "build" / "tiny"
+        "--dir", type=Path, default=Path(__file__).resolve().parents[2] / "build" / "tiny"
     )
     p.add_argument("--prompt", default="ROMEO:\n")
     p.add_argument("--max-tokens", type=int, default=60)

@@ -1,10 +1,10 @@
 """Does llama.cpp run our GGUF export as mlx-ternary runs the model? (node-llama-cpp)
 
-    python scripts/llamacpp_check.py --node-modules DIR            # the embedded model
-    python scripts/llamacpp_check.py --node-modules DIR --model M --gguf-type TQ1_0 --json
+    python scripts/bench/llamacpp_check.py --node-modules DIR            # the embedded model
+    python scripts/bench/llamacpp_check.py --node-modules DIR --model M --gguf-type TQ1_0 --json
 
 DIR is a node_modules folder holding node-llama-cpp (3.x, prebuilt CPU binaries), or set
-NODE_LLAMA_CPP_MODULES. The model is exported with `convert --to-gguf` (a --model that
+$MLX_TERNARY_LLAMA_CPP; it runs through mlx_ternary/bench/llamacpp.py, bench's own runner. The model is exported with `convert --to-gguf` (a --model that
 is already a .gguf file is used as it is, and mlx-ternary reads that file), then compared:
 1. greedy continuation of the prompt (as `mlx-ternary generate` tokenizes it: through
    the chat template) by mlx-ternary from the original model, by mlx-ternary from the
@@ -17,8 +17,6 @@ test suite never runs this.
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,7 @@ import numpy as np
 
 import mlx_ternary
 from mlx_ternary import generate as gen
+from mlx_ternary.bench import llamacpp
 from mlx_ternary.checkpoint.convert import convert
 from mlx_ternary.checkpoint.readers.gguf import detect
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
@@ -44,7 +43,7 @@ STRINGS = [
     "It's 1599, they've 3 ducats",
     "O Romeo, Romeo! wherefore art thou Romeo?",
 ]
-TEACHER_TEXT = HERE.parent / "tests" / "fixtures" / "heldout_sample.txt"
+TEACHER_TEXT = HERE.parents[1] / "tests" / "fixtures" / "heldout_sample.txt"
 
 
 def mlx_greedy(model, tokenizer, prompt_ids, max_tokens):
@@ -64,23 +63,6 @@ def mlx_teacher_argmax(model, ids):
     return np.array(mx.argmax(logits[0], axis=-1)).tolist()
 
 
-def run_llamacpp(node_modules, request, timeout=600):
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(request, f)
-    try:
-        done = subprocess.run(
-            ["node", str(HERE / "llamacpp_check.mjs"), node_modules, f.name],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    finally:
-        os.unlink(f.name)
-    if done.returncode != 0:
-        sys.exit(f"node-llama-cpp failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def agree(a, b):
     n = 0
     for x, y in zip(a, b):
@@ -94,8 +76,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--node-modules",
-        default=os.environ.get("NODE_LLAMA_CPP_MODULES"),
-        help="node_modules folder holding node-llama-cpp (default: $NODE_LLAMA_CPP_MODULES)",
+        default=None,
+        help=f"node_modules folder holding node-llama-cpp (default: ${llamacpp.ENV})",
     )
     ap.add_argument("--model", default=str(gen.EMBEDDED_MODEL))
     ap.add_argument("--prompt", default="ROMEO:")
@@ -106,8 +88,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    if not args.node_modules:
-        sys.exit("give --node-modules DIR (or set NODE_LLAMA_CPP_MODULES)")
+    node_modules = llamacpp.find(args.node_modules)
+    if node_modules is None:
+        sys.exit(f"give --node-modules DIR (or set {llamacpp.ENV})")
 
     tmp = tempfile.TemporaryDirectory()
     t0 = time.perf_counter()
@@ -125,15 +108,16 @@ def main():
     ours_gguf = mlx_greedy(from_gguf, tok2, prompt_ids, args.max_tokens)
     teacher = tokenizer.encode(TEACHER_TEXT.read_text(), add_special_tokens=False)
     teacher = teacher[: args.teacher_tokens]
-    req = {
-        "model": str(gguf),
-        "prompt_ids": prompt_ids,
-        "max_tokens": len(ours),
-        "strings": STRINGS,
-        "teacher_ids": teacher,
-        "threads": args.threads,
-    }
-    theirs = run_llamacpp(args.node_modules, req)
+    theirs = llamacpp.evaluate(
+        node_modules,
+        gguf,
+        threads=args.threads,
+        prompt_ids=prompt_ids,
+        max_tokens=len(ours),
+        context=512,
+        strings=STRINGS,
+        teacher_ids=teacher,
+    )
     ref_top1 = mlx_teacher_argmax(model, teacher)
     top1 = np.mean(np.array(ref_top1) == np.array(theirs["teacher_argmax"]))
     tok_rows = []
@@ -165,7 +149,7 @@ def main():
         "teacher_tokens": len(teacher),
         "tokenization_equal": sum(r["equal"] for r in tok_rows),
         "tokenization": tok_rows,
-        "llamacpp_decode_tokens_per_s": theirs["decode_tokens_per_s"],
+        "llamacpp_decode_tokens_per_s": theirs["runs"][0]["decode_tps"],
         "seconds": time.perf_counter() - t0,
     }
     if args.json:

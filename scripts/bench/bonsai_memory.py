@@ -1,7 +1,7 @@
 """Resident bytes of a loaded Ternary-Bonsai-style pack against its file bytes.
 
-    python scripts/bonsai_memory.py --shape 8b --layers 2 --out /tmp/bonsai-8b-2l
-    python scripts/bonsai_memory.py --shape 8b --layers 2 --out /tmp/bonsai-8b-2l  # again:
+    python scripts/bench/bonsai_memory.py --shape 8b --layers 2 --out /tmp/bonsai-8b-2l
+    python scripts/bench/bonsai_memory.py --shape 8b --layers 2 --out /tmp/bonsai-8b-2l  # again:
         # the pack exists, so this run only loads and measures (peak RSS of the load alone)
 
 Writes an MLX 2-bit g128 pack laid out as prism-ml/Ternary-Bonsai-*-mlx-2bit ships

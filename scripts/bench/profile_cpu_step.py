@@ -1,7 +1,7 @@
 """Where a decode step and a prefill go on the CPU: the ternary layers, the output layer, and
 everything else MLX runs (norms, RoPE, attention, elementwise ops, Python graph building).
 
-    python scripts/profile_cpu_step.py --model DIR [--prompt-tokens 128] [--repeats 10]
+    python scripts/bench/profile_cpu_step.py --model DIR [--prompt-tokens 128] [--repeats 10]
 
 Each piece is timed alone (mx.eval), median and min over the repeats, in milliseconds. "rest"
 is the model with every ternary layer replaced by a free stand-in of the same output shape.

@@ -94,11 +94,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, L, c.num_key_value_heads, -1).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            enable_gqa=c.num_key_value_heads != c.num_attention_heads,
+            q, k, v, is_causal=True, enable_gqa=c.num_key_value_heads != c.num_attention_heads
         )
         return self.o_proj(o.transpose(1, 2).reshape(B, L, -1))
 

@@ -1,6 +1,6 @@
 """How should a ternary layer whose width is not whole TQ blocks go into a GGUF? (llama.cpp)
 
-    python scripts/llamacpp_width_bench.py --node-modules DIR --repeats 5
+    python scripts/bench/llamacpp_width_bench.py --node-modules DIR --repeats 5
 
 Writes four synthetic llama GGUFs (hidden 1024, 4 layers, an FFN intermediate size of
 2880 = 11.25 TQ blocks; random trits, d = s) that differ only in how ffn_down (rows of
@@ -9,19 +9,19 @@ Writes four synthetic llama GGUFs (hidden 1024, 4 layers, an FFN intermediate si
   pad     intermediate zero-padded to 3072: gate/up/down all TQ2_0 (exact: act(0) * 0 = 0)
   pad_q8  padded as `pad`, ffn_down as Q8_0 codes (isolates the Q8_0 cost at equal shape)
   f16     ffn_down as F16 (the old export)
-and times llama.cpp (node-llama-cpp, scripts/llamacpp_check.mjs, one thread) on each,
+and times llama.cpp (node-llama-cpp through mlx_ternary/bench/llamacpp.py, one thread) on each,
 interleaved: prompt of 128 tokens (prefill tokens/s) then 32 greedy tokens (decode
 tokens/s). Prints file sizes and median (min-max) speeds.
 """
 
 import argparse
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from llamacpp_check import run_llamacpp  # scripts/ is on sys.path when run as a script
+
+from mlx_ternary.bench import llamacpp
 
 H, I, PADDED, L, HEADS, V = 1024, 2880, 3072, 4, 8, 4096
 VARIANTS = ("q8", "pad", "pad_q8", "f16")
@@ -88,23 +88,20 @@ def build(path: Path, variant: str) -> None:
     w.close()
 
 
-def time_once(node_modules: str, model: Path) -> dict:
-    req = {
-        "model": str(model),
-        "prompt_ids": [(7 * i) % (V - 2) + 2 for i in range(128)],
-        "max_tokens": 33,
-        "strings": [],
-        "threads": 1,
-    }
-    return run_llamacpp(node_modules, req)
+def time_once(node_modules: Path, model: Path) -> dict:
+    prompt = [(7 * i) % (V - 2) + 2 for i in range(128)]
+    return llamacpp.evaluate(node_modules, model, threads=1, prompt_ids=prompt, max_tokens=33)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--node-modules", default=os.environ.get("NODE_LLAMA_CPP_MODULES"))
+    ap.add_argument("--node-modules", default=None, help=f"default: ${llamacpp.ENV}")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=None, help="keep the GGUF files here")
     args = ap.parse_args()
+    node_modules = llamacpp.find(args.node_modules)
+    if node_modules is None:
+        ap.error(f"give --node-modules DIR (or set {llamacpp.ENV})")
     tmp = tempfile.TemporaryDirectory()
     folder = Path(args.dir or tmp.name)
     folder.mkdir(parents=True, exist_ok=True)
@@ -113,9 +110,9 @@ def main():
     speed = {v: {"prefill": [], "decode": []} for v in VARIANTS}
     for _ in range(args.repeats):
         for v in VARIANTS:
-            r = time_once(args.node_modules, folder / f"{v}.gguf")
-            speed[v]["prefill"].append(128 / r["prompt_and_first_token_s"])
-            speed[v]["decode"].append(r["decode_tokens_per_s"])
+            r = time_once(node_modules, folder / f"{v}.gguf")["runs"][0]
+            speed[v]["prefill"].append(r["prefill_tps"])
+            speed[v]["decode"].append(r["decode_tps"])
     print("| ffn_down | file bytes | prefill tokens/s | decode tokens/s |\n|---|---|---|---|")
     for v in VARIANTS:
         p, d = speed[v]["prefill"], speed[v]["decode"]

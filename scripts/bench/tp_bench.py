@@ -1,7 +1,7 @@
 """Tensor parallelism on one machine: tokens/s and memory, 1 process against N ranks.
 
-    python scripts/tp_bench.py --model DIR --ranks 2 --repeats 3      # the comparison
-    mlx.launch -n 2 --backend ring -- python scripts/tp_bench.py --model DIR --worker
+    python scripts/bench/tp_bench.py --model DIR --ranks 2 --repeats 3      # the comparison
+    mlx.launch -n 2 --backend ring -- python scripts/bench/tp_bench.py --model DIR --worker
 
 The comparison alternates a single process and an `mlx.launch -n N --backend ring` run of
 this script (`--worker`), `--repeats` times each, and prints the median (min-max) per

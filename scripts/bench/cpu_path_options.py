@@ -1,6 +1,6 @@
 """Measure the candidate CPU paths for TernaryLinear side by side (one run, interleaved).
 
-Usage: python scripts/cpu_path_options.py [--tokens 1 16] [--repeats 7]
+Usage: python scripts/bench/cpu_path_options.py [--tokens 1 16] [--repeats 7]
 
 Options timed, with the resident bytes each keeps per weight:
   unpack-compact  unpack base-3 bytes to float per call, then matmul       (1.6 bpw)

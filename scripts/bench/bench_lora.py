@@ -12,8 +12,8 @@ of random tokens. Representations:
 Models: `embedded` (the shipped tiny-shakespeare model) or `mid` (a random llama-shaped
 ternary model, hidden 1024, 8 layers, 32k vocabulary: 94.4 M ternary weights).
 
-    python scripts/bench_lora.py --model embedded --batch 4 --seq 128 --steps 6 --repeats 3
-    python scripts/bench_lora.py --model mid --batch 1 --seq 128 --steps 4 --repeats 2
+    python scripts/bench/bench_lora.py --model embedded --batch 4 --seq 128 --steps 6 --repeats 3
+    python scripts/bench/bench_lora.py --model mid --batch 1 --seq 128 --steps 4 --repeats 2
 
 Prints a Markdown table (median over repeats of the median step time after the first,
 compiling, step; peak memory as MLX reports it) and writes --json when given.

@@ -1,6 +1,6 @@
 """mlx-ternary against llama.cpp on the same ternary weights, side by side on the same cores.
 
-    python scripts/bench_llamacpp.py --llama-cpp NODE_MODULES --dir /tmp/tq2 \
+    python scripts/bench/bench_llamacpp.py --llama-cpp NODE_MODULES --dir /tmp/tq2 \
         --threads 1,2 --prompt-tokens 128 --gen-tokens 64 --repeats 3
 
 1. DIR/model.gguf: a random TQ2_0 llama of the shape below (written once; F16 embedding and

@@ -1,0 +1,120 @@
+"""What the commands share: the --model option and its fallback, the KV options, progress bars."""
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from ..errors import TernaryError
+
+MODEL_HELP = (
+    "Model directory, .gguf file or Hugging Face repo id (default: the embedded tiny model)."
+)
+
+# format.KV_BITS after the house-a merge
+KV_BITS = (2, 3, 4, 5, 6, 8)
+# format.KV_GROUP_SIZES after the house-a merge
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class IntChoice(click.Choice):
+    """A choice among integers, given as text on the command line and passed on as an int."""
+
+    name = "integer choice"
+
+    def __init__(self, values):
+        super().__init__([str(v) for v in values])
+
+    def convert(self, value, param, ctx):
+        return int(super().convert(str(value), param, ctx))
+
+
+KV_BITS_TYPE = IntChoice(KV_BITS)
+KV_GROUP_SIZE_TYPE = IntChoice(KV_GROUP_SIZES)
+
+
+def model_option(f):
+    """--model, defaulting to the embedded model (see `or_embedded`)."""
+    return click.option("--model", default=None, help=MODEL_HELP)(f)
+
+
+def or_embedded(model: str | None) -> str:
+    """The model given, or the embedded tiny model; refused when that one is missing."""
+    if model is not None:
+        return model
+    from ..generate import EMBEDDED_MODEL
+
+    if not EMBEDDED_MODEL.exists():
+        raise TernaryError(
+            f"the embedded model is missing from this installation "
+            f"({EMBEDDED_MODEL}); reinstall mlx-ternary or pass --model"
+        )
+    return str(EMBEDDED_MODEL)
+
+
+@contextmanager
+def tensor_bar(desc: str = "convert", file=None):
+    """A tqdm bar created on the first progress(name, done, total) call, closed on exit."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def progress(name, done, total):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="tensor", desc=desc, file=file)
+        bar.set_postfix_str(name[-40:], refresh=False)
+        bar.update(1)
+
+    try:
+        yield progress
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def local_model(model: str) -> str:
+    """A GGUF file is converted once into the cache, saying so on stderr; others pass as given."""
+    from ..checkpoint.readers.gguf import detect
+
+    if not detect(Path(model).expanduser()):
+        return model
+    from ..checkpoint.gguf_cache import native_dir
+
+    with tensor_bar(file=sys.stderr) as progress:
+        return str(
+            native_dir(Path(model).expanduser(), lambda m: click.echo(m, err=True), progress)
+        )
+
+
+def prompt_cache_bytes(text: str) -> int:
+    """--prompt-cache-bytes as a byte count ("512MB"), refused as a bad parameter."""
+    from ..memory import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--prompt-cache-bytes") from None
+
+
+def check_kv_groups(model, kv_bits: int | None, group_size: int) -> None:
+    """--kv-group-size must divide the model's head size when the KV cache is quantized."""
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    dim = getattr(args, "head_dim", None) or (heads and getattr(args, "hidden_size", 0) // heads)
+    if kv_bits and dim and dim % group_size:
+        sizes = ", ".join(str(s) for s in KV_GROUP_SIZES[:-1]) + f" or {KV_GROUP_SIZES[-1]}"
+        raise TernaryError(
+            f"--kv-group-size {group_size} does not divide this model's head "
+            f"size {dim}; pick {sizes} dividing it"
+        )
+
+
+def refuse_adapters_under_launch(adapter_path, detail: str = "") -> None:
+    """Sharded layers take no LoRA: --adapter-path is refused under mlx.launch."""
+    if adapter_path:
+        raise click.BadParameter(
+            f"adapters are not applied under mlx.launch (sharded layers take no LoRA){detail}",
+            param_hint="--adapter-path",
+        )
