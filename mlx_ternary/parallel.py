@@ -23,7 +23,6 @@ from .errors import TernaryError
 from .format import QuantizationConfig, is_native_config
 from .runtime.layers import ternary_layers
 from .runtime.shard import TernaryParts
-from .runtime.shard_plans import shard_model
 
 
 def free_ports(n: int) -> int:
@@ -186,6 +185,8 @@ def sharded_load(
         return_config=True,
     )
     parts = checkpoint_parts(model, source, read_config(source)) if source.is_dir() else {}
+    from .runtime.shard_plans import shard_model  # the per-model plans, for sharded loads only
+
     shard_model(model, group, sources=parts)
     mx.eval(model.parameters())
     barrier(group)  # a slow rank's load must not time out the first collective

@@ -25,14 +25,7 @@ from ..memory import kv_layout
 from ..runtime import dispatch
 from . import ceiling, llamacpp
 from .report import BenchResult, FormatResult, Run, apple_rows, plot, render, table_rows
-from .variants import (
-    DEFAULT_FORMATS,
-    FORMATS,
-    _fast_to_q4,  # noqa: F401  (bench/kernels.py imports it from here)
-    build_variants,
-    make_layer,
-    model_shapes,
-)
+from .variants import DEFAULT_FORMATS, FORMATS, build_variants, make_layer, model_shapes
 
 __all__ = ["FORMATS", "DEFAULT_FORMATS", "run_bench", "measure", "render", "plot"]
 __all__ += ["table_rows", "apple_rows", "build_variants", "make_layer", "BenchResult"]

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FormatError, TernaryError, read_json
-from ..format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig
+from ..format import AffineTensor, PackedTernary, QuantizationConfig, check_packing
 from ..runtime import dispatch
 from .hub import model_dir
 from .publish import destination, partial, publish, remove
@@ -244,12 +244,6 @@ def _copy_tokenizer(source: Source, out: Path) -> None:
         (out / name).write_text(text)
 
 
-def _check_packing(packing: str) -> str:
-    if packing not in PACKINGS:  # format.check_packing after the house-a merge
-        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    return packing
-
-
 def convert_source(
     source: Source,
     mlx_path=None,
@@ -268,7 +262,7 @@ def convert_source(
     """Write an opened Source (see `convert` for the arguments)."""
     dst = destination(mlx_path, to_gguf, force)
     target = Target(
-        _check_packing(packing), q_bits, q_group_size, dequantize, dtype, gguf_type, max_shard_bytes
+        check_packing(packing), q_bits, q_group_size, dequantize, dtype, gguf_type, max_shard_bytes
     )
     return _convert(with_model(source), dst, target, to_gguf is not None, force, progress)
 
@@ -483,7 +477,7 @@ def convert(
             checkpoint (FormatError names the file and tensor). Nothing is left at the
             destination on any error or interrupt.
     """
-    packing = _check_packing(packing or DEFAULT_PACKING)
+    packing = check_packing(packing or DEFAULT_PACKING)
     dst = destination(mlx_path, to_gguf, force)  # before a hub download
     _check_activation_bits(activation_bits)
     source = open_source(

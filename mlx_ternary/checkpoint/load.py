@@ -8,7 +8,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..errors import TernaryError
-from ..format import PACKINGS, AffineTensor, PackedTernary
+from ..format import AffineTensor, PackedTernary, check_packing
 from ..runtime import dispatch
 from ..runtime.cpu import layers as native_layers
 from ..runtime.layers import (
@@ -45,9 +45,9 @@ def default_dtype():
 def runtime_packing(packing: Optional[str], backend: Optional[str]) -> Optional[str]:
     """The packing ternary layers run in: `packing`, else "fast" where the reference path
     runs (it reads MLX's 2-bit layout in place), else None (keep what is stored)."""
-    if packing is not None and packing not in PACKINGS:
-        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    return packing or ("fast" if dispatch.resolve_backend(backend) == "reference" else None)
+    if packing is not None:
+        return check_packing(packing)
+    return "fast" if dispatch.resolve_backend(backend) == "reference" else None
 
 
 def read_layers(source: Source, model: nn.Module, *, backend: Optional[str] = None):

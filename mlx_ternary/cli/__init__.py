@@ -5,7 +5,6 @@ bench; common holds what they share."""
 
 import click
 
-from .. import __version__
 from ..errors import TernaryError
 from .bench import bench
 from .model import convert, plan, verify
@@ -26,7 +25,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="mlx-ternary")
+@click.version_option(package_name="mlx-ternary", prog_name="mlx-ternary")
 @click.pass_context
 def main(ctx):
     """Run ternary (1.58-bit) LLMs with MLX."""

@@ -7,15 +7,11 @@ from pathlib import Path
 import click
 
 from ..errors import TernaryError
+from ..format import AFFINE_BITS, AFFINE_GROUP_SIZES, KV_BITS, KV_GROUP_SIZES, PACKINGS
 
 MODEL_HELP = (
     "Model directory, .gguf file or Hugging Face repo id (default: the embedded tiny model)."
 )
-
-# format.KV_BITS after the house-a merge
-KV_BITS = (2, 3, 4, 5, 6, 8)
-# format.KV_GROUP_SIZES after the house-a merge
-KV_GROUP_SIZES = (32, 64, 128)
 
 
 class IntChoice(click.Choice):
@@ -32,6 +28,9 @@ class IntChoice(click.Choice):
 
 KV_BITS_TYPE = IntChoice(KV_BITS)
 KV_GROUP_SIZE_TYPE = IntChoice(KV_GROUP_SIZES)
+AFFINE_BITS_TYPE = IntChoice(AFFINE_BITS)
+AFFINE_GROUP_SIZE_TYPE = IntChoice(AFFINE_GROUP_SIZES)
+PACKING_TYPE = click.Choice(PACKINGS)
 
 
 def model_option(f):

@@ -3,7 +3,10 @@
 import click
 
 from .common import (
+    AFFINE_BITS_TYPE,
+    AFFINE_GROUP_SIZE_TYPE,
     KV_BITS_TYPE,
+    PACKING_TYPE,
     local_model,
     model_option,
     or_embedded,
@@ -35,21 +38,21 @@ Examples:
 )
 @click.option(
     "--packing",
-    type=click.Choice(["compact", "fast"]),
+    type=PACKING_TYPE,
     default=None,
     help="Native packing (default: the kernels' default).",
 )
 @click.option(
     "-q",
     "--q-bits",
-    type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+    type=AFFINE_BITS_TYPE,
     default=None,
     help="Write a stock MLX affine checkpoint at this many bits (exact ternary).",
 )
 @click.option(
     "--q-group-size",
-    type=click.Choice(["32", "64", "128"]),
-    default="64",
+    type=AFFINE_GROUP_SIZE_TYPE,
+    default=64,
     show_default=True,
     help="Group size of the MLX affine checkpoint.",
 )
@@ -87,8 +90,8 @@ def convert(hf_path, mlx_path, q_bits, q_group_size, activation_bits, **options)
         report = run_convert(
             hf_path,
             mlx_path,
-            int(q_bits) if q_bits else None,
-            int(q_group_size),
+            q_bits,
+            q_group_size,
             progress=progress,
             activation_bits=None if activation_bits is None else int(activation_bits),
             **options,

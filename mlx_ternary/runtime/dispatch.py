@@ -32,7 +32,7 @@ ENV_BACKEND = "MLX_TERNARY_BACKEND"
 ENV_EMULATE = "MLX_TERNARY_EMULATE_METAL"
 # The packing `convert` writes by default. The cost model in docs/KERNELS.md predicts the
 # 2-bit layout's exponent-OR decode (~2.4 ALU slots per weight) near bandwidth on every
-# Apple GPU, while base-3 is ALU-bound; scripts/bench_kernels.py settles it on a Mac.
+# Apple GPU, while base-3 is ALU-bound; `mlx-ternary bench --kernels` settles it on a Mac.
 DEFAULT_PACKING = "fast"
 MAX_PLANNED_CALLS = 64  # (shape, dtype) entries a plan keeps; prefill lengths vary
 
