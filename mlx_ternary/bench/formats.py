@@ -27,7 +27,7 @@ from . import ceiling, llamacpp
 from .report import BenchResult, FormatResult, Run, apple_rows, plot, render, table_rows
 from .variants import DEFAULT_FORMATS, FORMATS, build_variants, make_layer, model_shapes
 
-__all__ = ["FORMATS", "DEFAULT_FORMATS", "run_bench", "measure", "render", "plot"]
+__all__ = ["FORMATS", "DEFAULT_FORMATS", "run_bench", "time_generation", "render", "plot"]
 __all__ += ["table_rows", "apple_rows", "build_variants", "make_layer", "BenchResult"]
 
 WARMUP_PROMPT = 1
@@ -47,7 +47,7 @@ def kv_footprint(model: nn.Module, tokens: int) -> tuple:
     return per_token, fixed
 
 
-def measure(model: nn.Module, prompt: mx.array, gen_tokens: int):
+def time_generation(model: nn.Module, prompt: mx.array, gen_tokens: int):
     """Prefill then decode greedily; returns (Run, KV bytes per token, state bytes)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -159,7 +159,7 @@ def run_bench(
 def _warm_up(variants, live, prompt, progress) -> None:
     for f in live:
         progress(f"warming up {f}")
-        measure(variants[f][0], prompt[:WARMUP_PROMPT], WARMUP_GEN)
+        time_generation(variants[f][0], prompt[:WARMUP_PROMPT], WARMUP_GEN)
 
 
 def _check_bench_args(formats, prompt_tokens: int, gen_tokens: int, repeats: int) -> None:
@@ -182,7 +182,7 @@ def _timed_runs(variants, order, prompt, gen_tokens, repeats, run_llama, progres
                 run_llama()
                 continue
             model_, res = variants[f]
-            run, kv, state = measure(model_, prompt, gen_tokens)
+            run, kv, state = time_generation(model_, prompt, gen_tokens)
             run.peak_bytes += res.weight_bytes
             res.runs.append(run)
             res.kv_bytes_per_token, res.state_bytes = kv, state

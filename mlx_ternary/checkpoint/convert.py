@@ -20,8 +20,7 @@ from ..format import AffineTensor, PackedTernary, QuantizationConfig, check_pack
 from ..runtime import dispatch
 from .hub import model_dir
 from .publish import destination, partial, publish, remove
-from .readers import open_source as open_path
-from .readers import with_model
+from .readers import open_source, with_model
 from .readers.arch import Checker, is_hadamard
 from .readers.common import TOKENIZER_FILES, Source
 from .writers import gguf as gguf_writer
@@ -65,7 +64,7 @@ class ConvertReport:
         return 8 * self.ternary_bytes / self.ternary_weights if self.ternary_weights else None
 
 
-def open_source(
+def open_input(
     hf_path: Union[str, Path],
     packing: str = DEFAULT_PACKING,
     revision: Optional[str] = None,
@@ -83,8 +82,8 @@ def open_source(
             raise TernaryError(
                 f"{p}: a single file must be a .gguf; otherwise pass the model directory"
             )
-        return open_path(p, packing)
-    return open_path(model_dir(str(hf_path), revision), packing, group_size)
+        return open_source(p, packing)
+    return open_source(model_dir(str(hf_path), revision), packing, group_size)
 
 
 # --------------------------------------------------------------------------- #
@@ -480,7 +479,7 @@ def convert(
     packing = check_packing(packing or DEFAULT_PACKING)
     dst = destination(mlx_path, to_gguf, force)  # before a hub download
     _check_activation_bits(activation_bits)
-    source = open_source(
+    source = open_input(
         hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing, revision, group_size
     )
     _set_activation_bits(source, activation_bits)

@@ -129,12 +129,12 @@ def serve(model, host, port, memory_limit, prompt_cache, adapter_path, **sizes):
 
 def _load_for_serve(path, group, adapter_path):
     from .. import parallel as dist
-    from ..serve.http import load_model
+    from ..serve.http import load_lazily
 
     if group.size() > 1:
         refuse_adapters_under_launch(adapter_path)
         return dist.sharded_load(path, group)
-    return load_model(path, adapter_path)
+    return load_lazily(path, adapter_path)
 
 
 def _prompt_cache_size(lm, prompt_cache, sizes) -> int:

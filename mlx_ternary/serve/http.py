@@ -38,7 +38,7 @@ MAX_BODY = 4 * 1024 * 1024
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETION_PATHS = ("/v1/completions", "/completions")
 MESSAGES_PATHS = ("/v1/messages", "/messages")
-__all__ = ["APIError", "ServeConfig", "Server", "load_model", "make_engine"]
+__all__ = ["APIError", "ServeConfig", "Server", "load_lazily", "make_engine"]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -394,7 +394,7 @@ def _grammars(model, tokenizer):
     return Grammars(tokenizer, vocab or len(tokenizer.get_vocab()))
 
 
-def load_model(path: str, adapter_path: Optional[str] = None):
+def load_lazily(path: str, adapter_path: Optional[str] = None):
     """(model, tokenizer) for `serve`, loaded lazily so the memory plan runs first; LoRA/DoRA
     adapters (mlx-lm's format) applied when `adapter_path` is given."""
     from ..checkpoint.load import load

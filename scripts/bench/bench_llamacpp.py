@@ -128,15 +128,15 @@ def worker(model_dir: str, prompt_tokens: int, gen_tokens: int, seed: int) -> di
     """One mlx-ternary measurement in this (fresh) process."""
     import mlx.core as mx
 
-    from mlx_ternary.bench.formats import measure
+    from mlx_ternary.bench.formats import time_generation
     from mlx_ternary.checkpoint.load import load_model
     from mlx_ternary.runtime import cpu, dispatch
 
     model, config = load_model(Path(model_dir))
     rng = np.random.default_rng(seed)
     prompt = mx.array(rng.integers(3, config["vocab_size"], prompt_tokens), dtype=mx.uint32)
-    measure(model, prompt[:1], 2)  # warm-up
-    run, _, _ = measure(model, prompt, gen_tokens)
+    time_generation(model, prompt[:1], 2)  # warm-up
+    run, _, _ = time_generation(model, prompt, gen_tokens)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss *= 1 if sys.platform == "darwin" else 1024
     return {

@@ -462,7 +462,7 @@ def test_transformers_fixtures_convert(tmp_path, name):
 def test_one_destination_check_refuses_and_leaves_the_old_output_intact(tmp_path, native_src, kind):
     """Without force an existing output (a dangling symlink too) is refused before any read,
     for both convert() and convert_source(); the old output is left byte for byte."""
-    from mlx_ternary.checkpoint.convert import open_source
+    from mlx_ternary.checkpoint.convert import open_input
 
     out = tmp_path / "out"
     if kind == "dir":
@@ -474,7 +474,7 @@ def test_one_destination_check_refuses_and_leaves_the_old_output_intact(tmp_path
         out.symlink_to(tmp_path / "nowhere")
     for run in (
         lambda: convert(str(tmp_path / "no-such-source"), out),  # refused before opening
-        lambda: convert_source(open_source(str(native_src)), out),
+        lambda: convert_source(open_input(str(native_src)), out),
     ):
         with pytest.raises(TernaryError, match="already exists; pass --force"):
             run()

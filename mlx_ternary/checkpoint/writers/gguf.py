@@ -248,7 +248,7 @@ def write(
         raise TernaryError(f"--gguf-type must be one of {QTYPES}, got {qtype!r}")
     arch = ARCHITECTURES[WRITE_ARCH[config["model_type"]]]
     names = NameTable(arch.names)
-    plan = gt.Plan.make(config, arch.rotary_permuted)
+    plan = gt.Encoding.make(config, arch.rotary_permuted)
     w = GGUFWriter(str(out_file), arch.gguf, use_temp_file=True)
     _metadata(w, config, activation_bits, plan.ffn)
     w.add_file_type(LlamaFileType[f"MOSTLY_{qtype}"])
