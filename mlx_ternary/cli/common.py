@@ -32,6 +32,30 @@ AFFINE_BITS_TYPE = IntChoice(AFFINE_BITS)
 AFFINE_GROUP_SIZE_TYPE = IntChoice(AFFINE_GROUP_SIZES)
 PACKING_TYPE = click.Choice(PACKINGS)
 
+# Options several commands share, defined once.
+kv_bits_option = click.option(
+    "--kv-bits", default=None, type=KV_BITS_TYPE, help="Quantize the KV cache to this many bits."
+)
+prefill_option = click.option(
+    "--prefill-step-size",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Prompt tokens per prefill chunk.",
+)
+memory_limit_option = click.option(
+    "--memory-limit",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Memory limit in GiB for the plan (default: the memory available).",
+)
+adapter_option = click.option(
+    "--adapter-path",
+    default=None,
+    help="Directory of LoRA/DoRA adapters (mlx-lm's adapters.safetensors and "
+    "adapter_config.json) to apply.",
+)
+
 
 def model_option(f):
     """--model, defaulting to the embedded model (see `or_embedded`)."""

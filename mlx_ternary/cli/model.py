@@ -5,11 +5,13 @@ import click
 from .common import (
     AFFINE_BITS_TYPE,
     AFFINE_GROUP_SIZE_TYPE,
-    KV_BITS_TYPE,
     PACKING_TYPE,
+    kv_bits_option,
     local_model,
+    memory_limit_option,
     model_option,
     or_embedded,
+    prefill_option,
     prompt_cache_bytes,
     tensor_bar,
 )
@@ -149,22 +151,9 @@ Examples:
     type=click.IntRange(min=1),
     help="Sequences decoded together.",
 )
-@click.option(
-    "--kv-bits", default=None, type=KV_BITS_TYPE, help="Quantize the KV cache to this many bits."
-)
-@click.option(
-    "--prefill-step-size",
-    default=512,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Prompt tokens per prefill chunk.",
-)
-@click.option(
-    "--memory-limit",
-    default=None,
-    type=click.FloatRange(min=0, min_open=True),
-    help="Memory limit in GiB (default: the memory available).",
-)
+@kv_bits_option
+@prefill_option
+@memory_limit_option
 @click.option(
     "--prompt-cache-bytes",
     "prompt_cache",

@@ -6,7 +6,8 @@ import click
 
 from ..errors import TernaryError
 from .common import (
-    KV_BITS_TYPE,
+    adapter_option,
+    kv_bits_option,
     local_model,
     model_option,
     or_embedded,
@@ -53,15 +54,8 @@ Examples:
     help="Feed the prompt as raw text even if the tokenizer has a chat template.",
 )
 @click.option("--max-kv-size", default=None, type=int, help="Rotating KV cache size.")
-@click.option(
-    "--kv-bits", default=None, type=KV_BITS_TYPE, help="Quantize the KV cache to this many bits."
-)
-@click.option(
-    "--adapter-path",
-    default=None,
-    help="Directory of LoRA/DoRA adapters (mlx-lm's adapters.safetensors and "
-    "adapter_config.json) to apply.",
-)
+@kv_bits_option
+@adapter_option
 @click.option("--verbose", is_flag=True, help="Print speeds and peak memory at the end.")
 def generate(model, prompt, max_tokens, adapter_path, verbose, **sampling):
     """Generate text from a prompt, streaming tokens as they come."""

@@ -8,10 +8,13 @@ from ..errors import TernaryError
 from .common import (
     KV_BITS_TYPE,
     KV_GROUP_SIZE_TYPE,
+    adapter_option,
     check_kv_groups,
     local_model,
+    memory_limit_option,
     model_option,
     or_embedded,
+    prefill_option,
     prompt_cache_bytes,
     refuse_adapters_under_launch,
 )
@@ -47,19 +50,8 @@ Examples:
     type=click.IntRange(min=2),
     help="Prompt + generated tokens per request; longer prompts get HTTP 400.",
 )
-@click.option(
-    "--memory-limit",
-    default=None,
-    type=click.FloatRange(min=0, min_open=True),
-    help="Memory limit in GiB for the plan (default: the memory available).",
-)
-@click.option(
-    "--prefill-step-size",
-    default=512,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Prompt tokens per prefill chunk.",
-)
+@memory_limit_option
+@prefill_option
 @click.option(
     "--max-concurrency",
     default=8,
@@ -87,11 +79,7 @@ Examples:
     help="Bytes of KV kept across requests for prompt reuse, e.g. 512MB "
     "(default: as much as the live KV cache; 0 turns it off).",
 )
-@click.option(
-    "--adapter-path",
-    default=None,
-    help="Directory of LoRA/DoRA adapters (mlx-lm's format) to apply.",
-)
+@adapter_option
 def serve(model, host, port, memory_limit, prompt_cache, adapter_path, **sizes):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
