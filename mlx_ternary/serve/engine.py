@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from .kv_quant import make_cache
 from .prompt_cache import PromptCache
+from .text import TextStream
 
 log = logging.getLogger("mlx_ternary.serve.http")
 POLL_S = 0.2
@@ -43,7 +44,7 @@ class Job:
     cached_tokens: int = 0
     stop_hit: Optional[str] = None  # the stop string that ended the answer
     uid: Optional[int] = None
-    detokenizer: object = None
+    text: Optional[TextStream] = None
     pending: str = ""
     records: list = field(default_factory=list)
     tokens: int = 0
@@ -244,7 +245,7 @@ class Engine:
             logits_processors=[procs],
             stop_sequences=[self._stops],
         )
-        job.detokenizer = self.tokenizer.detokenizer
+        job.text = TextStream(self.tokenizer, job.prompt)
         self.active[job.uid] = job
 
     def _prompt_logprobs(self, job: Job) -> List[dict]:
@@ -281,12 +282,10 @@ class Engine:
         self.tokens_generated += 1
         if job.logprobs is not None:
             job.records += token_records(r.logprobs[None], [r.token], job.logprobs)
-        detok = job.detokenizer
-        if r.finish_reason != "stop":  # the EOS token itself is not text
-            detok.add_token(r.token)
+        text = job.text.add(r.token) if r.finish_reason != "stop" else ""  # EOS is no text
         if r.finish_reason is not None:
-            detok.finalize()
-        text, reason = self._apply_stop(job, detok.last_segment, reason=r.finish_reason)
+            text += job.text.flush()
+        text, reason = self._apply_stop(job, text, reason=r.finish_reason)
         if text or (reason is not None and job.records):
             job.events.put(("text", text, job.records))
             job.records = []
