@@ -38,7 +38,9 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 def error_body(e: APIError) -> dict:
     kind = (
-        "not_found_error"
+        "authentication_error"
+        if e.status == 401
+        else "not_found_error"
         if e.status == 404
         else "overloaded_error"
         if e.code == "overloaded"

@@ -8,6 +8,7 @@ tokenizer's chat template and parsed back with mlx-lm's tool parser for that tem
 import json
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 from .engine import Job
@@ -28,8 +29,10 @@ class APIError(Exception):
         param: Optional[str] = None,
         code: Optional[str] = None,
         type_: str = "invalid_request_error",
+        headers: Optional[dict] = None,
     ):
         super().__init__(message)
+        self.headers = headers or {}
         self.status, self.message, self.param, self.code, self.type = (
             status,
             message,
@@ -53,7 +56,7 @@ class APIError(Exception):
 class ServeConfig:
     """What `mlx-ternary serve` was started with."""
 
-    model_name: str
+    model_name: str  # the id /v1/models lists first (short_name of --model)
     max_context: int = 4096
     prefill_step_size: int = 512
     max_concurrency: int = 8
@@ -61,6 +64,28 @@ class ServeConfig:
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
     prompt_cache_bytes: Optional[int] = None  # None: as much as the live KV cache's plan
+    aliases: List[str] = field(default_factory=list)  # --served-model-name
+    api_key: Optional[str] = None  # required on every path but /health when set
+    cors_origins: List[str] = field(default_factory=list)  # "*" allows any origin
+    read_timeout: float = 60.0  # seconds a connection may send nothing
+    max_connections: int = 1024  # open connections; more are answered 503
+    drain_timeout: float = 25.0  # seconds in-flight requests get at SIGTERM/SIGINT
+
+    @property
+    def names(self) -> List[str]:
+        """Every name a request may give as `model`, the primary id first."""
+        return list(dict.fromkeys([self.model_name, *self.aliases]))
+
+
+def short_name(model: str) -> str:
+    """The id a client types for `model`: a directory's name, a GGUF file's stem, or the
+    Hugging Face repo id as given."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name
+    return model.rstrip("/")
 
 
 @dataclass
@@ -351,11 +376,11 @@ def stop_strings(body, name="stop", most=4) -> List[str]:
 
 def check_model(body, config: ServeConfig):
     model = field_(body, "model", (str,))
-    if model is not None and model not in (config.model_name, "default_model"):
+    if model is not None and model not in config.names + ["default_model"]:
         raise APIError(
             404,
             f"the model '{model}' does not exist; this server serves "
-            f"'{config.model_name}' (see /v1/models)",
+            f"{', '.join(repr(n) for n in config.names)} (see /v1/models)",
             "model",
             "model_not_found",
         )

@@ -405,7 +405,7 @@ def test_missing_content_length_is_411(srv):
         data = b""
         while chunk := s.recv(65536):  # the server closes after the response
             data += chunk
-    assert data.startswith(b"HTTP/1.0 411") and b'"error"' in data
+    assert data.startswith(b"HTTP/1.1 411") and b'"error"' in data
 
 
 def test_disconnect_mid_stream_stops_generation(srv):
