@@ -505,6 +505,40 @@ Examples:
     default=None,
     help="Directory of LoRA/DoRA adapters (mlx-lm's format) to apply.",
 )
+@click.option(
+    "--served-model-name",
+    "served_names",
+    multiple=True,
+    help="Another name clients may give as 'model' (repeatable); the id is the model's "
+    "short name (directory name, repo id or GGUF stem).",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="MLX_TERNARY_API_KEY",
+    help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every path but /health "
+    "(default: $MLX_TERNARY_API_KEY).",
+)
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="A browser origin allowed to call the API, e.g. http://localhost:3000, or * (repeatable).",
+)
+@click.option(
+    "--read-timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a connection may send nothing before it is closed.",
+)
+@click.option(
+    "--max-connections",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Open connections at most; more get HTTP 503 with Retry-After.",
+)
 def serve(
     model,
     host,
@@ -517,6 +551,11 @@ def serve(
     kv_group_size,
     prompt_cache_bytes,
     adapter_path,
+    served_names,
+    api_key,
+    cors_origins,
+    read_timeout,
+    max_connections,
 ):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
@@ -524,7 +563,15 @@ def serve(
     from . import parallel as dist
     from .memory import kv_bytes, parse_bytes
     from .memory import plan as memory_plan
-    from .serve.http import ServeConfig, Server, load_model, make_engine
+    from .serve.http import (
+        ServeConfig,
+        Server,
+        drain_on_signals,
+        exposure_warning,
+        load_model,
+        make_engine,
+        short_name,
+    )
     from .serve.lockstep import LockstepEngine, follow
 
     model = model or str(gen.EMBEDDED_MODEL)
@@ -568,7 +615,12 @@ def serve(
     if not mem.fits:
         raise TernaryError(mem.refusal())
     config = ServeConfig(
-        model_name=model,
+        model_name=short_name(model),
+        aliases=list(served_names),
+        api_key=api_key or None,
+        cors_origins=list(cors_origins),
+        read_timeout=read_timeout,
+        max_connections=max_connections,
         max_context=max_context,
         prefill_step_size=prefill_step_size,
         max_concurrency=max_concurrency,
@@ -585,14 +637,17 @@ def serve(
     except ValueError as e:  # a model whose caches --kv-bits cannot quantize
         raise TernaryError(str(e)) from None
     click.echo(
-        f"Serving {model} on http://{host}:{server.server_address[1]}/v1 "
+        f"Serving {model} as {', '.join(config.names)} on "
+        f"http://{host}:{server.server_address[1]}/v1 "
         f"(plan: {mem.total / 1024**3:.2f} of {mem.limit / 1024**3:.2f} GiB)",
         err=True,
     )
+    warning = exposure_warning(host, config.api_key)
+    if warning:
+        click.echo(f"WARNING: {warning}", err=True)
+    drain_on_signals(server)  # SIGTERM/SIGINT: in-flight requests finish, new ones get 503
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     finally:
         server.server_close()
 

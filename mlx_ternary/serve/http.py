@@ -8,6 +8,7 @@ the API's own JSON shape; tracebacks stay in the server's log.
 """
 
 import hmac
+import ipaddress
 import json
 import logging
 import queue
@@ -54,6 +55,7 @@ __all__ = [
     "ServeConfig",
     "Server",
     "drain_on_signals",
+    "exposure_warning",
     "load_model",
     "make_engine",
     "short_name",
@@ -496,6 +498,29 @@ class Server(ThreadingHTTPServer):
     def server_close(self):
         super().server_close()
         self.engine.stop()
+
+
+def exposure_warning(host: str, api_key: Optional[str]) -> Optional[str]:
+    """A warning when `host` is reachable from other machines and no API key is set."""
+    if api_key or host in ("localhost", ""):
+        return None if api_key or host == "localhost" else _exposed(host)
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: loopback only if it resolves there
+        try:
+            if all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, 0)):
+                return None
+        except OSError:
+            pass
+    return _exposed(host)
+
+
+def _exposed(host: str) -> str:
+    return (
+        f"serving on {host or 'all addresses'} without an API key: anyone who can reach "
+        "it can use it; set --api-key (or $MLX_TERNARY_API_KEY)"
+    )
 
 
 def drain_on_signals(server: Server, signals=(signal.SIGTERM, signal.SIGINT)):
