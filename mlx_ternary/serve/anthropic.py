@@ -9,15 +9,8 @@ content_block_start/delta/stop, message_delta, message_stop).
 import json
 import uuid
 
-from .openai import (
-    APIError,
-    Request,
-    ToolSplitter,
-    field_,
-    parse_request,
-    split_answer,
-    stop_strings,
-)
+from .answers import ToolSplitter, split_answer
+from .openai import APIError, Request, field_, parse_request, stop_strings
 
 SUPPORTED = {
     "model",

@@ -14,6 +14,7 @@ Events on `Job.events`: ("prompt_logprobs", [record]), ("text", str, [record]),
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -48,6 +49,7 @@ class Job:
     pending: str = ""
     records: list = field(default_factory=list)
     tokens: int = 0
+    submitted: float = 0.0  # time.monotonic() at submit, then at each token
 
 
 def _seeded_sampler(temp, top_p, top_k, min_p, seed):
@@ -130,6 +132,8 @@ class Engine:
         self.failed: Optional[str] = None
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
+        self.metrics = None  # a serve.metrics.Metrics, when the server keeps them
+        self._gen = None
 
     def start(self):
         self._thread.start()
@@ -147,19 +151,29 @@ class Engine:
         return self.inbox.qsize() + len(self.active)
 
     def submit(self, job: Job):
+        job.submitted = time.monotonic()
         self.inbox.put(job)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the running batch's KV cache."""
+        gen = self._gen
+        try:
+            return int(gen.prompt_cache_nbytes) if gen is not None else 0
+        except Exception:  # read while the generation thread changes the batch
+            return 0
 
     def _new_generator(self, stream):
         from mlx_lm.generate import BatchGenerator, make_stop_sequences
 
         self._stops = make_stop_sequences(self.tokenizer)
-        return BatchGenerator(
+        self._gen = BatchGenerator(
             self.model,
             completion_batch_size=self.max_concurrency,
             prefill_batch_size=self.max_concurrency,
             prefill_step_size=self.prefill_step_size,
             stream=stream,
         )
+        return self._gen
 
     def _run(self):
         try:
@@ -280,6 +294,12 @@ class Engine:
             return
         job.tokens += 1
         self.tokens_generated += 1
+        if self.metrics is not None:
+            now = time.monotonic()
+            (self.metrics.first_token if job.tokens == 1 else self.metrics.next_token)(
+                now - job.submitted
+            )
+            job.submitted = now
         if job.logprobs is not None:
             job.records += token_records(r.logprobs[None], [r.token], job.logprobs)
         text = job.text.add(r.token) if r.finish_reason != "stop" else ""  # EOS is no text

@@ -17,26 +17,16 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from ..memory import kv_bytes, materialize
+from . import answers, endpoints
 from . import anthropic as anthropic
 from .engine import POLL_S, Engine, Job
 from .kv_quant import make_cache
-from .openai import (
-    APIError,
-    Request,
-    ServeConfig,
-    ToolSplitter,
-    chat_logprobs,
-    completion_logprobs,
-    parse_request,
-    short_name,
-    split_answer,
-    usage,
-)
+from .metrics import Metrics
+from .openai import APIError, Request, ServeConfig, parse_request, short_name
 
 log = logging.getLogger(__name__)
 MAX_BODY = 4 * 1024 * 1024
@@ -75,6 +65,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):
         log.debug("%s %s", self.address_string(), fmt % args)
+
+    def send_response(self, code, message=None):
+        path = getattr(self, "path", "").split("?", 1)[0]
+        known = any(path == p for _, p in ROUTES)  # a label per endpoint, not per probe
+        self.server.metrics.request(path if known else "other", code)
+        super().send_response(code, message)
 
     def end_headers(self):
         origin = self.headers.get("Origin") if self.headers else None
@@ -250,139 +246,6 @@ class Handler(BaseHTTPRequestHandler):
                 done = event
         return None if done is None else ("".join(text), records, prompt_records, done)
 
-    def _whole(self, req: Request):
-        got = self.collect(req.job)
-        if got is None:
-            return  # the client went away
-        text, records, prompt_records, (_, reason, n) = got
-        tok, job = self.server.tokenizer, req.job
-        if req.chat:
-            content, calls = split_answer(req, text)
-            message = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-                reason = "tool_calls" if reason == "stop" else reason
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": chat_logprobs(tok, records) if job.logprobs is not None else None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": req.echo_text + text,
-                "logprobs": self._completion_logprobs(req, records, prompt_records),
-            }
-        choice["finish_reason"] = reason
-        self.send_json(
-            200,
-            {
-                "id": _rid(req.chat),
-                "created": int(time.time()),
-                "object": "chat.completion" if req.chat else "text_completion",
-                "model": self.server.config.model_name,
-                "choices": [choice],
-                "usage": usage(job, n),
-            },
-        )
-
-    def _completion_logprobs(self, req, records, prompt_records, offset=None):
-        job, tok = req.job, self.server.tokenizer
-        if job.logprobs is None:
-            return None
-        if prompt_records is not None and job.echo:
-            lead = completion_logprobs(tok, prompt_records, 0, first=job.prompt[0])
-            rest = completion_logprobs(tok, records, len(req.echo_text))
-            return {k: lead[k] + rest[k] for k in lead}
-        return completion_logprobs(tok, records, len(req.echo_text) if offset is None else offset)
-
-    def _stream(self, req: Request):
-        self.start_sse()
-        rid, created, name = _rid(req.chat), int(time.time()), self.server.config.model_name
-        obj = "chat.completion.chunk" if req.chat else "text_completion"
-        tok, job = self.server.tokenizer, req.job
-        splitter = ToolSplitter(req.tool_markers, req.tools) if req.tools else None
-        state = {"offset": 0, "calls": 0}
-
-        def send(choice=None, use=None):
-            chunk = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": name,
-                "choices": [choice] if choice else [],
-            }
-            if use:
-                chunk["usage"] = use
-            self.send_sse(chunk)
-
-        def text_chunk(text, records, reason=None):
-            if req.chat:
-                lp = chat_logprobs(tok, records) if job.logprobs is not None else None
-                return {
-                    "index": 0,
-                    "delta": {"content": text},
-                    "logprobs": lp,
-                    "finish_reason": reason,
-                }
-            lp = (
-                completion_logprobs(tok, records, state["offset"])
-                if job.logprobs is not None
-                else None
-            )
-            state["offset"] += len(text)
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
-
-        def chat_items(items, records):
-            for kind, value in items:
-                if kind == "text":
-                    send(text_chunk(value, records))
-                else:
-                    delta = {"tool_calls": [dict(value, index=state["calls"])]}
-                    state["calls"] += 1
-                    send({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
-                records = []
-            if records:
-                send(text_chunk("", records))
-
-        if req.chat:
-            send(
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-        for event in self.events(job):
-            if event[0] == "prompt_logprobs":
-                lp = self._completion_logprobs(req, [], event[1])
-                send({"index": 0, "text": req.echo_text, "logprobs": lp, "finish_reason": None})
-                state["offset"] = len(req.echo_text)
-            elif event[0] == "text":
-                if req.chat:
-                    chat_items(
-                        splitter.feed(event[1]) if splitter else [("text", event[1])], event[2]
-                    )
-                else:
-                    send(text_chunk(event[1], event[2]))
-            elif event[0] == "error":
-                self.send_sse(APIError(500, event[1], type_="server_error").body())
-                return
-            else:
-                if splitter:
-                    chat_items(splitter.flush(), [])
-                reason = "tool_calls" if state["calls"] and event[1] == "stop" else event[1]
-                send(
-                    text_chunk("", [], reason)
-                    if not req.chat
-                    else {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-                )
-                if req.include_usage:
-                    send(use=usage(job, event[2]))
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-
 
 def _health(h: Handler):
     ok = h.server.engine.healthy and not h.server.draining
@@ -408,7 +271,7 @@ def _openai(chat: bool):
     def route(h: Handler):
         srv = h.server
         req = parse_request(h._read_body(), srv.tokenizer, srv.config, chat, srv.grammars)
-        h.answer(req, Handler._stream if req.stream else Handler._whole)
+        h.answer(req, answers.stream if req.stream else answers.whole)
 
     return route
 
@@ -425,11 +288,11 @@ ROUTES = {
     **{("POST", p): _openai(True) for p in CHAT_PATHS},
     **{("POST", p): _openai(False) for p in COMPLETION_PATHS},
     **{("POST", p): _messages for p in MESSAGES_PATHS},
+    ("POST", "/tokenize"): endpoints.tokenize,
+    ("POST", "/detokenize"): endpoints.detokenize,
+    ("GET", "/tokenizer_info"): endpoints.tokenizer_info,
+    ("GET", "/metrics"): endpoints.metrics,
 }
-
-
-def _rid(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
 class Server(ThreadingHTTPServer):
@@ -451,6 +314,7 @@ class Server(ThreadingHTTPServer):
         self.grammars = self.engine.grammars
         self.tokenizer, self.config, self.created = tokenizer, config, int(time.time())
         self.draining = False
+        self.metrics = self.engine.metrics = Metrics()
         self.connections = self.in_flight = 0
         self._count = threading.Lock()
         self.request_queue_size = max(128, min(config.max_connections, 4096))  # the backlog
