@@ -1,4 +1,4 @@
-"""The endpoints beside the APIs: tokenize, detokenize, tokenizer info, metrics.
+"""The endpoints beside the APIs: tokenize, detokenize, tokenizer info, metrics, the chat page.
 
 `/tokenize` and `/detokenize` take both shapes clients send: llama-server's (`content` ->
 `tokens`, `tokens` -> `content`) and vLLM's (`prompt` -> `tokens` with `count` and
@@ -6,7 +6,12 @@
 tokenizer reads). Each route is `route(handler)`; http.py lists them in its table.
 """
 
+from functools import lru_cache
+from pathlib import Path
+
 from .openai import APIError, check_model, completion_prompt, field_
+
+CHAT_PAGE = Path(__file__).with_name("chat.html")  # one static file: no build step, no CDN
 
 
 def _encode(h, body) -> list:
@@ -71,5 +76,21 @@ def metrics(h):
     h.send_response(200)
     h.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
     h.send_header("Content-Length", str(len(data)))
+    h.end_headers()
+    h.wfile.write(data)
+
+
+@lru_cache(maxsize=1)
+def _page() -> bytes:
+    return CHAT_PAGE.read_bytes()
+
+
+def chat_page(h):
+    """`GET /`: the chat page (it asks for the API key itself, so it is served without)."""
+    data = _page()
+    h.send_response(200)
+    h.send_header("Content-Type", "text/html; charset=utf-8")
+    h.send_header("Content-Length", str(len(data)))
+    h.send_header("Content-Security-Policy", "default-src 'self' 'unsafe-inline'")
     h.end_headers()
     h.wfile.write(data)

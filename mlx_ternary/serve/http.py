@@ -34,7 +34,7 @@ RETRY_AFTER_S = 1  # what a 503 tells a client to wait
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETION_PATHS = ("/v1/completions", "/completions")
 MESSAGES_PATHS = ("/v1/messages", "/messages")
-PUBLIC = ("/health",)  # answered without the API key
+PUBLIC = ("/health", "/")  # answered without the API key (the page asks for it)
 CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
 BUSY = (  # the whole answer to a connection over --max-connections
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -284,6 +284,7 @@ def _messages(h: Handler):
 # (method, path) -> route(handler): every endpoint, in one table.
 ROUTES = {
     ("GET", "/health"): _health,
+    ("GET", "/"): endpoints.chat_page,
     **{("GET", p): _models for p in ("/v1/models", "/models")},
     **{("POST", p): _openai(True) for p in CHAT_PATHS},
     **{("POST", p): _openai(False) for p in COMPLETION_PATHS},

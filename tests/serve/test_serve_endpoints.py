@@ -107,3 +107,12 @@ def test_metrics_parse_with_prometheus_client(srv):
     assert samples[key("mlx_ternary_prompt_cache_bytes")] == server.engine.prompt_cache.nbytes > 0
     for gauge in ("queue_depth", "batch_size", "kv_cache_bytes"):
         assert families[f"mlx_ternary_{gauge}"].type == "gauge"
+
+
+def test_the_chat_page_is_one_self_contained_file(srv):
+    server, _ = srv
+    status, kind, data = call(server, "GET", "/")
+    page = data.decode()
+    assert status == 200 and kind.startswith("text/html")
+    assert "/v1/chat/completions" in page and "stream: true" in page and 'id="stop"' in page
+    assert "src=" not in page and "<link" not in page and "https://" not in page  # no CDN
