@@ -19,6 +19,7 @@ from .common import (
     refuse_adapters_under_launch,
 )
 
+NETWORK_OPTIONS = ("served_names", "api_key", "cors_origins", "read_timeout", "max_connections")
 SERVE_FLAGS = {
     "context": "--max-context",
     "batch": "--max-concurrency",
@@ -80,20 +81,65 @@ Examples:
     "(default: as much as the live KV cache; 0 turns it off).",
 )
 @adapter_option
-def serve(model, host, port, memory_limit, prompt_cache, adapter_path, **sizes):
+@click.option(
+    "--served-model-name",
+    "served_names",
+    multiple=True,
+    help="Another name clients may give as 'model' (repeatable); the id is the model's "
+    "short name (directory name, repo id or GGUF stem).",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="MLX_TERNARY_API_KEY",
+    help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every path but /health "
+    "(default: $MLX_TERNARY_API_KEY).",
+)
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="A browser origin allowed to call the API, e.g. http://localhost:3000, or * (repeatable).",
+)
+@click.option(
+    "--read-timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a connection may send nothing before it is closed.",
+)
+@click.option(
+    "--max-connections",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Open connections at most; more get HTTP 503 with Retry-After.",
+)
+def serve(model, host, port, memory_limit, prompt_cache, adapter_path, **options):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
     from .. import parallel as dist
-    from ..serve.http import ServeConfig, Server, make_engine
+    from ..serve.http import ServeConfig, Server, make_engine, short_name
     from ..serve.lockstep import LockstepEngine, follow
 
+    network = {k: options.pop(k) for k in NETWORK_OPTIONS}
+    sizes = options
     model = or_embedded(model)
     group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
     lm, tokenizer = _load_for_serve(local_model(model), group, adapter_path)
     check_kv_groups(lm, sizes["kv_bits"], sizes["kv_group_size"])
     cache_bytes = _prompt_cache_size(lm, prompt_cache, sizes)
     mem = _check_serve_memory(lm, memory_limit, cache_bytes, sizes)
-    config = ServeConfig(model_name=model, prompt_cache_bytes=cache_bytes, **sizes)
+    config = ServeConfig(
+        model_name=short_name(model),
+        aliases=list(network["served_names"]),
+        api_key=network["api_key"] or None,
+        cors_origins=list(network["cors_origins"]),
+        read_timeout=network["read_timeout"],
+        max_connections=network["max_connections"],
+        prompt_cache_bytes=cache_bytes,
+        **sizes,
+    )
     lockstep = partial(LockstepEngine, group=group) if group.size() > 1 else None
     try:
         if lockstep is not None and group.rank() != 0:
@@ -102,17 +148,28 @@ def serve(model, host, port, memory_limit, prompt_cache, adapter_path, **sizes):
         server = Server(lm, tokenizer, config, host, port, engine_class=lockstep)
     except ValueError as e:  # a model whose caches --kv-bits cannot quantize
         raise TernaryError(str(e)) from None
+    _announce(server, model, config, host, mem)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+def _announce(server, model, config, host, mem):
+    """What is served where, the memory plan, a warning when exposed without a key; then
+    SIGTERM/SIGINT drain the server (in-flight requests finish, new ones get 503)."""
+    from ..serve.http import drain_on_signals, exposure_warning
+
     click.echo(
-        f"Serving {model} on http://{host}:{server.server_address[1]}/v1 "
+        f"Serving {model} as {', '.join(config.names)} on "
+        f"http://{host}:{server.server_address[1]}/v1 "
         f"(plan: {mem.total / 1024**3:.2f} of {mem.limit / 1024**3:.2f} GiB)",
         err=True,
     )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
+    warning = exposure_warning(host, config.api_key)
+    if warning:
+        click.echo(f"WARNING: {warning}", err=True)
+    drain_on_signals(server)
 
 
 def _load_for_serve(path, group, adapter_path):
