@@ -74,7 +74,8 @@ def tricky_x(rng, m: int, k: int) -> np.ndarray:
     """Activations with what the rules single out: a zero block, ties at .5 after scaling,
     two entries of the largest magnitude with opposite signs, a negative largest."""
     x = (rng.normal(size=(m, k)) * rng.uniform(0.2, 5, size=(m, 1))).astype(F32)
-    x[0, :256] = 0.0
+    if k > 256:
+        x[0, :256] = 0.0
     if m > 1:
         x[1, :4] = [-2.0, 2.0, 1.0, 0.5]  # first largest is -2: iscale = 63.5
         x[1, 4:256] = np.clip(x[1, 4:256], -1.9, 1.9)
@@ -165,3 +166,50 @@ def test_layer_activation_bits_and_config():
     assert "activations" not in fmt.QuantizationConfig().to_dict()  # older files unchanged
     with pytest.raises(FormatError, match="config.json: quantization.activations is 'int4'"):
         fmt.QuantizationConfig.from_dict({**d, "activations": "int4"})
+
+
+@needs_native
+@pytest.mark.parametrize("packing", ["fast", "compact"])
+@pytest.mark.parametrize("scale,k", [("group", 512), ("group", 704), ("row", 768), ("tensor", 256)])
+@pytest.mark.parametrize("m", [1, 3, 9])  # token tiles (4, compact 8) and their remainders
+def test_native_is_llamacpp_bit_for_bit(packing, scale, k, m):
+    rng = np.random.default_rng(k + m)
+    (packed, s, kw), t, s_blocks = tq_layer(rng, 40, k, packing, scale)
+    x = tricky_x(rng, m, k)
+    want = ggml_layer(x, t, s_blocks)
+    native = cpu.q8k_supported(s, **kw)
+    # compact rows of one scale are cut in 160-column steps that straddle the blocks
+    assert native == (packing == "fast" or scale == "group" or k <= 320)
+    y = dispatch.ternary_matmul(
+        mx.array(x), packed, s, activation_bits=fmt.Q8K, backend="native", **kw
+    )
+    np.testing.assert_array_equal(np.array(y), want)
+    if native:
+        direct = cpu.ternary_matmul(mx.array(x), packed, s, activation_bits=fmt.Q8K, **kw)
+        np.testing.assert_array_equal(np.array(direct), want)
+        per_token = cpu.ternary_matmul(mx.array(x), packed, s, activation_bits=8, **kw)
+        assert not np.array_equal(np.array(per_token), want)  # negative control
+    else:
+        with pytest.raises(ValueError, match="q8k activations need steps"):
+            cpu.ternary_matmul(mx.array(x), packed, s, activation_bits=fmt.Q8K, **kw)
+
+
+@needs_native
+def test_native_q8k_bias_dtypes_and_gradient():
+    rng = np.random.default_rng(7)
+    (packed, s, kw), t, s_blocks = tq_layer(rng, 16, 512, "fast", "group")
+    x = mx.array(tricky_x(rng, 2, 512))
+    b = mx.array(rng.normal(size=16).astype(F32))
+    args = dict(activation_bits=fmt.Q8K, **kw)
+    want = reference.ternary_matmul(x, packed, s, b, **args)
+    np.testing.assert_array_equal(
+        np.array(cpu.ternary_matmul(x, packed, s, b, **args)), np.array(want)
+    )
+    xh = x.astype(mx.float16)
+    np.testing.assert_array_equal(
+        np.array(cpu.ternary_matmul(xh, packed, s, b, **args)),
+        np.array(reference.ternary_matmul(xh, packed, s, b, **args)),
+    )
+    g = mx.grad(lambda v: cpu.ternary_matmul(v, packed, s, **args).sum())(x)
+    w = t.astype(F32) * np.repeat(s_blocks, 256, axis=1)  # straight-through: g @ (s t)
+    np.testing.assert_allclose(np.array(g), np.ones((2, 16), F32) @ w, rtol=1e-6, atol=1e-6)
