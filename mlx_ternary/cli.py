@@ -21,6 +21,23 @@ class _Group(click.Group):
             raise click.ClickException(f"{e.filename or e}: no such file or directory") from None
 
 
+def _activations_option(help_default: str):
+    """--activations, one definition for every command that loads or converts a model."""
+    from .format import ACTIVATION_MODES
+
+    return click.option(
+        "--activations",
+        default=None,
+        type=click.Choice(ACTIVATION_MODES),
+        help="What ternary layers do with their input: model (its own definition: BitNet "
+        "int8 per token, else float), q8k (llama.cpp's int8 per 256 columns) or float. "
+        + help_default,
+    )
+
+
+_LOAD_DEFAULT = "Default: what the checkpoint records (q8k for llama.cpp's GGUF files)."
+
+
 def _model(model: str) -> str:
     """--model: a GGUF file is converted once into the cache, saying so on stderr."""
     from pathlib import Path
@@ -129,6 +146,7 @@ Examples:
     "adapter_config.json) to apply.",
 )
 @click.option("--verbose", is_flag=True, help="Print speeds and peak memory at the end.")
+@_activations_option(_LOAD_DEFAULT)
 def generate(
     model,
     prompt,
@@ -145,6 +163,7 @@ def generate(
     kv_bits,
     adapter_path,
     verbose,
+    activations,
 ):
     """Generate text from a prompt, streaming tokens as they come."""
     from . import generate as gen
@@ -181,7 +200,9 @@ def generate(
         lm, tokenizer = dist.sharded_load(_model(model), group)
         seed = dist.agree_seed(seed, group)
     else:
-        lm, tokenizer = load(_model(model), lazy=True, adapter_path=adapter_path)
+        lm, tokenizer = load(
+            _model(model), lazy=True, adapter_path=adapter_path, activations=activations
+        )
     from .memory import plan as memory_plan
 
     n_prompt = len(gen.prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template))
@@ -262,7 +283,8 @@ Examples:
     help="Evaluate only the first N tokens of the file.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def perplexity(model, data, context, batch_size, max_tokens, as_json):
+@_activations_option(_LOAD_DEFAULT)
+def perplexity(model, data, context, batch_size, max_tokens, as_json, activations):
     """Perplexity of a model on a text file, evaluated in consecutive windows."""
     import json
 
@@ -277,7 +299,7 @@ def perplexity(model, data, context, batch_size, max_tokens, as_json):
                 f"({gen.EMBEDDED_MODEL}); reinstall mlx-ternary or pass --model"
             )
         model = str(gen.EMBEDDED_MODEL)
-    lm, tokenizer, config = load(_model(model), return_config=True)
+    lm, tokenizer, config = load(_model(model), return_config=True, activations=activations)
     context = context or ppl.default_context(config)
     result = ppl.file_perplexity(
         lm, tokenizer, data, context=context, batch_size=batch_size, max_tokens=max_tokens
@@ -355,6 +377,9 @@ Examples:
     "(none). Default: as the source's config says.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing output.")
+@_activations_option(
+    "Recorded in the checkpoint. Default: q8k from llama.cpp's GGUF files, else model."
+)
 def convert(
     hf_path,
     mlx_path,
@@ -368,6 +393,7 @@ def convert(
     revision,
     activation_bits,
     force,
+    activations,
 ):
     """Convert a ternary checkpoint to the native format, stock MLX or GGUF."""
     from tqdm import tqdm
@@ -400,6 +426,7 @@ def convert(
             revision=revision,
             progress=progress,
             activation_bits=None if activation_bits is None else int(activation_bits),
+            activations=activations,
         )
     finally:
         if bar is not None:
@@ -505,6 +532,7 @@ Examples:
     default=None,
     help="Directory of LoRA/DoRA adapters (mlx-lm's format) to apply.",
 )
+@_activations_option(_LOAD_DEFAULT)
 def serve(
     model,
     host,
@@ -517,6 +545,7 @@ def serve(
     kv_group_size,
     prompt_cache_bytes,
     adapter_path,
+    activations,
 ):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
@@ -538,7 +567,9 @@ def serve(
             param_hint="--adapter-path",
         )
     lm, tokenizer = (
-        dist.sharded_load(path, group) if group.size() > 1 else load_model(path, adapter_path)
+        dist.sharded_load(path, group)
+        if group.size() > 1
+        else load_model(path, adapter_path, activations)
     )
     _check_kv_groups(lm, kv_bits, kv_group_size)
     try:

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FormatError, TernaryError, read_json
-from ..format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig
+from ..format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig, check_activations
 from ..runtime import dispatch
 from .hub import model_dir
 from .readers import open_source as open_path
@@ -226,6 +226,7 @@ def _quantization(source: Source, packing: str, written: dict) -> QuantizationCo
         scale="group" if g else "row",
         group_size=g,
         activation_bits=source.activation_bits,
+        activations=source.activations,
         layers=written.get("affine", {}),
     )
 
@@ -428,6 +429,7 @@ def convert(
     revision: Optional[str] = None,
     group_size: int = 128,
     activation_bits: Optional[int] = None,
+    activations: Optional[str] = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Optional[Progress] = None,
 ) -> ConvertReport:
@@ -454,6 +456,9 @@ def convert(
         activation_bits: 8 or 0 to override the source's activation quantization (e.g. a
             float checkpoint of a BitNet-trained model whose config does not say so);
             None keeps what the source's config says.
+        activations: what the converted checkpoint runs its ternary layers with
+            (format.ACTIVATION_MODES: "model", "q8k", "float"); None: the source's default
+            ("q8k" for llama.cpp's GGUF files, else "model").
         max_shard_bytes: largest safetensors shard (default 5 GB).
         progress: called as (tensor name, done, total) after each tensor.
 
@@ -476,9 +481,13 @@ def convert(
             f"activation_bits must be 8, 0 (none) or None (as the source says), "
             f"got {activation_bits!r}"
         )
+    if activations is not None:
+        check_activations(activations)
     source = open_source(
         hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing, revision, group_size
     )
+    if activations is not None:
+        source.activations = activations
     if activation_bits is not None:
         source.activation_bits = activation_bits or None
         source.notes.append(
