@@ -8,8 +8,8 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..errors import TernaryError
-from ..format import PACKINGS, AffineTensor, PackedTernary, layer_activation_bits
-from ..runtime import dispatch
+from ..format import PACKINGS, Q8K, AffineTensor, PackedTernary, layer_activation_bits
+from ..runtime import cpu, dispatch
 from ..runtime.cpu import layers as native_layers
 from ..runtime.layers import (
     HadamardTernaryLinear,
@@ -125,6 +125,7 @@ def load_model(
             layer.repack(runtime)
             if not lazy:  # one layer at a time keeps the unpacked trits' peak small
                 mx.eval(layer.packed)
+    _fast_for_q8k(model, dispatch.resolve_backend(backend), lazy)
     if not lazy:
         mx.eval(model.parameters())
     config = dict(source.config)
@@ -133,6 +134,21 @@ def load_model(
     quant.activations = activations or source.activations
     config["quantization"] = quant.to_dict()
     return _shardable(model), config
+
+
+def _fast_for_q8k(model: nn.Module, backend: str, lazy: bool) -> None:
+    """On the native backend, q8k layers the kernel cannot take as stored (compact rows of
+    one scale, whose 160-column steps straddle the 256-column blocks) run fast-packed."""
+    if backend != "native":
+        return
+    for _, layer in ternary_layers(model):
+        if layer.activation_bits != Q8K or layer.packing != "compact":
+            continue
+        kw = dict(packing="compact", in_features=layer.in_features, group_size=layer.group_size)
+        if not cpu.q8k_supported(layer.scales, **kw):
+            layer.repack("fast")
+            if not lazy:
+                mx.eval(layer.packed)
 
 
 def _cast(model: nn.Module, weights: dict, dtype, keep: set):
