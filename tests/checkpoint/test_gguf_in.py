@@ -9,12 +9,12 @@ import pytest
 from tiny import FIXTURES
 
 import mlx_ternary
+from mlx_ternary import format as fmt
 from mlx_ternary.checkpoint.convert import convert, convert_source
 from mlx_ternary.checkpoint.readers import gguf as reader
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
 from mlx_ternary.errors import FormatError
-from mlx_ternary import format as fmt
 from mlx_ternary.format import AffineTensor, PackedTernary
 from mlx_ternary.runtime.layers import ternary_layers
 

@@ -213,3 +213,28 @@ def test_native_q8k_bias_dtypes_and_gradient():
     g = mx.grad(lambda v: cpu.ternary_matmul(v, packed, s, **args).sum())(x)
     w = t.astype(F32) * np.repeat(s_blocks, 256, axis=1)  # straight-through: g @ (s t)
     np.testing.assert_allclose(np.array(g), np.ones((2, 16), F32) @ w, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_load_activations_on_the_embedded_model():
+    """load(activations=) sets every layer, records the choice beside the model's own
+    definition, and the native model agrees with the reference twin's (the layers are
+    bit-exact above; attention and the tables differ between backends by float rounding)."""
+    import mlx_ternary
+    from mlx_ternary import generate as gen
+    from mlx_ternary.runtime.layers import ternary_layers
+
+    path = str(gen.EMBEDDED_MODEL)
+    model, _, config = mlx_ternary.load(path, activations="q8k", return_config=True)
+    layers = [m for _, m in ternary_layers(model)]
+    assert {m.activation_bits for m in layers} == {fmt.Q8K}
+    assert config["quantization"]["activations"] == "q8k"
+    assert config["quantization"]["activation_bits"] == 8  # the model's own, kept
+    # compact rows of 704 columns and one scale cannot run natively as stored: fast-packed
+    assert {m.packing for m in layers if m.in_features == 704} == {"fast"}
+    twin, _ = mlx_ternary.load(path, activations="q8k", backend="reference")
+    tokens = mx.array([[0, 5, 17, 99, 3, 250, 7]])
+    np.testing.assert_allclose(np.array(model(tokens)), np.array(twin(tokens)), atol=1e-4)
+    own, _ = mlx_ternary.load(path)
+    assert {m.activation_bits for m in ternary_layers(own)} == {8}
+    assert not np.array_equal(np.array(own(tokens)), np.array(model(tokens)))
