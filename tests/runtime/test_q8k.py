@@ -236,5 +236,5 @@ def test_load_activations_on_the_embedded_model():
     tokens = mx.array([[0, 5, 17, 99, 3, 250, 7]])
     np.testing.assert_allclose(np.array(model(tokens)), np.array(twin(tokens)), atol=1e-4)
     own, _ = mlx_ternary.load(path)
-    assert {m.activation_bits for m in ternary_layers(own)} == {8}
+    assert {m.activation_bits for _, m in ternary_layers(own)} == {8}
     assert not np.array_equal(np.array(own(tokens)), np.array(model(tokens)))
