@@ -16,7 +16,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FormatError, TernaryError, read_json
-from ..format import AffineTensor, PackedTernary, QuantizationConfig, check_packing
+from ..format import (
+    AffineTensor,
+    PackedTernary,
+    QuantizationConfig,
+    check_activations,
+    check_packing,
+)
 from ..runtime import dispatch
 from .hub import model_dir
 from .publish import destination, partial, publish, remove
@@ -225,6 +231,7 @@ def _quantization(source: Source, packing: str, written: dict) -> QuantizationCo
         scale="group" if g else "row",
         group_size=g,
         activation_bits=source.activation_bits,
+        activations=source.activations,
         layers=written.get("affine", {}),
     )
 
@@ -440,6 +447,7 @@ def convert(
     revision: Optional[str] = None,
     group_size: int = 128,
     activation_bits: Optional[int] = None,
+    activations: Optional[str] = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Optional[Progress] = None,
 ) -> ConvertReport:
@@ -465,6 +473,9 @@ def convert(
         activation_bits: 8 or 0 to override the source's activation quantization (e.g. a
             float checkpoint of a BitNet-trained model whose config does not say so);
             None keeps what the source's config says.
+        activations: what the converted checkpoint runs its ternary layers with
+            (format.ACTIVATION_MODES: "model", "q8k", "float"); None: the source's default
+            ("q8k" for llama.cpp's GGUF files, else "model").
         max_shard_bytes: largest safetensors shard (default 5 GB).
         progress: called as (tensor name, done, total) after each tensor.
 
@@ -479,9 +490,13 @@ def convert(
     packing = check_packing(packing or DEFAULT_PACKING)
     dst = destination(mlx_path, to_gguf, force)  # before a hub download
     _check_activation_bits(activation_bits)
+    if activations is not None:
+        check_activations(activations)
     source = open_input(
         hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing, revision, group_size
     )
+    if activations is not None:
+        source.activations = activations
     _set_activation_bits(source, activation_bits)
     target = Target(packing, q_bits, q_group_size, dequantize, dtype, gguf_type, max_shard_bytes)
     return _convert(with_model(source), dst, target, to_gguf is not None, force, progress)

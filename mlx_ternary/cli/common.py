@@ -7,7 +7,14 @@ from pathlib import Path
 import click
 
 from ..errors import TernaryError
-from ..format import AFFINE_BITS, AFFINE_GROUP_SIZES, KV_BITS, KV_GROUP_SIZES, PACKINGS
+from ..format import (
+    ACTIVATION_MODES,
+    AFFINE_BITS,
+    AFFINE_GROUP_SIZES,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    PACKINGS,
+)
 
 MODEL_HELP = (
     "Model directory, .gguf file or Hugging Face repo id (default: the embedded tiny model)."
@@ -33,6 +40,21 @@ AFFINE_GROUP_SIZE_TYPE = IntChoice(AFFINE_GROUP_SIZES)
 PACKING_TYPE = click.Choice(PACKINGS)
 
 # Options several commands share, defined once.
+LOAD_DEFAULT = "Default: what the checkpoint records (q8k for llama.cpp's GGUF files)."
+
+
+def activations_option(help_default: str = LOAD_DEFAULT):
+    """--activations, for every command that loads or converts a model."""
+    return click.option(
+        "--activations",
+        default=None,
+        type=click.Choice(ACTIVATION_MODES),
+        help="What ternary layers do with their input: model (its own definition: BitNet "
+        "int8 per token, else float), q8k (llama.cpp's int8 per 256 columns) or float. "
+        + help_default,
+    )
+
+
 kv_bits_option = click.option(
     "--kv-bits", default=None, type=KV_BITS_TYPE, help="Quantize the KV cache to this many bits."
 )

@@ -6,6 +6,7 @@ from .common import (
     AFFINE_BITS_TYPE,
     AFFINE_GROUP_SIZE_TYPE,
     PACKING_TYPE,
+    activations_option,
     kv_bits_option,
     local_model,
     memory_limit_option,
@@ -82,6 +83,9 @@ Examples:
     "(none). Default: as the source's config says.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing output.")
+@activations_option(
+    "Recorded in the checkpoint. Default: q8k from llama.cpp's GGUF files, else model."
+)
 def convert(hf_path, mlx_path, q_bits, q_group_size, activation_bits, **options):
     """Convert a ternary checkpoint to the native format, stock MLX or GGUF."""
     from ..checkpoint.convert import convert as run_convert

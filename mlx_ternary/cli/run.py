@@ -6,6 +6,7 @@ import click
 
 from ..errors import TernaryError
 from .common import (
+    activations_option,
     adapter_option,
     kv_bits_option,
     local_model,
@@ -57,14 +58,17 @@ Examples:
 @kv_bits_option
 @adapter_option
 @click.option("--verbose", is_flag=True, help="Print speeds and peak memory at the end.")
-def generate(model, prompt, max_tokens, adapter_path, verbose, **sampling):
+@activations_option()
+def generate(model, prompt, max_tokens, adapter_path, verbose, activations, **sampling):
     """Generate text from a prompt, streaming tokens as they come."""
     from .. import generate as gen
 
     model = or_embedded(model)
     if max_tokens < 1:
         raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
-    lm, tokenizer, prompt, rank0 = _load_for_generate(model, prompt, adapter_path, sampling)
+    lm, tokenizer, prompt, rank0 = _load_for_generate(
+        model, prompt, adapter_path, activations, sampling
+    )
     _check_generate_memory(lm, tokenizer, prompt, max_tokens, sampling)
     last = None
     for last in gen.stream(lm, tokenizer, prompt, max_tokens=max_tokens, **sampling):
@@ -78,7 +82,7 @@ def generate(model, prompt, max_tokens, adapter_path, verbose, **sampling):
         _print_speeds(last)
 
 
-def _load_for_generate(model, prompt, adapter_path, sampling):
+def _load_for_generate(model, prompt, adapter_path, activations, sampling):
     """Load (tensor parallel under mlx.launch, rank 0 prints) and read a '-' prompt from stdin.
 
     Agrees on one seed across ranks, in `sampling`; returns (model, tokenizer, prompt, rank0)."""
@@ -101,7 +105,9 @@ def _load_for_generate(model, prompt, adapter_path, sampling):
         lm, tokenizer = dist.sharded_load(local_model(model), group)
         sampling["seed"] = dist.agree_seed(sampling["seed"], group)
     else:
-        lm, tokenizer = load(local_model(model), lazy=True, adapter_path=adapter_path)
+        lm, tokenizer = load(
+            local_model(model), lazy=True, adapter_path=adapter_path, activations=activations
+        )
     return lm, tokenizer, prompt, group.rank() == 0
 
 
@@ -165,7 +171,8 @@ Examples:
     help="Evaluate only the first N tokens of the file.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
-def perplexity(model, data, context, batch_size, max_tokens, as_json):
+@activations_option()
+def perplexity(model, data, context, batch_size, max_tokens, as_json, activations):
     """Perplexity of a model on a text file, evaluated in consecutive windows."""
     import json
 
@@ -173,7 +180,7 @@ def perplexity(model, data, context, batch_size, max_tokens, as_json):
     from ..checkpoint.load import load
 
     model = or_embedded(model)
-    lm, tokenizer, config = load(local_model(model), return_config=True)
+    lm, tokenizer, config = load(local_model(model), return_config=True, activations=activations)
     context = context or ppl.default_context(config)
     result = ppl.file_perplexity(
         lm, tokenizer, data, context=context, batch_size=batch_size, max_tokens=max_tokens

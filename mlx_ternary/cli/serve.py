@@ -8,6 +8,7 @@ from ..errors import TernaryError
 from .common import (
     KV_BITS_TYPE,
     KV_GROUP_SIZE_TYPE,
+    activations_option,
     adapter_option,
     check_kv_groups,
     local_model,
@@ -115,7 +116,8 @@ Examples:
     type=click.IntRange(min=1),
     help="Open connections at most; more get HTTP 503 with Retry-After.",
 )
-def serve(model, host, port, memory_limit, prompt_cache, adapter_path, **options):
+@activations_option()
+def serve(model, host, port, memory_limit, prompt_cache, adapter_path, activations, **options):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
     from .. import parallel as dist
@@ -126,7 +128,7 @@ def serve(model, host, port, memory_limit, prompt_cache, adapter_path, **options
     sizes = options
     model = or_embedded(model)
     group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
-    lm, tokenizer = _load_for_serve(local_model(model), group, adapter_path)
+    lm, tokenizer = _load_for_serve(local_model(model), group, adapter_path, activations)
     check_kv_groups(lm, sizes["kv_bits"], sizes["kv_group_size"])
     cache_bytes = _prompt_cache_size(lm, prompt_cache, sizes)
     mem = _check_serve_memory(lm, memory_limit, cache_bytes, sizes)
@@ -172,14 +174,14 @@ def _announce(server, model, config, host, mem):
     drain_on_signals(server)
 
 
-def _load_for_serve(path, group, adapter_path):
+def _load_for_serve(path, group, adapter_path, activations):
     from .. import parallel as dist
     from ..serve.http import load_lazily
 
     if group.size() > 1:
         refuse_adapters_under_launch(adapter_path)
         return dist.sharded_load(path, group)
-    return load_lazily(path, adapter_path)
+    return load_lazily(path, adapter_path, activations)
 
 
 def _prompt_cache_size(lm, prompt_cache, sizes) -> int:

@@ -430,9 +430,9 @@ def _grammars(model, tokenizer):
     return Grammars(tokenizer, vocab or len(tokenizer.get_vocab()))
 
 
-def load_lazily(path: str, adapter_path: Optional[str] = None):
+def load_lazily(path: str, adapter_path: Optional[str] = None, activations: Optional[str] = None):
     """(model, tokenizer) for `serve`, loaded lazily so the memory plan runs first; LoRA/DoRA
     adapters (mlx-lm's format) applied when `adapter_path` is given."""
     from ..checkpoint.load import load
 
-    return load(path, lazy=True, adapter_path=adapter_path)
+    return load(path, lazy=True, adapter_path=adapter_path, activations=activations)

@@ -31,6 +31,7 @@ from mlx_ternary.bench import llamacpp
 from mlx_ternary.checkpoint.convert import convert
 from mlx_ternary.checkpoint.readers.gguf import detect
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
+from mlx_ternary.format import ACTIVATION_MODES
 
 HERE = Path(__file__).resolve().parent
 STRINGS = [
@@ -86,6 +87,12 @@ def main():
     ap.add_argument("--gguf-type", default="TQ2_0", choices=["TQ1_0", "TQ2_0"])
     ap.add_argument("--gguf", default=None, help="keep the exported file here")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--activations",
+        default=None,
+        choices=ACTIVATION_MODES,
+        help="how mlx-ternary runs the ternary layers (default: what each checkpoint records)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     node_modules = llamacpp.find(args.node_modules)
@@ -101,10 +108,10 @@ def main():
         gguf = Path(args.gguf or Path(tmp.name) / "model.gguf")
         report = convert(args.model, to_gguf=gguf, gguf_type=args.gguf_type, force=True)
         kinds, max_error = sorted({t.kind for t in report.tensors}), report.max_error
-    model, tokenizer = mlx_ternary.load(args.model)
+    model, tokenizer = mlx_ternary.load(args.model, activations=args.activations)
     prompt_ids = [int(i) for i in gen.prompt_tokens(tokenizer, args.prompt)]
     ours = mlx_greedy(model, tokenizer, prompt_ids, args.max_tokens)
-    from_gguf, tok2 = mlx_ternary.load(str(gguf))
+    from_gguf, tok2 = mlx_ternary.load(str(gguf), activations=args.activations)
     ours_gguf = mlx_greedy(from_gguf, tok2, prompt_ids, args.max_tokens)
     teacher = tokenizer.encode(TEACHER_TEXT.read_text(), add_special_tokens=False)
     teacher = teacher[: args.teacher_tokens]
@@ -137,6 +144,7 @@ def main():
         "gguf_bytes": gguf.stat().st_size,
         "gguf_type": args.gguf_type,
         "tensor_kinds": kinds,
+        "activations": args.activations or "as recorded",
         "convert_max_error": max_error,
         "prompt": args.prompt,
         "prompt_ids": prompt_ids,

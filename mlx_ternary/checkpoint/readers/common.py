@@ -149,6 +149,7 @@ class Source:
     count: int
     items: Callable[[], Iterator[Tuple[str, Any]]]
     activation_bits: Optional[int] = None
+    activations: str = "model"  # format.ACTIVATION_MODES: what ternary layers run with
     group_size: Optional[int] = None
     tokenizer_dir: Optional[Path] = None
     tokenizer_files: Dict[str, str] = field(default_factory=dict)
