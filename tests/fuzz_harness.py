@@ -199,9 +199,8 @@ def check(target: Target, data: bytes, scratch: Path) -> str:
         Exception: anything else the readers let through (a failure to fix).
     """
     work = scratch / target.name
-    if work.exists():
-        shutil.rmtree(work)
-    shutil.copytree(target.seed_dir, work)
+    if not work.exists():  # the readers write nothing: one copy, the mutated file rewritten
+        shutil.copytree(target.seed_dir, work)
     (work / target.file).write_bytes(data)
     try:
         target.read(work)

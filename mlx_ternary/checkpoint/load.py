@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from ..errors import FormatError, TernaryError
+from ..errors import FormatError
 from ..format import Q8K, AffineTensor, PackedTernary, check_packing, layer_activation_bits
 from ..runtime import cpu, dispatch
 from ..runtime.cpu import layers as native_layers

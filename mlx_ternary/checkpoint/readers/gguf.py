@@ -309,7 +309,16 @@ def iter_items(
                 f"the {arch.gguf} name table (gguf_tables.ARCHITECTURES)"
             )
         n_head = rotary_heads(hf, config) if arch.rotary_permuted and unpermute else None
-        yield _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names)
+        try:
+            item = _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names)
+        except FormatError:
+            raise
+        except (ValueError, IndexError, TypeError, ArithmeticError) as e:  # a corrupt table
+            raise FormatError(
+                f"{path}: tensor {info.name} ({info.type_name}, shape {info.shape}) cannot "
+                f"be decoded ({type(e).__name__}: {e}); the file is corrupt: re-download it"
+            ) from None
+        yield item
 
 
 def source(path: Path, packing: str, *, keep_affine: bool = True, unpermute: bool = True) -> Source:

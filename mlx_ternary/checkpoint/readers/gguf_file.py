@@ -172,12 +172,14 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.take("<I")
-            if n_dims > MAX_DIMS:
+            if not 1 <= n_dims <= MAX_DIMS:
                 raise FormatError(
                     f"{self.path}: tensor {name} has {n_dims} dimensions; GGUF tensors have "
-                    f"at most {MAX_DIMS}: the file is corrupt"
+                    f"1 to {MAX_DIMS}: the file is corrupt"
                 )
             dims = [cur.take("<Q") for _ in range(n_dims)]
+            if 0 in dims:
+                raise FormatError(f"{self.path}: tensor {name} has a zero dimension {dims}")
             type_id, offset = cur.take("<IQ")
             infos.append((name, tuple(reversed(dims)), type_id, offset))
         align = self.fields.get("general.alignment", 32)
