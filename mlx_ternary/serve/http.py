@@ -20,8 +20,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
+from .. import __version__
 from ..memory import kv_bytes, materialize
-from . import answers, endpoints
+from . import answers, endpoints, openapi
 from . import anthropic as anthropic
 from .engine import POLL_S, Engine, Job
 from .kv_quant import make_cache
@@ -294,6 +295,9 @@ ROUTES = {
     ("GET", "/tokenizer_info"): endpoints.tokenizer_info,
     ("GET", "/metrics"): endpoints.metrics,
 }
+ROUTES[("GET", "/openapi.json")] = lambda h: h.send_json(
+    200, openapi.document(ROUTES, "mlx-ternary", __version__)
+)
 
 
 class Server(ThreadingHTTPServer):

@@ -223,7 +223,10 @@ def completion_prompt(tokenizer, prompt) -> List[int]:
             "(one prompt per request)",
             "prompt",
         )
-    return tokenizer.encode(prompt)
+    tokens = tokenizer.encode(prompt)
+    if not tokens:  # text the vocabulary has no token for: nothing to start from
+        raise APIError(400, "'prompt' encodes to no tokens with this model's tokenizer", "prompt")
+    return tokens
 
 
 def tool_markers(tokenizer) -> Optional[tuple]:
