@@ -25,7 +25,7 @@ from ..format import (
 )
 from ..runtime import dispatch
 from .hub import model_dir
-from .publish import destination, partial, publish, remove
+from .publish import clear_stale, destination, disk_full, is_disk_full, partial, publish, remove
 from .readers import open_source, with_model
 from .readers.arch import Checker, is_hadamard
 from .readers.common import TOKENIZER_FILES, Source
@@ -317,6 +317,7 @@ def _convert(
         str(source.path), source.kind, dst, target.describe(gguf), notes=list(source.notes)
     )
     dst.parent.mkdir(parents=True, exist_ok=True)
+    report.notes += [f"cleared {p.name}, left by a killed conversion" for p in clear_stale(dst)]
     tmp = partial(dst)
     remove(tmp)
     try:
@@ -326,8 +327,10 @@ def _convert(
             tmp.mkdir()
             _write_directory(source, tmp, target, report, progress)
         publish(tmp, dst, force)
-    except BaseException:  # also Ctrl-C: never leave a partial destination behind
+    except BaseException as e:  # also Ctrl-C: never leave a partial destination behind
         remove(tmp)
+        if is_disk_full(e):
+            raise disk_full(e, dst) from None
         raise
     return report
 
