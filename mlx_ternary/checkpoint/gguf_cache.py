@@ -8,11 +8,15 @@ directory per file version, `<name>-<path hash>-<content key>`. The content key 
 the file's size, modification time and its first and last MiB, so a replaced or
 re-exported file gets a new key and is converted again; the older conversions of the
 same path are then removed. Conversion writes beside the destination and renames into
-place (convert's rule), so a directory in the cache is always complete.
+place (convert's rule), so a directory in the cache is always complete; one damaged
+afterwards (a file truncated or rewritten, its manifest gone) is found at the next use,
+reported once and converted again.
 """
 
 import hashlib
+import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -47,6 +51,33 @@ def cache_dir(path: Path) -> Path:
     return cache_root() / f"{path.stem}-{_path_key(path)}-{_content_key(path)}"
 
 
+def entry_problem(out: Path) -> Optional[str]:
+    """What is wrong with a cache entry, or None when it is whole.
+
+    Each file is held to the size its manifest records; a file changed after the
+    manifest was written (a later mtime) is hashed against the manifest's sha256, so a
+    rewritten or half-written entry is found without hashing an untouched one each time.
+    """
+    from .writers.native import MANIFEST_FILE, sha256_file
+
+    mf = out / MANIFEST_FILE
+    try:
+        files = json.loads(mf.read_text())["files"]
+        written = mf.stat().st_mtime_ns
+        for name, meta in files.items():
+            f = out / name
+            st = f.stat()
+            if st.st_size != meta["size"]:
+                return f"{name}: {st.st_size} bytes, the manifest says {meta['size']}"
+            if st.st_mtime_ns > written and sha256_file(f) != meta["sha256"]:
+                return f"{name}: its sha256 differs from the manifest"
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name} is missing"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST_FILE} is not readable"
+    return None
+
+
 def native_dir(
     path: Path,
     notify: Optional[Callable[[str], None]] = None,
@@ -63,7 +94,12 @@ def native_dir(
     path = Path(path).expanduser()
     out = cache_dir(path)
     if (out / "config.json").is_file():
-        return out
+        problem = entry_problem(out)
+        if problem is None:
+            return out
+        message = f"{out}: the cached conversion is damaged ({problem}); converting {path} again"
+        notify(message) if notify else warnings.warn(message, stacklevel=2)
+        shutil.rmtree(out, ignore_errors=True)
     if notify:
         notify(
             f"{path}: converting the GGUF file to mlx-ternary's format once, into {out} "
