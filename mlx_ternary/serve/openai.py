@@ -363,6 +363,13 @@ def sampling(body) -> dict:
     return s
 
 
+def _fit_top_k(s: dict, tokenizer) -> dict:
+    """A top_k of the whole vocabulary or more keeps every token: the same as none (0);
+    mlx-lm's sampler refuses it mid-generation."""
+    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer.get_vocab())
+    return {**s, "top_k": 0} if s["top_k"] >= vocab else s
+
+
 def stop_strings(body, name="stop", most=4) -> List[str]:
     stop = body.get(name)
     stop = [stop] if isinstance(stop, str) else (stop or [])
@@ -469,7 +476,7 @@ def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=Non
     job = Job(
         prompt=tokens,
         max_tokens=max_tokens,
-        sampling=sampling(body),
+        sampling=_fit_top_k(sampling(body), tokenizer),
         stop=stop_strings(body),
         logprobs=logprobs,
         grammar=grammar,

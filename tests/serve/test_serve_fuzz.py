@@ -63,3 +63,20 @@ def test_a_prompt_with_no_tokens_is_a_400(live):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "prompt"
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token(live):
+    """Found by the long run: top_k >= the vocabulary failed mid-generation (a 500); it
+    now means every token: a seeded answer matches the one without top_k."""
+
+    def complete(**extra):
+        body = {"prompt": "hello", "max_tokens": 4, "temperature": 1.0, "seed": 7, **extra}
+        req = urllib.request.Request(
+            f"{live}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+
+    assert complete(top_k=11404468) == complete()
