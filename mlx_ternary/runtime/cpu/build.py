@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -225,6 +226,19 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
         )
 
 
+def _run(jobs) -> None:
+    """Wait for the compiler processes; on any error or interruption (Ctrl-C, a failed
+    sibling) the ones still running are killed and reaped: no compiler outlives a build."""
+    try:
+        for proc, what in jobs:
+            _finish(proc, what)
+    finally:
+        for proc, _ in jobs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
 def compile_library(
     path: Path, mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str], progress=lambda s: None
 ) -> None:
@@ -258,15 +272,12 @@ def compile_library(
                 "the native CPU kernel",
             )
         )
-        for proc, what in jobs:
-            _finish(proc, what)
+        _run(jobs)
         if not nb_obj.exists():
             publish(nb_tmp, nb_obj)
         lib = Path(tmp) / path.name
-        _finish(
-            _start([cxx, "-shared", str(ext_obj), str(nb_obj), "-o", str(lib), *link_flags(mlx)]),
-            "the native CPU kernel (link)",
-        )
+        link = [cxx, "-shared", str(ext_obj), str(nb_obj), "-o", str(lib), *link_flags(mlx)]
+        _run([(_start(link), "the native CPU kernel (link)")])
         publish(lib, path)
 
 
@@ -338,6 +349,16 @@ def load(progress=lambda s: None):
         with locked(cache_dir()):
             if not path.exists():
                 compile_library(path, mlx, nb, cxx, flags, progress)
-    module = import_library(path)
+    try:
+        module = import_library(path)
+    except (ImportError, OSError) as e:  # a damaged cached library (truncated, overwritten)
+        warnings.warn(
+            f"{path}: the cached native kernel cannot be loaded ({e}); compiling it again",
+            stacklevel=2,
+        )
+        with locked(cache_dir()):
+            path.unlink(missing_ok=True)
+            compile_library(path, mlx, nb, cxx, flags, progress)
+        module = import_library(path)
     verify(module, mlx.version)
     return module
