@@ -340,6 +340,12 @@ def _logprobs(body, chat: bool) -> Optional[int]:
     return field_(body, "logprobs", (int,), None, 0, MAX_TOP_LOGPROBS)
 
 
+def _seed(body) -> Optional[int]:
+    """An int64 or uint64 seed as the uint64 key MLX takes (negative ones wrap around)."""
+    seed = field_(body, "seed", (int,), None, -(1 << 63), (1 << 64) - 1)
+    return None if seed is None else seed % (1 << 64)
+
+
 def sampling(body) -> dict:
     num, big = (int, float), 1 << 31
     s = {
@@ -347,7 +353,7 @@ def sampling(body) -> dict:
         "top_p": field_(body, "top_p", num, 1.0, 0, 1),
         "top_k": field_(body, "top_k", (int,), 0, 0, big),
         "min_p": field_(body, "min_p", num, 0.0, 0, 1),
-        "seed": field_(body, "seed", (int,)),
+        "seed": _seed(body),
         "frequency_penalty": field_(body, "frequency_penalty", num, None, -2, 2),
         "presence_penalty": field_(body, "presence_penalty", num, None, -2, 2),
         "repetition_penalty": field_(body, "repetition_penalty", num, None, 0, 10),

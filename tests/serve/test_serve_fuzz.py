@@ -80,3 +80,21 @@ def test_top_k_beyond_the_vocabulary_keeps_every_token(live):
             return json.loads(r.read())["choices"][0]["text"]
 
     assert complete(top_k=11404468) == complete()
+
+
+@pytest.mark.parametrize(
+    "seed,status", [(-1, 200), (2**64 - 1, 200), (2**64, 400), (-(2**63) - 1, 400)]
+)
+def test_seeds_of_int64_and_uint64_range(live, seed, status):
+    """Found by the long run: a negative seed reached mx.random.key (a 500)."""
+    body = {"prompt": "hello", "max_tokens": 2, "temperature": 1.0, "seed": seed}
+    req = urllib.request.Request(
+        f"{live}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got = r.status
+    except urllib.error.HTTPError as e:
+        got = e.code
+        assert json.loads(e.read())["error"]["param"] == "seed"
+    assert got == status
