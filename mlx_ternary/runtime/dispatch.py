@@ -211,9 +211,15 @@ class LayerPlan:
         spec = self.spec
         if spec is None or not spec.fits_kernels or dtype not in FLOAT_DTYPES:
             return None
-        run, variant = launch.prepare(
-            spec, self.packed, self.scales, self.bias, dtype, shape, self.backend
-        )
+        try:
+            run, variant = launch.prepare(
+                spec, self.packed, self.scales, self.bias, dtype, shape, self.backend
+            )
+        except Exception as e:  # noqa: BLE001 - an unchecked kernel that cannot be built
+            if self.backend != "metal":
+                raise
+            probe.construction_failed(spec, e)
+            return None
         if self.backend != "metal":
             return run
         m = _tokens(shape)

@@ -139,6 +139,23 @@ def _run_probe(spec, dtype, m, backend, variant) -> Optional[str]:
     return None
 
 
+def construction_failed(spec: launch.LayerSpec, error: Exception) -> None:
+    """A kernel whose construction (`mx.fast.metal_kernel(...)` itself) raised: warns once
+    per kind of layer and remembers it; the caller runs the reference path."""
+    key = ("construct", spec.packing, spec.mode, spec.group_size, spec.act, spec.has_bias)
+    if key in _FAILURES:
+        return
+    first = str(error).splitlines()[0] if str(error) else ""
+    _FAILURES[key] = f"{type(error).__name__}: {first}"
+    warnings.warn(
+        f"mlx-ternary: the Metal kernel for {spec.packing} layers (scale {spec.mode}) could "
+        f"not be constructed on {chip()} ({_FAILURES[key]}); these layers run the reference "
+        "path (exact, slower) for the rest of the process",
+        KernelCheckWarning,
+        stacklevel=4,
+    )
+
+
 def check(spec: launch.LayerSpec, dtype, m: int, backend: str, variant: tuple) -> bool:
     """True when the variant may run: checked now on first use, remembered after.
 

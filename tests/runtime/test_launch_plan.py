@@ -286,6 +286,29 @@ def test_a_failing_kernel_warns_once_and_falls_back_to_the_reference(fake_metal,
     assert len(probe.failures()) == 2
 
 
+def test_a_kernel_that_cannot_be_constructed_warns_once_and_falls_back(fake_metal):
+    """mx.fast.metal_kernel(...) itself raising (not the launch): one warning, the
+    reference path's exact numbers, and no second try for another shape of the layer."""
+    built = []
+
+    def refusing(**kw):
+        built.append(kw["name"])
+        raise RuntimeError("[metal_kernel] Unable to build metal library")
+
+    fake_metal.setattr(mx.fast, "metal_kernel", refusing)
+    layer, w = make_layer(act=8)
+    layer.eval()
+    x = mx.array(np.random.default_rng(9).normal(size=(1, 96)).astype(np.float32))
+    with pytest.warns(probe.KernelCheckWarning, match="could not be constructed") as record:
+        y = layer(x)
+        y4 = layer(mx.concatenate([x] * 4))
+    assert len(record) == 1 and built
+    np.testing.assert_array_equal(np.array(y), np.array(reference_output(layer, x)))
+    assert rel_err(y, forward_np(x, w, 8)) < 1e-5
+    assert rel_err(y4[:1], forward_np(x, w, 8)) < 1e-5
+    assert [k for k in probe.failures() if k[0] == "construct"]
+
+
 # --------------------------------------------------------------------------- #
 # Self-tuning: a fake timer decides; the choice is cached per chip and MLX version
 # --------------------------------------------------------------------------- #
