@@ -318,6 +318,7 @@ class Server(ThreadingHTTPServer):
         self.metrics = self.engine.metrics = Metrics()
         self.connections = self.in_flight = 0
         self._count = threading.Lock()
+        self._open = set()  # the sockets of open connections, closed by server_close
         self.request_queue_size = max(128, min(config.max_connections, 4096))  # the backlog
         super().__init__((host, port), Handler)
         self.engine.start()
@@ -331,6 +332,8 @@ class Server(ThreadingHTTPServer):
         with self._count:
             full = self.connections >= self.config.max_connections
             self.connections += not full
+            if not full:
+                self._open.add(request)
         if not full:
             return super().process_request(request, client_address)
         body = json.dumps(
@@ -348,6 +351,7 @@ class Server(ThreadingHTTPServer):
         finally:
             with self._count:
                 self.connections -= 1
+                self._open.discard(request)
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Refuse new requests (503), let the in-flight ones finish (up to `timeout`, the
@@ -361,7 +365,16 @@ class Server(ThreadingHTTPServer):
         return done
 
     def server_close(self):
+        """Stop listening, end the open connections (their threads hold the model), stop
+        the engine."""
         super().server_close()
+        with self._count:
+            open_now = list(self._open)
+        for sock in open_now:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.engine.stop()
 
 
