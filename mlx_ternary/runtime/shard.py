@@ -348,6 +348,8 @@ class ShardedToAllTernaryLinear(nn.Module):
         group: Optional[mx.distributed.Group] = None,
     ):
         group = group or mx.distributed.init()
+        # llama.cpp's q8k blocks are local to a rank when its columns start on one
+        q8k = p.activation_bits == fmt.Q8K
         linear, bias = _local_linear(
             p,
             "sharded-to-all",
@@ -355,10 +357,17 @@ class ShardedToAllTernaryLinear(nn.Module):
             group.rank(),
             segments,
             TernaryLinear,
-            None,
+            fmt.Q8K if q8k else None,
             with_bias=False,
         )
-        return cls(linear, bias, p.activation_bits, group)
+        cut = segments != 1 or linear.in_features % fmt.Q8K_BLOCK
+        if q8k and group.size() > 1 and cut:
+            raise TernaryError(
+                f"{p.name}: q8k activations need each rank's {linear.in_features} columns "
+                f"to be whole blocks of {fmt.Q8K_BLOCK}; load with activations='model' or "
+                "'float' to run it on this many ranks"
+            )
+        return cls(linear, bias, None if q8k else p.activation_bits, group)
 
     @property
     def in_features(self) -> int:

@@ -337,9 +337,9 @@ class Server(ThreadingHTTPServer):
         with self._count:
             full = self.connections >= self.config.max_connections
             self.connections += not full
-        if not full:
-            with self._count:
+            if not full:
                 self.open_sockets.add(request)
+        if not full:
             return super().process_request(request, client_address)
         body = json.dumps(
             APIError(503, "too many open connections; retry later", type_="server_error").body()
