@@ -345,13 +345,16 @@ def load(progress=lambda s: None):
     cxx = compiler()
     flags = ext_flags(mlx, nb)
     path = library_path(build_key(mlx, nb, cxx, flags), mlx)
-    if not path.exists():
+    cached = path.exists()
+    if not cached:
         with locked(cache_dir()):
             if not path.exists():
                 compile_library(path, mlx, nb, cxx, flags, progress)
     try:
         module = import_library(path)
     except (ImportError, OSError) as e:  # a damaged cached library (truncated, overwritten)
+        if not cached:  # just built: a rebuild would fail the same way
+            raise
         warnings.warn(
             f"{path}: the cached native kernel cannot be loaded ({e}); compiling it again",
             stacklevel=2,
