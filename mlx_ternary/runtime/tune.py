@@ -15,6 +15,7 @@ import os
 import re
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -49,11 +50,18 @@ def _load(path: Path) -> Dict[str, str]:
     """The cached choices; a missing, unreadable or malformed file is ignored (rewritten)."""
     try:
         data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
     except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        return {}
-    choices = data.get("choices")
+        data = None
+    ours = isinstance(data, dict) and data.get("format") == FORMAT  # else another version's
+    choices = data.get("choices") if ours else None
+    if not isinstance(data, dict) or ours and not isinstance(choices, dict):
+        warnings.warn(  # once: the file is read once a process, then rewritten
+            f"{path}: the tuning cache is damaged; its choices are measured again "
+            "and the file rewritten",
+            stacklevel=4,
+        )
     if not isinstance(choices, dict):
         return {}
     return {k: v for k, v in choices.items() if isinstance(k, str) and v in CANDIDATES}

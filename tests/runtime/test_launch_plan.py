@@ -358,7 +358,9 @@ def test_tuning_runs_the_faster_candidate_and_caches_it(fake_metal, tmp_path):
     path.write_text("{not json")
     tune.reset()
     layer3, _, factory3 = tuned_layer(fake_metal, {"kernel": 1e-3, "stock": 2e-3}, calls)
-    layer3(x)
+    with pytest.warns(UserWarning, match="tuning cache is damaged") as record:
+        layer3(x)
+    assert len([r for r in record if "tuning cache" in str(r.message)]) == 1
     launches = factory3.launches
     layer3(x)
     assert sorted(calls) == ["kernel", "stock"] and factory3.launches == launches + 2
