@@ -115,3 +115,43 @@ def test_gguf_small_tensor_control(tmp_path):
     _gguf(path, (4, 4))
     (info,) = GGUFFile(path).tensors
     assert info.shape == (4, 4) and info.nbytes == 64
+
+
+class _Fields:
+    """A GGUFFile stand-in: just the metadata fields the tokenizer rebuild reads."""
+
+    def __init__(self, **fields):
+        self.fields = {f"tokenizer.ggml.{k}": v for k, v in fields.items()}
+
+    def field(self, key, default=None):
+        return self.fields.get(key, default)
+
+
+@pytest.mark.parametrize(
+    "tokens,merges,words",
+    [
+        (["a", "b", "ab\udcff"], ["a b"], "not valid UTF-8"),  # the issue's UnicodeEncodeError
+        (["a", "b", "ab"], ["a zz"], "do not fit"),  # a merge of an unknown token: BPE init
+        (["a", 7, "ab"], ["a b"], "arrays of strings"),
+        (["a", "b", "ab"], ["ab"], "two tokens"),
+    ],
+)
+def test_gguf_tokenizer_corruptions_are_named(tmp_path, tokens, merges, words):
+    from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
+
+    gf = _Fields(model="gpt2", pre="gpt-2", tokens=tokens, merges=merges)
+    with pytest.raises(FormatError, match=words) as e:
+        tokenizer_files(gf, tmp_path / "m.gguf")
+    assert str(tmp_path / "m.gguf") in str(e.value)
+
+
+def test_gguf_tokenizer_control():
+    """Negative control: the same vocabulary, whole, rebuilds and encodes with the merge."""
+    from tokenizers import Tokenizer
+
+    from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
+
+    gf = _Fields(model="gpt2", pre="gpt-2", tokens=["a", "b", "ab"], merges=["a b"])
+    files = tokenizer_files(gf, "m.gguf")
+    assert Tokenizer.from_str(files["tokenizer.json"]).encode("ab").ids == [2]
+    assert json.loads(files["tokenizer_config.json"])["tokenizer_class"]
