@@ -8,6 +8,7 @@ checked as it is written; the report carries the largest error (0 for ternary da
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Union
@@ -59,6 +60,7 @@ class ConvertReport:
     notes: List[str] = field(default_factory=list)
     ternary_weights: int = 0
     ternary_bytes: int = 0
+    peak_rss: int = 0  # bytes: the process's peak resident memory when convert finished
 
     @property
     def max_error(self) -> float:
@@ -332,7 +334,18 @@ def _convert(
         if is_disk_full(e):
             raise disk_full(e, dst) from None
         raise
+    report.peak_rss = peak_rss()
     return report
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size in bytes (0 where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux counts KiB
 
 
 def _write_directory(

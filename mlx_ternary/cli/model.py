@@ -83,10 +83,11 @@ Examples:
     "(none). Default: as the source's config says.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing output.")
+@click.option("--verbose", is_flag=True, help="Also print the peak memory of the conversion.")
 @activations_option(
     "Recorded in the checkpoint. Default: q8k from llama.cpp's GGUF files, else model."
 )
-def convert(hf_path, mlx_path, q_bits, q_group_size, activation_bits, **options):
+def convert(hf_path, mlx_path, q_bits, q_group_size, activation_bits, verbose, **options):
     """Convert a ternary checkpoint to the native format, stock MLX or GGUF."""
     from ..checkpoint.convert import convert as run_convert
 
@@ -112,6 +113,10 @@ def convert(hf_path, mlx_path, q_bits, q_group_size, activation_bits, **options)
     click.echo(f"Round trip verified per tensor: max error {report.max_error:.3g}")
     for note in report.notes:
         click.echo(f"Note: {note}")
+    if verbose and report.peak_rss:
+        from ..memory import fmt_bytes
+
+        click.echo(f"Peak memory: {fmt_bytes(report.peak_rss)} resident (the whole process)")
 
 
 @click.command()

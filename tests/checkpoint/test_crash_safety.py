@@ -82,3 +82,26 @@ def test_full_disk_is_one_clear_error_and_leaves_nothing(src, tmp_path):
         assert verify(mnt / "out").ok
     finally:
         subprocess.run(["umount", "-l", str(mnt)])  # -l: lazy arrays may still map a file
+
+
+def test_convert_reports_its_peak_memory(src, tmp_path):
+    """report.peak_rss is the process's peak RSS (checked against Linux's own VmHWM) and
+    `convert --verbose` prints it."""
+    from click.testing import CliRunner
+
+    from mlx_ternary.cli import main
+
+    report = mlx_ternary.convert(str(src), tmp_path / "out")
+    status = open("/proc/self/status").read() if sys.platform == "linux" else ""
+    hwm = [int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM")]
+    if hwm:
+        assert 0 < report.peak_rss <= hwm[0] and report.peak_rss > 0.9 * hwm[0]
+    out = CliRunner().invoke(
+        main, ["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "o2"), "--verbose"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "Peak memory: " in out.output
+    quiet = CliRunner().invoke(
+        main, ["convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "o3")]
+    )
+    assert "Peak memory" not in quiet.output  # only with --verbose
