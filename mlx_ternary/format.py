@@ -51,6 +51,16 @@ SCALE_KINDS = ("tensor", "row", "group")
 TERNARY_GROUP_SIZES = (64, 128, 256)
 GROUP_SIZES = TERNARY_GROUP_SIZES  # the older name, still imported
 
+# How ternary layers treat their input (QuantizationConfig.activations, load(activations=)):
+#   "model"  the model's own definition: `activation_bits` (8: BitNet int8 per token; null:
+#            float, as TriLM / Bonsai)
+#   "q8k"    llama.cpp's: int8 per block of Q8K_BLOCK columns as ggml's Q8_K (what its
+#            TQ1_0 / TQ2_0 dot products compute; the default for llama.cpp's GGUF files)
+#   "float"  no activation quantization
+ACTIVATION_MODES = ("model", "q8k", "float")
+Q8K = "q8k"  # a layer's activation_bits for llama.cpp's block int8 (else 8 or None)
+Q8K_BLOCK = 256  # ggml's QK_K
+
 TRITS_PER_BYTE = 5
 CODES_PER_WORD = 16
 FAST_K_ALIGN = 32
@@ -68,6 +78,22 @@ def check_packing(packing: str, what: str = "packing") -> str:
 def packing_code(packing: str, what: str = "packing") -> int:
     """The integer code the kernels (Metal and native CPU) take for a packing."""
     return PACKING_CODES[check_packing(packing, what)]
+
+
+def check_activations(mode: str, what: str = "activations") -> str:
+    """`mode` if it is one of ACTIVATION_MODES, else a FormatError naming `what`."""
+    if mode not in ACTIVATION_MODES:
+        raise FormatError(f"{what} is {mode!r}; expected one of {', '.join(ACTIVATION_MODES)}")
+    return mode
+
+
+def layer_activation_bits(mode: str, activation_bits: Optional[int]):
+    """What a ternary layer runs with under `mode` for a model whose own definition is
+    `activation_bits`: 8 (per-token int8), None (float) or Q8K."""
+    check_activations(mode)
+    if mode == "model":
+        return activation_bits
+    return Q8K if mode == Q8K else None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -472,6 +498,7 @@ class QuantizationConfig:
     scale: str = "row"
     group_size: Optional[int] = None
     activation_bits: Optional[int] = None
+    activations: str = "model"
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     layers: Dict[str, dict] = field(default_factory=dict)
@@ -490,6 +517,7 @@ class QuantizationConfig:
             raise FormatError(
                 f"quantization.activation_bits is {self.activation_bits!r}; supported: 8 or null"
             )
+        check_activations(self.activations, "quantization.activations")
 
     @classmethod
     def from_dict(cls, d: dict, source: Union[str, Path] = "config.json") -> "QuantizationConfig":
@@ -504,7 +532,7 @@ class QuantizationConfig:
                 f"mlx-ternary reads (known: {', '.join(map(str, KNOWN_VERSIONS))}); "
                 "upgrade mlx-ternary or re-convert the model"
             )
-        fields = ("packing", "scale", "group_size", "activation_bits")
+        fields = ("packing", "scale", "group_size", "activation_bits", "activations")
         # Per-layer entries: written by convert (version 2) or added by mlx-lm's
         # quantize_model to a loaded model's config (then saved under version 1).
         layers = {
@@ -525,6 +553,8 @@ class QuantizationConfig:
             "scale": self.scale,
             "group_size": self.group_size,
             "activation_bits": self.activation_bits,
+            # absent = "model" (older readers ignore the key: they run the model's own numerics)
+            **({"activations": self.activations} if self.activations != "model" else {}),
             **{path: dict(entry) for path, entry in sorted(self.layers.items())},
         }
 

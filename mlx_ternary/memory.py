@@ -11,7 +11,7 @@ that the plan is honest (docs/SERVE.md gives the figures).
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -176,13 +176,18 @@ def fmt_bytes(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def available_memory() -> tuple:
-    """(bytes, where the number comes from): Metal's working set, else system RAM."""
+def available_memory(free: bool = False) -> tuple:
+    """(bytes, where the number comes from): Metal's working set, else system RAM.
+
+    free: what a new allocation may still take: on Metal the working set less the memory
+    MLX holds now (the bench builds one representation after another); RAM's MemAvailable
+    already is."""
     if mx.metal.is_available():
         info = mx.device_info()
         size = info.get("max_recommended_working_set_size") or info.get("memory_size")
         if size:
-            return int(size), "Metal recommended working set"
+            held = mx.get_active_memory() if free else 0
+            return int(size) - held, "Metal recommended working set"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -244,6 +249,33 @@ def materialize(model: nn.Module, dtype=None) -> None:
     mx.eval([a for _, layer in ternary_layers(model) for a in layer.runtime_arrays(dtype)])
 
 
+def kv_layout(
+    model: nn.Module,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = KV_GROUP_SIZE,
+    max_kv_size: Optional[int] = None,
+) -> List[Tuple[float, Optional[int], int]]:
+    """Per cache of the model: (KV bytes per token, most tokens it holds or None, bytes of
+    fixed state), from a lazy one-token probe of the model's own caches, so any attention
+    layout (GQA, sliding windows, state caches) is measured, not assumed."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=cache)  # builds the graph, evaluates nothing
+    out = []
+    for c in cache:
+        if getattr(c, "keys", None) is None:
+            state = sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
+            out.append((0.0, None, state))
+            continue
+        per_token = 0.0
+        for a in (c.keys, c.values):
+            per_elem = (kv_bits / 8 + 2 * a.itemsize / kv_group_size) if kv_bits else a.itemsize
+            per_token += a.shape[1] * a.shape[3] * per_elem
+        out.append((per_token, getattr(c, "max_size", None) or None, 0))
+    return out
+
+
 def kv_bytes(
     model: nn.Module,
     max_context: int,
@@ -252,26 +284,11 @@ def kv_bytes(
     kv_group_size: int = KV_GROUP_SIZE,
     max_kv_size: Optional[int] = None,
 ) -> int:
-    """KV cache bytes for `batch` sequences of `max_context` tokens.
-
-    Per-token sizes come from a lazy one-token probe of the model's own caches, so any
-    attention layout (GQA, sliding windows, state caches) is measured, not assumed.
-    """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
-    model(mx.zeros((1, 1), dtype=mx.int32), cache=cache)  # builds the graph, evaluates nothing
+    """KV cache bytes for `batch` sequences of `max_context` tokens (see `kv_layout`)."""
     tokens = -(-max_context // KV_STEP) * KV_STEP
     total = 0
-    for c in cache:
-        keys = getattr(c, "keys", None)
-        if keys is None:
-            total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
-            continue
-        n = min(tokens, c.max_size) if getattr(c, "max_size", None) else tokens
-        for a in (c.keys, c.values):
-            per_elem = (kv_bits / 8 + 2 * a.itemsize / kv_group_size) if kv_bits else a.itemsize
-            total += int(a.shape[1] * a.shape[3] * n * per_elem)
+    for per_token, most, state in kv_layout(model, kv_bits, kv_group_size, max_kv_size):
+        total += int(per_token * (min(tokens, most) if most else tokens)) + state
     return total * batch
 
 

@@ -18,12 +18,11 @@ import mlx.core as mx
 import numpy as np
 
 from .checkpoint.load import load, read_config, resolve_model_path
-from .checkpoint.readers.common import SAFETENSORS_DTYPES, shard_files, tensor_index
+from .checkpoint.readers.common import shard_files, tensor_index, tensor_layout
 from .errors import TernaryError
 from .format import QuantizationConfig, is_native_config
 from .runtime.layers import ternary_layers
 from .runtime.shard import TernaryParts
-from .runtime.shard_plans import shard_model
 
 
 def free_ports(n: int) -> int:
@@ -74,21 +73,18 @@ def world() -> mx.distributed.Group:
 class DiskTensor:
     """A 1-D or 2-D safetensors tensor read slice by slice into MLX arrays.
 
+    The header comes from the readers (`tensor_index`, `tensor_layout`): one parser, one
+    error class (FormatError); only the slicing is this class's own.
+
     `t[r0:r1]` reads rows r0..r1 in one contiguous read; `t[:, c0:c1]` reads those columns
     of every row (a strided read of the mapped file); nothing else is read.
     """
 
     def __init__(self, name: str, entry, dtype=None):
-        self.name, (self.path, meta, start) = name, entry
+        self.name, self.path = name, entry[0]
         self.dtype = dtype  # cast to this after reading (as load casts float parameters)
-        if meta["dtype"] not in SAFETENSORS_DTYPES:
-            raise TernaryError(
-                f"{self.path}: tensor {name} has dtype {meta['dtype']}, which "
-                "mlx-ternary does not read"
-            )
-        self._np, self._mx = SAFETENSORS_DTYPES[meta["dtype"]]
-        self.shape = tuple(meta["shape"])
-        self.offset = start + meta["data_offsets"][0]
+        # the readers' own check of the header entry: FormatError naming file and tensor
+        self._np, self._mx, self.shape, self.offset = tensor_layout(name, entry)
 
     @property
     def ndim(self) -> int:
@@ -189,6 +185,8 @@ def sharded_load(
         return_config=True,
     )
     parts = checkpoint_parts(model, source, read_config(source)) if source.is_dir() else {}
+    from .runtime.shard_plans import shard_model  # the per-model plans, for sharded loads only
+
     shard_model(model, group, sources=parts)
     mx.eval(model.parameters())
     barrier(group)  # a slow rank's load must not time out the first collective

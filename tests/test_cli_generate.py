@@ -129,3 +129,21 @@ def test_help_lists_examples():
     res = CliRunner().invoke(main, ["generate", "--help"])
     assert res.exit_code == 0
     assert "Examples:" in res.output and "--max-tokens" in res.output
+
+
+@pytest.mark.parametrize("command", ["generate", "plan", "serve"])
+def test_kv_bits_is_one_choice_in_every_command(command, model_dir):
+    """7 bits passes an IntRange(2, 8) and fails inside MLX: all three refuse it as click does."""
+    r = CliRunner().invoke(main, [command, "--model", str(model_dir), "--kv-bits", "7"])
+    assert r.exit_code == 2 and "'7' is not one of '2', '3', '4', '5', '6', '8'" in r.output
+
+
+@pytest.mark.parametrize("command", ["generate", "perplexity", "plan", "serve"])
+def test_every_command_refuses_a_missing_embedded_model(command, monkeypatch, tmp_path):
+    from mlx_ternary import generate as gen
+
+    monkeypatch.setattr(gen, "EMBEDDED_MODEL", tmp_path / "gone")
+    args = [command, "--data", str(tmp_path / "t.txt")] if command == "perplexity" else [command]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and "the embedded model is missing" in r.output, r.output
+    assert str(tmp_path / "gone") in r.output

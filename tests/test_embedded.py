@@ -4,7 +4,7 @@ perplexity through independent paths.
 The expected output lives in tests/fixtures/embedded_expected.json. Regenerate it only on
 purpose (a new model, or a deliberate change of numerics) with
 
-    python scripts/ship_tiny.py --expected-only
+    python scripts/train/ship_tiny.py --expected-only
 
 and read the diff before committing it.
 """

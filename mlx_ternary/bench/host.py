@@ -188,7 +188,7 @@ def _variant(base, name: str):
     import copy
 
     from ..runtime.layers import swap_modules, ternary_layers
-    from .formats import make_layer
+    from .variants import make_layer
 
     model = copy.deepcopy(base)
     layers = dict(ternary_layers(base))

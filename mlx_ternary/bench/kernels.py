@@ -94,7 +94,7 @@ def _layer(k: int, n: int, scale: str, dtype, seed: int = 0) -> dict:
     groups = fast.shape[1] * fmt.CODES_PER_WORD // STOCK_GROUP
     wide = scales if g is None else mx.repeat(scales, g // STOCK_GROUP, axis=1)[:, :groups]
     qs = mx.contiguous(mx.broadcast_to(wide, (n, groups)))
-    from .formats import _fast_to_q4
+    from .variants import _fast_to_q4
 
     return {
         "t": t,

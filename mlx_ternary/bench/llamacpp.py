@@ -1,7 +1,7 @@
 """llama.cpp on the same GGUF, for side-by-side figures (npm `node-llama-cpp`, CPU build).
 
 Nothing here is needed to use mlx-ternary: `mlx-ternary bench --llama-cpp DIR --gguf FILE`
-and scripts/bench_llamacpp.py use it when node-llama-cpp is installed. DIR is a
+and scripts/bench/bench_llamacpp.py use it when node-llama-cpp is installed. DIR is a
 node_modules directory holding node-llama-cpp (or $MLX_TERNARY_LLAMA_CPP); `node` must be on
 PATH. The runner is timed as mlx-lm reports it: prefill = prompt tokens / time to the first
 generated token, decode = further tokens / their time, greedy, on seeded random token ids;
@@ -14,50 +14,73 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import TernaryError
 
 ENV = "MLX_TERNARY_LLAMA_CPP"
 
-# argv: node_modules gguf threads prompt_tokens gen_tokens repeats context seed
+# The one node-llama-cpp runner. argv: node_modules request.json; the request:
+#   {model, threads, context, prompt_ids, max_tokens, repeats, strings, teacher_ids}
+# prints one JSON object: {runs: [{prefill_tps, decode_tps, tokens}], generated (the ids of
+# the last run), tokenized {string: ids} (no BOS, specials not parsed), teacher_argmax
+# (llama.cpp's argmax after each teacher_ids prefix), peak_rss, threads, system}.
 _RUNNER = r"""
+import {readFileSync} from "node:fs";
 import {pathToFileURL} from "node:url";
 import {join} from "node:path";
-const [nodeModules, modelPath, threads, promptN, genN, repeats, context, seed] =
-    process.argv.slice(2);
+const [nodeModules, requestFile] = process.argv.slice(2);
+const req = JSON.parse(readFileSync(requestFile, "utf8"));
 const entry = join(nodeModules, "node-llama-cpp", "dist", "index.js");
 const {getLlama, LlamaLogLevel} = await import(pathToFileURL(entry).href);
 const llama = await getLlama({gpu: false, build: "never", logLevel: LlamaLogLevel.error});
-const model = await llama.loadModel({modelPath, gpuLayers: 0});
-const t = Number(threads);
-const ctx = await model.createContext({contextSize: Number(context), batchSize: 512,
+const model = await llama.loadModel({modelPath: req.model, gpuLayers: 0});
+const t = Number(req.threads);
+const ctx = await model.createContext({contextSize: req.context, batchSize: 512,
                                        threads: {ideal: t, min: t}});
-let state = Number(seed) >>> 0;
-const nVocab = Number(process.env.MLXT_VOCAB || 32000);
-const rand = () => (state = (Math.imul(state, 1664525) + 1013904223) >>> 0);
-const prompt = Array.from({length: Number(promptN)}, () => 3 + (rand() % (nVocab - 3)));
+const tokenized = {};
+for (const s of req.strings) tokenized[s] = Array.from(model.tokenize(s, false));
 const runs = [];
-for (let r = 0; r < Number(repeats); r++) {
+let generated = [];
+for (let r = 0; r < req.repeats; r++) {
   const seq = ctx.getSequence();
   const t0 = performance.now();
-  let t1 = 0, n = 0;
-  for await (const tok of seq.evaluate(prompt, {temperature: 0})) {
-    n++;
-    if (n === 1) t1 = performance.now();
-    if (n >= Number(genN)) break;
+  let t1 = 0;
+  generated = [];
+  for await (const tok of seq.evaluate(req.prompt_ids, {temperature: 0})) {
+    if (generated.length === 0) t1 = performance.now();
+    generated.push(tok);
+    if (generated.length >= req.max_tokens) break;
   }
-  const t2 = performance.now();
-  runs.push({prefill_tps: prompt.length / ((t1 - t0) / 1000),
+  const t2 = performance.now(), n = generated.length;
+  runs.push({prefill_tps: req.prompt_ids.length / ((t1 - t0) / 1000),
              decode_tps: n > 1 ? (n - 1) / ((t2 - t1) / 1000) : NaN, tokens: n});
   seq.dispose();
 }
-console.log(JSON.stringify({runs, peak_rss: process.resourceUsage().maxRSS * 1024,
+let teacher_argmax = [];
+if (req.teacher_ids.length) {
+  const seq = ctx.getSequence();
+  const items = req.teacher_ids.map(
+    (tok) => [tok, {generateNext: {token: true, options: {temperature: 0}}}]);
+  teacher_argmax = (await seq.controlledEvaluate(items)).map((r) => r?.next?.token ?? null);
+  seq.dispose();
+}
+console.log(JSON.stringify({runs, generated, tokenized, teacher_argmax,
+                            peak_rss: process.resourceUsage().maxRSS * 1024,
                             threads: t, system: llama.systemInfo}));
 await ctx.dispose();
 await model.dispose();
 await llama.dispose();
 """
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> List[int]:
+    """n seeded token ids in [3, vocab): a 32-bit LCG, the ids bench's figures were run on."""
+    state, ids = seed % 2**32, []
+    for _ in range(n):
+        state = (state * 1664525 + 1013904223) % 2**32
+        ids.append(3 + state % (vocab - 3))
+    return ids
 
 
 def find(node_modules: Optional[str] = None) -> Optional[Path]:
@@ -92,32 +115,59 @@ def run(
     vocab: int = 32000,
     timeout: float = 3600,
 ) -> Dict:
-    """Time llama.cpp on `gguf` in a fresh node process.
+    """Time llama.cpp on `gguf` in a fresh node process, on seeded random prompt ids.
 
     Returns:
         {"runs": [{"prefill_tps", "decode_tps", "tokens"}...], "peak_rss": bytes,
-         "threads": int, "system": str}
+         "threads": int, "system": str} (and the fields of `evaluate`)
     """
+    prompt = random_prompt(prompt_tokens, vocab, seed)
+    return evaluate(
+        node_modules,
+        gguf,
+        threads=threads,
+        prompt_ids=prompt,
+        max_tokens=gen_tokens,
+        repeats=repeats,
+        context=context,
+        timeout=timeout,
+    )
+
+
+def evaluate(
+    node_modules: Path,
+    gguf: Path,
+    *,
+    threads: int,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    repeats: int = 1,
+    context: int = 0,
+    strings: Sequence[str] = (),
+    teacher_ids: Sequence[int] = (),
+    timeout: float = 3600,
+) -> Dict:
+    """llama.cpp (node-llama-cpp, CPU) on `gguf` in a fresh node process: greedy from
+    `prompt_ids` `repeats` times (timed), the ids of `strings`, and its argmax after each
+    prefix of `teacher_ids`. See _RUNNER for the fields returned."""
     if not Path(gguf).is_file():
         raise TernaryError(f"{gguf}: no such GGUF file")
-    context = context or prompt_tokens + gen_tokens + 8
+    request = {
+        "model": str(gguf),
+        "threads": int(threads),
+        "context": context or max(len(prompt_ids) + max_tokens, len(teacher_ids)) + 8,
+        "prompt_ids": [int(i) for i in prompt_ids],
+        "max_tokens": int(max_tokens),
+        "repeats": int(repeats),
+        "strings": list(strings),
+        "teacher_ids": [int(i) for i in teacher_ids],
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "run.mjs"
+        script, req = Path(tmp) / "run.mjs", Path(tmp) / "request.json"
         script.write_text(_RUNNER)
-        cmd = [
-            "node",
-            str(script),
-            str(node_modules),
-            str(gguf),
-            str(threads),
-            str(prompt_tokens),
-            str(gen_tokens),
-            str(repeats),
-            str(context),
-            str(seed),
-        ]
-        env = {**os.environ, "MLXT_VOCAB": str(vocab)}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        req.write_text(json.dumps(request))
+        cmd = ["node", str(script), str(node_modules), str(req)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

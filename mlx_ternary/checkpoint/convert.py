@@ -7,7 +7,6 @@ checked as it is written; the report carries the largest error (0 for ternary da
 """
 
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +16,17 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import FormatError, TernaryError, read_json
-from ..format import PACKINGS, AffineTensor, PackedTernary, QuantizationConfig
+from ..format import (
+    AffineTensor,
+    PackedTernary,
+    QuantizationConfig,
+    check_activations,
+    check_packing,
+)
 from ..runtime import dispatch
 from .hub import model_dir
-from .readers import open_source as open_path
-from .readers import with_model
+from .publish import destination, partial, publish, remove
+from .readers import open_source, with_model
 from .readers.arch import Checker, is_hadamard
 from .readers.common import TOKENIZER_FILES, Source
 from .writers import gguf as gguf_writer
@@ -65,7 +70,7 @@ class ConvertReport:
         return 8 * self.ternary_bytes / self.ternary_weights if self.ternary_weights else None
 
 
-def open_source(
+def open_input(
     hf_path: Union[str, Path],
     packing: str = DEFAULT_PACKING,
     revision: Optional[str] = None,
@@ -83,8 +88,8 @@ def open_source(
             raise TernaryError(
                 f"{p}: a single file must be a .gguf; otherwise pass the model directory"
             )
-        return open_path(p, packing)
-    return open_path(model_dir(str(hf_path), revision), packing, group_size)
+        return open_source(p, packing)
+    return open_source(model_dir(str(hf_path), revision), packing, group_size)
 
 
 # --------------------------------------------------------------------------- #
@@ -226,6 +231,7 @@ def _quantization(source: Source, packing: str, written: dict) -> QuantizationCo
         scale="group" if g else "row",
         group_size=g,
         activation_bits=source.activation_bits,
+        activations=source.activations,
         layers=written.get("affine", {}),
     )
 
@@ -244,30 +250,6 @@ def _copy_tokenizer(source: Source, out: Path) -> None:
         (out / name).write_text(text)
 
 
-def _partial(dst: Path) -> Path:
-    return dst.parent / f".{dst.name}.partial-{os.getpid()}"
-
-
-def _publish(tmp: Path, dst: Path, force: bool) -> None:
-    """Rename the finished temporary output onto dst (replacing it only with force)."""
-    old = None
-    if dst.exists() or dst.is_symlink():
-        if not force:
-            raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink()
-
-
 def convert_source(
     source: Source,
     mlx_path=None,
@@ -284,85 +266,122 @@ def convert_source(
     progress: Optional[Progress] = None,
 ) -> ConvertReport:
     """Write an opened Source (see `convert` for the arguments)."""
-    source = with_model(source)
-    if packing not in PACKINGS:
-        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    if dtype is not None and dtype not in DTYPES:
-        raise TernaryError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    if (mlx_path is None) == (to_gguf is None):
-        raise TernaryError(
-            "give exactly one destination: mlx_path (--mlx-path) or to_gguf (--to-gguf)"
-        )
-    if q_bits and dequantize:
-        raise TernaryError("-q/--q-bits and -d/--dequantize exclude each other")
-    if q_bits:
-        affine_writer.check_args(q_bits, q_group_size)
-        if source.config.get("model_type") == "bitnet" or is_hadamard(source.config):
-            raise TernaryError(
-                f"{source.path}: mlx-lm's {source.config['model_type']} class "
-                "has no stock quantized layers to load an affine checkpoint "
-                "into; convert to the native format instead"
-            )
-    mx_dtype = DTYPES.get(dtype)
-    dst = Path(to_gguf if to_gguf is not None else mlx_path).expanduser()
-    if (dst.exists() or dst.is_symlink()) and not force:
-        raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
-    if to_gguf is not None:
-        target = f"GGUF {gguf_type}"
-    elif q_bits:
-        target = f"MLX affine {q_bits}-bit, group size {q_group_size}"
-    else:
-        target = "float (dequantized)" if dequantize else f"mlx-ternary native ({packing})"
-    report = ConvertReport(str(source.path), source.kind, dst, target, notes=list(source.notes))
+    dst = destination(mlx_path, to_gguf, force)
+    target = Target(
+        check_packing(packing), q_bits, q_group_size, dequantize, dtype, gguf_type, max_shard_bytes
+    )
+    return _convert(with_model(source), dst, target, to_gguf is not None, force, progress)
+
+
+@dataclass
+class Target:
+    """What a conversion writes (see `convert` for the fields)."""
+
+    packing: str = DEFAULT_PACKING
+    q_bits: Optional[int] = None
+    q_group_size: int = 64
+    dequantize: bool = False
+    dtype: Optional[str] = None
+    gguf_type: str = "TQ2_0"
+    max_shard_bytes: int = MAX_SHARD_BYTES
+
+    def check(self, source: Source) -> None:
+        """Refuse options that exclude each other or that the source cannot take."""
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise TernaryError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.q_bits and self.dequantize:
+            raise TernaryError("-q/--q-bits and -d/--dequantize exclude each other")
+        if self.q_bits:
+            affine_writer.check_args(self.q_bits, self.q_group_size)
+            if source.config.get("model_type") == "bitnet" or is_hadamard(source.config):
+                raise TernaryError(
+                    f"{source.path}: mlx-lm's {source.config['model_type']} class "
+                    "has no stock quantized layers to load an affine checkpoint "
+                    "into; convert to the native format instead"
+                )
+
+    def describe(self, gguf: bool) -> str:
+        if gguf:
+            return f"GGUF {self.gguf_type}"
+        if self.q_bits:
+            return f"MLX affine {self.q_bits}-bit, group size {self.q_group_size}"
+        return "float (dequantized)" if self.dequantize else f"mlx-ternary native ({self.packing})"
+
+
+def _convert(
+    source: Source, dst: Path, target: Target, gguf: bool, force: bool, progress: Optional[Progress]
+) -> ConvertReport:
+    """Write `source` beside `dst`, then rename it into place; nothing is left on any error."""
+    target.check(source)
+    report = ConvertReport(
+        str(source.path), source.kind, dst, target.describe(gguf), notes=list(source.notes)
+    )
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _partial(dst)
-    _remove(tmp)
+    tmp = partial(dst)
+    remove(tmp)
     try:
-        if to_gguf is not None:
-            _write_gguf(source, tmp, gguf_type, mx_dtype, report, progress)
+        if gguf:
+            _write_gguf(source, tmp, target.gguf_type, DTYPES.get(target.dtype), report, progress)
         else:
             tmp.mkdir()
-            written = _write_tensors(
-                source,
-                tmp,
-                report,
-                packing=packing,
-                q_bits=q_bits,
-                q_group_size=q_group_size,
-                dequantize=dequantize,
-                dtype=mx_dtype,
-                max_shard_bytes=max_shard_bytes,
-                progress=progress,
-            )
-            if q_bits or dequantize:
-                config = (
-                    affine_writer.affine_config(
-                        source.config, q_bits, q_group_size, written.get("affine", {})
-                    )
-                    if q_bits
-                    else dict(source.config)
-                )
-                (tmp / "README.md").write_text(
-                    affine_writer.model_card(
-                        source.path.name, source.kind, q_bits, q_group_size, source.activation_bits
-                    )
-                )
-                if source.activation_bits:
-                    report.notes.append(
-                        f"the source quantizes activations to int{source.activation_bits}; "
-                        "stock mlx-lm does not, so this checkpoint matches the ternary model "
-                        "with activation quantization off (stated in its README.md)"
-                    )
-            else:
-                config = native_config(source.config, _quantization(source, packing, written))
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
-            _copy_tokenizer(source, tmp)
-            write_manifest(tmp)
-        _publish(tmp, dst, force)
+            _write_directory(source, tmp, target, report, progress)
+        publish(tmp, dst, force)
     except BaseException:  # also Ctrl-C: never leave a partial destination behind
-        _remove(tmp)
+        remove(tmp)
         raise
     return report
+
+
+def _write_directory(
+    source: Source, tmp: Path, target: Target, report: ConvertReport, progress
+) -> None:
+    """The shards, config, model card (affine or float), tokenizer and manifest."""
+    t = target
+    written = _write_tensors(
+        source,
+        tmp,
+        report,
+        packing=t.packing,
+        q_bits=t.q_bits,
+        q_group_size=t.q_group_size,
+        dequantize=t.dequantize,
+        dtype=DTYPES.get(t.dtype),
+        max_shard_bytes=t.max_shard_bytes,
+        progress=progress,
+    )
+    if t.q_bits or t.dequantize:
+        config = (
+            affine_writer.affine_config(
+                source.config, t.q_bits, t.q_group_size, written.get("affine", {})
+            )
+            if t.q_bits
+            else dict(source.config)
+        )
+        _write_model_card(source, tmp, t, report)
+    else:
+        config = native_config(source.config, _quantization(source, t.packing, written))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _copy_tokenizer(source, tmp)
+    write_manifest(tmp)
+
+
+def _write_model_card(source: Source, tmp: Path, target: Target, report: ConvertReport) -> None:
+    """README.md of a stock MLX checkpoint, saying what it keeps of the source."""
+    (tmp / "README.md").write_text(
+        affine_writer.model_card(
+            source.path.name,
+            source.kind,
+            target.q_bits,
+            target.q_group_size,
+            source.activation_bits,
+        )
+    )
+    if source.activation_bits:
+        report.notes.append(
+            f"the source quantizes activations to int{source.activation_bits}; "
+            "stock mlx-lm does not, so this checkpoint matches the ternary model "
+            "with activation quantization off (stated in its README.md)"
+        )
 
 
 def _write_gguf(
@@ -428,6 +447,7 @@ def convert(
     revision: Optional[str] = None,
     group_size: int = 128,
     activation_bits: Optional[int] = None,
+    activations: Optional[str] = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Optional[Progress] = None,
 ) -> ConvertReport:
@@ -448,12 +468,14 @@ def convert(
         dequantize: write a float checkpoint (ternary weights as s * t).
         to_gguf: write a llama.cpp GGUF file here instead of a directory.
         gguf_type: "TQ1_0" or "TQ2_0" for the GGUF ternary tensors.
-        force: replace an existing destination.
-        revision: hub revision when hf_path is a repo id.
+        force: replace an existing destination. revision: hub revision of a repo id.
         group_size: column group for TriLM-style weights whose scales vary along a row.
         activation_bits: 8 or 0 to override the source's activation quantization (e.g. a
             float checkpoint of a BitNet-trained model whose config does not say so);
             None keeps what the source's config says.
+        activations: what the converted checkpoint runs its ternary layers with
+            (format.ACTIVATION_MODES: "model", "q8k", "float"); None: the source's default
+            ("q8k" for llama.cpp's GGUF files, else "model").
         max_shard_bytes: largest safetensors shard (default 5 GB).
         progress: called as (tensor name, done, total) after each tensor.
 
@@ -465,36 +487,33 @@ def convert(
             checkpoint (FormatError names the file and tensor). Nothing is left at the
             destination on any error or interrupt.
     """
-    packing = packing or DEFAULT_PACKING
-    if packing not in PACKINGS:
-        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    dst = to_gguf if to_gguf is not None else mlx_path
-    if dst is not None and Path(dst).expanduser().exists() and not force:
-        raise TernaryError(f"{dst}: already exists; pass --force (force=True) to replace it")
+    packing = check_packing(packing or DEFAULT_PACKING)
+    dst = destination(mlx_path, to_gguf, force)  # before a hub download
+    _check_activation_bits(activation_bits)
+    if activations is not None:
+        check_activations(activations)
+    source = open_input(
+        hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing, revision, group_size
+    )
+    if activations is not None:
+        source.activations = activations
+    _set_activation_bits(source, activation_bits)
+    target = Target(packing, q_bits, q_group_size, dequantize, dtype, gguf_type, max_shard_bytes)
+    return _convert(with_model(source), dst, target, to_gguf is not None, force, progress)
+
+
+def _check_activation_bits(activation_bits) -> None:
     if activation_bits not in (None, 0, 8):
         raise TernaryError(
             f"activation_bits must be 8, 0 (none) or None (as the source says), "
             f"got {activation_bits!r}"
         )
-    source = open_source(
-        hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing, revision, group_size
-    )
+
+
+def _set_activation_bits(source: Source, activation_bits: Optional[int]) -> None:
+    """The caller's activation quantization (8 or 0) over what the source's config says."""
     if activation_bits is not None:
         source.activation_bits = activation_bits or None
         source.notes.append(
             f"activation quantization set by the caller: {'int8' if activation_bits else 'none'}"
         )
-    return convert_source(
-        source,
-        mlx_path,
-        q_bits=q_bits,
-        q_group_size=q_group_size,
-        packing=packing,
-        dtype=dtype,
-        dequantize=dequantize,
-        to_gguf=to_gguf,
-        gguf_type=gguf_type,
-        force=force,
-        max_shard_bytes=max_shard_bytes,
-        progress=progress,
-    )

@@ -8,8 +8,8 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..errors import TernaryError
-from ..format import PACKINGS, AffineTensor, PackedTernary
-from ..runtime import dispatch
+from ..format import Q8K, AffineTensor, PackedTernary, check_packing, layer_activation_bits
+from ..runtime import cpu, dispatch
 from ..runtime.cpu import layers as native_layers
 from ..runtime.layers import (
     HadamardTernaryLinear,
@@ -45,18 +45,26 @@ def default_dtype():
 def runtime_packing(packing: Optional[str], backend: Optional[str]) -> Optional[str]:
     """The packing ternary layers run in: `packing`, else "fast" where the reference path
     runs (it reads MLX's 2-bit layout in place), else None (keep what is stored)."""
-    if packing is not None and packing not in PACKINGS:
-        raise TernaryError(f"packing must be one of {PACKINGS}, got {packing!r}")
-    return packing or ("fast" if dispatch.resolve_backend(backend) == "reference" else None)
+    if packing is not None:
+        return check_packing(packing)
+    return "fast" if dispatch.resolve_backend(backend) == "reference" else None
 
 
-def read_layers(source: Source, model: nn.Module, *, backend: Optional[str] = None):
+def read_layers(
+    source: Source,
+    model: nn.Module,
+    *,
+    backend: Optional[str] = None,
+    activations: Optional[str] = None,
+):
     """Consume the source's stream: (float tensors {name: array}, layers {path: module}).
 
     Ternary items become TernaryLinear (HadamardTernaryLinear where the config rotates),
     affine items nn.QuantizedLinear / nn.QuantizedEmbedding; each item is checked
-    against the model its config describes as it arrives.
+    against the model its config describes as it arrives. Ternary layers run with
+    `activations` (format.ACTIVATION_MODES; None: what the source records).
     """
+    bits = layer_activation_bits(activations or source.activations, source.activation_bits)
     check = Checker(model, source.targets, source.path)
     modules = dict(model.named_modules())
     blocks, _ = hadamard_paths(source.config)
@@ -66,9 +74,7 @@ def read_layers(source: Source, model: nn.Module, *, backend: Optional[str] = No
         if isinstance(item, PackedTernary):
             kw = dict(block=blocks[name]) if name in blocks else {}
             cls = HadamardTernaryLinear if name in blocks else TernaryLinear
-            layers[name] = cls.from_packed(
-                item, activation_bits=source.activation_bits, backend=backend, **kw
-            )
+            layers[name] = cls.from_packed(item, activation_bits=bits, backend=backend, **kw)
             if source.targets[name][2]:  # its bias arrives as its own tensor
                 layers[name].bias = mx.zeros((item.out_features,))
             layers[name] = replacement(modules[name], layers[name])
@@ -87,6 +93,7 @@ def load_model(
     packing: Optional[str] = None,
     backend: Optional[str] = None,
     lazy: bool = False,
+    activations: Optional[str] = None,
 ) -> Tuple[nn.Module, dict]:
     """Build mlx-lm's model class for the checkpoint with ternary layers swapped in.
 
@@ -99,11 +106,15 @@ def load_model(
             kernels run and uses "fast" (MLX's 2-bit layout, read in place) elsewhere.
         backend: force "metal", "emulate", "native" or "reference" for every ternary layer.
         lazy: leave parameters unevaluated.
+        activations: what ternary layers do with their input: "model" (the model's own
+            definition: BitNet's per-token int8, or float), "q8k" (llama.cpp's int8 per
+            256-column block, ggml's Q8_K) or "float"; None: what the checkpoint records
+            ("q8k" for a GGUF file from llama.cpp, else "model").
     """
     runtime = runtime_packing(packing, backend)
     source = open_source(model_path, runtime or "compact")
     model = source.model  # the skeleton: its layers are replaced, its parameters loaded
-    weights, layers = read_layers(source, model, backend=backend)
+    weights, layers = read_layers(source, model, backend=backend, activations=activations)
     model.update_modules(tree_unflatten(list(layers.items())))
     # The backend's own rule for float tables: the native one keeps float16 ones as stored.
     keep = native_layers.adopt(model, weights, dtype, backend=dispatch.resolve_backend(backend))
@@ -114,11 +125,30 @@ def load_model(
             layer.repack(runtime)
             if not lazy:  # one layer at a time keeps the unpacked trits' peak small
                 mx.eval(layer.packed)
+    _fast_for_q8k(model, dispatch.resolve_backend(backend), lazy)
     if not lazy:
         mx.eval(model.parameters())
     config = dict(source.config)
-    config["quantization"] = model_quantization(model).to_dict()
+    quant = model_quantization(model)
+    quant.activation_bits = source.activation_bits  # the model's own, whatever runs
+    quant.activations = activations or source.activations
+    config["quantization"] = quant.to_dict()
     return _shardable(model), config
+
+
+def _fast_for_q8k(model: nn.Module, backend: str, lazy: bool) -> None:
+    """On the native backend, q8k layers the kernel cannot take as stored (compact rows of
+    one scale, whose 160-column steps straddle the 256-column blocks) run fast-packed."""
+    if backend != "native":
+        return
+    for _, layer in ternary_layers(model):
+        if layer.activation_bits != Q8K or layer.packing != "compact":
+            continue
+        kw = dict(packing="compact", in_features=layer.in_features, group_size=layer.group_size)
+        if not cpu.q8k_supported(layer.scales, **kw):
+            layer.repack("fast")
+            if not lazy:
+                mx.eval(layer.packed)
 
 
 def _cast(model: nn.Module, weights: dict, dtype, keep: set):
@@ -153,6 +183,7 @@ def load(
     revision: Optional[str] = None,
     return_config: bool = False,
     adapter_path: Optional[str] = None,
+    activations: Optional[str] = None,
 ):
     """Load a ternary model as an mlx-lm model plus mlx-lm's TokenizerWrapper.
 
@@ -167,7 +198,7 @@ def load(
         path_or_hf_repo: a local directory, a .gguf file or a Hugging Face repo id
             (downloaded).
         tokenizer_config: extra keyword arguments for the tokenizer.
-        dtype, packing, backend, lazy: see `load_model`.
+        dtype, packing, backend, lazy, activations: see `load_model`.
         revision: hub revision (branch, tag or commit).
         return_config: also return the config dict.
         adapter_path: a directory with mlx-lm LoRA/DoRA adapters (adapters.safetensors,
@@ -183,7 +214,14 @@ def load(
     from mlx_lm.utils import load_tokenizer
 
     model_path = resolve_model_path(path_or_hf_repo, revision)
-    model, config = load_model(model_path, dtype=dtype, packing=packing, backend=backend, lazy=lazy)
+    model, config = load_model(
+        model_path,
+        dtype=dtype,
+        packing=packing,
+        backend=backend,
+        lazy=lazy,
+        activations=activations,
+    )
     if adapter_path is not None:
         from ..runtime.adapters import load_adapters
 

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..errors import TernaryError
-from ..format import CODES_PER_WORD, check_packing
+from ..format import CODES_PER_WORD, Q8K, check_packing
 from . import cpu, reference
 from .metal.spec import FLOAT_DTYPES, check_layer
 
@@ -32,7 +32,7 @@ ENV_BACKEND = "MLX_TERNARY_BACKEND"
 ENV_EMULATE = "MLX_TERNARY_EMULATE_METAL"
 # The packing `convert` writes by default. The cost model in docs/KERNELS.md predicts the
 # 2-bit layout's exponent-OR decode (~2.4 ALU slots per weight) near bandwidth on every
-# Apple GPU, while base-3 is ALU-bound; scripts/bench_kernels.py settles it on a Mac.
+# Apple GPU, while base-3 is ALU-bound; `mlx-ternary bench --kernels` settles it on a Mac.
 DEFAULT_PACKING = "fast"
 MAX_PLANNED_CALLS = 64  # (shape, dtype) entries a plan keeps; prefill lengths vary
 
@@ -120,7 +120,8 @@ class LayerPlan:
         self.train_calls = {}  # the same, differentiable w.r.t. x
         self._affine = {}  # dtype -> reference.qmm_affine(...)
         self.spec = None
-        if self.backend in ("metal", "emulate"):
+        # q8k has no Metal kernel: those layers run the reference twin there (host_call)
+        if self.backend in ("metal", "emulate") and activation_bits != Q8K:
             self.spec = check_layer(
                 packed,
                 scales,
@@ -155,8 +156,11 @@ class LayerPlan:
     # ---- planning (once per x shape and dtype) ----------------------------------------
 
     def host_call(self, dtype) -> Callable:
-        """x -> y on the host backend (the reference twin on Metal): exact on every device."""
+        """x -> y on the host backend (the reference twin on Metal, and for q8k layers the
+        native kernel cannot run): exact on every device."""
         backend = self.backend if self.backend not in ("metal", "emulate") else "reference"
+        if backend == "native" and self.activation_bits == Q8K and not self.native_q8k():
+            backend = "reference"
         args = dict(
             packing=self.packing,
             in_features=self.k,
@@ -170,6 +174,11 @@ class LayerPlan:
             )
         fn, packed, scales, bias = host_matmul(backend), self.packed, self.scales, self.bias
         return lambda x: fn(x, packed, scales, bias, **args)
+
+    def native_q8k(self) -> bool:
+        return cpu.q8k_supported(
+            self.scales, packing=self.packing, in_features=self.k, group_size=self.group_size
+        )
 
     def grad_x(self, g: mx.array) -> mx.array:
         """g @ W: the input gradient (the straight-through estimator's, with int8 x too)."""
@@ -282,7 +291,8 @@ def ternary_matmul(
         packing: "compact" or "fast".
         in_features: K.
         group_size: the scale group along K, for group scales.
-        activation_bits: 8 for BitNet int8 per-token activations, else None.
+        activation_bits: 8 for BitNet int8 per-token activations, format.Q8K for
+            llama.cpp's int8 blocks (runtime/q8k.py), else None.
         backend: force "metal", "emulate", "native" or "reference".
 
     Returns:

@@ -416,10 +416,12 @@ def model_quantization(model: nn.Module) -> fmt.QuantizationConfig:
         if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedEmbedding)
     }
     # (not mlx-lm's own subclasses)
+    q8k = first.activation_bits == fmt.Q8K
     return fmt.QuantizationConfig(
         packing=first.packing,
         scale="group" if group else first.scale,
         group_size=group,
-        activation_bits=first.activation_bits,
+        activation_bits=None if q8k else first.activation_bits,
+        activations="q8k" if q8k else "model",
         layers=affine,
     )

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..format import CODES_PER_WORD, expand_scales, unpack_mx
+from ..format import CODES_PER_WORD, Q8K, expand_scales, unpack_mx
 
 ACT_QMAX = 127
 ACT_QMIN = -128
@@ -236,7 +236,7 @@ def prepare(
         activation_bits=activation_bits,
     )
     n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
-    if packing != "fast" or kp != in_features:
+    if packing != "fast" or kp != in_features or activation_bits == Q8K:
         return lambda x: ternary_matmul(x, packed, scales, bias, **kw, affine=affine)
     qs, qb, g = affine if affine is not None else qmm_affine(scales, n, kp, group_size, dtype)
     row = _row_scale(scales)
@@ -271,8 +271,14 @@ def ternary_matmul(
 ) -> mx.array:
     """The reference ternary linear layer: y = act_quant(x) @ (s * t).T + bias.
 
-    Row scale, activation scale and bias are applied in one fused epilogue.
+    Row scale, activation scale and bias are applied in one fused epilogue. With
+    activation_bits = format.Q8K, llama.cpp's block int8 numerics (q8k.py).
     """
+    if activation_bits == Q8K:
+        kw = dict(packing=packing, in_features=in_features, group_size=group_size)
+        from . import q8k  # llama.cpp's block numerics: q8k layers only
+
+        return q8k.matmul(x, packed, scales, bias, **kw)
     n, kp = packed.shape[0], packed.shape[1] * CODES_PER_WORD
     if packing == "fast" and kp == in_features:
         qs, qb, g = affine if affine is not None else qmm_affine(scales, n, kp, group_size, x.dtype)

@@ -9,15 +9,8 @@ content_block_start/delta/stop, message_delta, message_stop).
 import json
 import uuid
 
-from .openai import (
-    APIError,
-    Request,
-    ToolSplitter,
-    field_,
-    parse_request,
-    split_answer,
-    stop_strings,
-)
+from .answers import ToolSplitter, split_answer
+from .openai import APIError, Request, field_, parse_request, stop_strings
 
 SUPPORTED = {
     "model",
@@ -38,7 +31,9 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 def error_body(e: APIError) -> dict:
     kind = (
-        "not_found_error"
+        "authentication_error"
+        if e.status == 401
+        else "not_found_error"
         if e.status == 404
         else "overloaded_error"
         if e.code == "overloaded"

@@ -14,6 +14,7 @@ Events on `Job.events`: ("prompt_logprobs", [record]), ("text", str, [record]),
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -21,6 +22,7 @@ import mlx.core as mx
 
 from .kv_quant import make_cache
 from .prompt_cache import PromptCache
+from .text import TextStream
 
 log = logging.getLogger("mlx_ternary.serve.http")
 POLL_S = 0.2
@@ -43,10 +45,11 @@ class Job:
     cached_tokens: int = 0
     stop_hit: Optional[str] = None  # the stop string that ended the answer
     uid: Optional[int] = None
-    detokenizer: object = None
+    text: Optional[TextStream] = None
     pending: str = ""
     records: list = field(default_factory=list)
     tokens: int = 0
+    submitted: float = 0.0  # time.monotonic() at submit, then at each token
 
 
 def _seeded_sampler(temp, top_p, top_k, min_p, seed):
@@ -129,6 +132,8 @@ class Engine:
         self.failed: Optional[str] = None
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
+        self.metrics = None  # a serve.metrics.Metrics, when the server keeps them
+        self._gen = None
 
     def start(self):
         self._thread.start()
@@ -146,19 +151,29 @@ class Engine:
         return self.inbox.qsize() + len(self.active)
 
     def submit(self, job: Job):
+        job.submitted = time.monotonic()
         self.inbox.put(job)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the running batch's KV cache."""
+        gen = self._gen
+        try:
+            return int(gen.prompt_cache_nbytes) if gen is not None else 0
+        except Exception:  # read while the generation thread changes the batch
+            return 0
 
     def _new_generator(self, stream):
         from mlx_lm.generate import BatchGenerator, make_stop_sequences
 
         self._stops = make_stop_sequences(self.tokenizer)
-        return BatchGenerator(
+        self._gen = BatchGenerator(
             self.model,
             completion_batch_size=self.max_concurrency,
             prefill_batch_size=self.max_concurrency,
             prefill_step_size=self.prefill_step_size,
             stream=stream,
         )
+        return self._gen
 
     def _run(self):
         try:
@@ -244,7 +259,7 @@ class Engine:
             logits_processors=[procs],
             stop_sequences=[self._stops],
         )
-        job.detokenizer = self.tokenizer.detokenizer
+        job.text = TextStream(self.tokenizer, job.prompt)
         self.active[job.uid] = job
 
     def _prompt_logprobs(self, job: Job) -> List[dict]:
@@ -279,14 +294,18 @@ class Engine:
             return
         job.tokens += 1
         self.tokens_generated += 1
+        if self.metrics is not None:
+            now = time.monotonic()
+            (self.metrics.first_token if job.tokens == 1 else self.metrics.next_token)(
+                now - job.submitted
+            )
+            job.submitted = now
         if job.logprobs is not None:
             job.records += token_records(r.logprobs[None], [r.token], job.logprobs)
-        detok = job.detokenizer
-        if r.finish_reason != "stop":  # the EOS token itself is not text
-            detok.add_token(r.token)
+        text = job.text.add(r.token) if r.finish_reason != "stop" else ""  # EOS is no text
         if r.finish_reason is not None:
-            detok.finalize()
-        text, reason = self._apply_stop(job, detok.last_segment, reason=r.finish_reason)
+            text += job.text.flush()
+        text, reason = self._apply_stop(job, text, reason=r.finish_reason)
         if text or (reason is not None and job.records):
             job.events.put(("text", text, job.records))
             job.records = []

@@ -7,54 +7,86 @@ A request whose client goes away is removed from the batch. Every error a client
 the API's own JSON shape; tracebacks stay in the server's log.
 """
 
+import hmac
+import ipaddress
 import json
 import logging
 import queue
 import select
+import signal
 import socket
+import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from ..memory import kv_bytes, materialize
+from . import answers, endpoints
 from . import anthropic as anthropic
 from .engine import POLL_S, Engine, Job
 from .kv_quant import make_cache
-from .openai import (
-    APIError,
-    Request,
-    ServeConfig,
-    ToolSplitter,
-    chat_logprobs,
-    completion_logprobs,
-    parse_request,
-    split_answer,
-    usage,
-)
+from .metrics import Metrics
+from .openai import APIError, Request, ServeConfig, parse_request, short_name
 
 log = logging.getLogger(__name__)
 MAX_BODY = 4 * 1024 * 1024
+RETRY_AFTER_S = 1  # what a 503 tells a client to wait
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETION_PATHS = ("/v1/completions", "/completions")
 MESSAGES_PATHS = ("/v1/messages", "/messages")
-__all__ = ["APIError", "ServeConfig", "Server", "load_model", "make_engine"]
+PUBLIC = ("/health", "/")  # answered without the API key (the page asks for it)
+CORS_HEADERS = "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta"
+BUSY = (  # the whole answer to a connection over --max-connections
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
+__all__ = [
+    "APIError",
+    "ServeConfig",
+    "Server",
+    "drain_on_signals",
+    "exposure_warning",
+    "load_lazily",
+    "make_engine",
+    "short_name",
+]
 
 
 class Handler(BaseHTTPRequestHandler):
-    """One connection; `self.server` carries `engine`, `tokenizer`, `grammars`, `config`."""
+    """One connection (HTTP/1.1 keep-alive); `self.server` carries `engine`, `tokenizer`,
+    `grammars`, `config`. Requests are dispatched through ROUTES."""
 
     server_version = "mlx-ternary"
-    protocol_version = "HTTP/1.0"  # one request per connection; streams end with the close
+    protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        self.timeout = self.server.config.read_timeout  # applied to the socket by setup
+        super().setup()
 
     def log_message(self, fmt, *args):
         log.debug("%s %s", self.address_string(), fmt % args)
 
-    def send_json(self, status: int, obj: dict):
+    def send_response(self, code, message=None):
+        path = getattr(self, "path", "").split("?", 1)[0]
+        known = any(path == p for _, p in ROUTES)  # a label per endpoint, not per probe
+        self.server.metrics.request(path if known else "other", code)
+        super().send_response(code, message)
+
+    def end_headers(self):
+        origin = self.headers.get("Origin") if self.headers else None
+        allowed = self.server.config.cors_origins
+        if origin and ("*" in allowed or origin in allowed):
+            self.send_header("Access-Control-Allow-Origin", "*" if "*" in allowed else origin)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
+
+    def send_json(self, status: int, obj: dict, headers=None):
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, str(v))
         self.end_headers()
         self.wfile.write(data)
 
@@ -62,6 +94,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream ends with the connection
+        self.close_connection = True
         self.end_headers()
 
     def send_sse(self, obj, event=None):
@@ -74,11 +108,14 @@ class Handler(BaseHTTPRequestHandler):
         try:
             fn()
         except APIError as e:
-            self.send_json(e.status, shape(e))
+            if not self._body_read:  # an unread body would be taken for the next request
+                self.close_connection = True
+            self.send_json(e.status, shape(e), e.headers)
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
-            pass
+            self.close_connection = True
         except Exception:
             log.exception("request failed")
+            self.close_connection = True
             try:
                 self.send_json(
                     500, shape(APIError(500, "internal server error", type_="server_error"))
@@ -86,37 +123,48 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
 
+    def _dispatch(self, method: str):
+        length = self.headers.get("Content-Length")
+        self._body_read = method in ("GET", "OPTIONS") and not length or length == "0"
+        path = self.path.split("?", 1)[0]
+        self._guard(lambda: self._route(method, path), anthropic_errors=path in MESSAGES_PATHS)
+
+    def _route(self, method: str, path: str):
+        if path not in PUBLIC:
+            self._authorize()
+        route = ROUTES.get((method, path))
+        if route is None:
+            raise APIError(404, f"no such endpoint: {method} {path}", code="not_found")
+        route(self)
+
+    def _authorize(self):
+        key = self.server.config.api_key
+        if key is None:
+            return
+        bearer = self.headers.get("Authorization", "")
+        given = bearer[7:] if bearer[:7].lower() == "bearer " else self.headers.get("x-api-key")
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(
+                401,
+                "a valid API key is required: 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                type_="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
     def do_GET(self):
-        self._guard(self._get)
+        self._dispatch("GET")
 
     def do_POST(self):
-        self._guard(self._post, anthropic_errors=self.path in MESSAGES_PATHS)
+        self._dispatch("POST")
 
-    def _get(self):
-        srv = self.server
-        if self.path == "/health":
-            ok = srv.engine.healthy
-            self.send_json(
-                200 if ok else 503,
-                {"status": "ok" if ok else "error", "active": len(srv.engine.active)},
-            )
-        elif self.path in ("/v1/models", "/models"):
-            self.send_json(
-                200,
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "id": srv.config.model_name,
-                            "object": "model",
-                            "created": srv.created,
-                            "owned_by": "mlx-ternary",
-                        }
-                    ],
-                },
-            )
-        else:
-            raise APIError(404, f"no such endpoint: GET {self.path}", code="not_found")
+    def do_OPTIONS(self):  # a CORS preflight: no key (browsers send none), no body
+        self.send_response(204)
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", CORS_HEADERS)
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def _read_body(self):
         length = self.headers.get("Content-Length")
@@ -129,39 +177,36 @@ class Handler(BaseHTTPRequestHandler):
         if length < 0 or length > MAX_BODY:
             raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY}")
         raw = self.rfile.read(length)
+        self._body_read = True
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON ({e})") from None
 
-    def _post(self):
-        srv = self.server
-        if self.path in MESSAGES_PATHS:
-            req = anthropic.parse(self._read_body(), srv)
-            answer = anthropic.stream if req.stream else anthropic.whole
-        elif self.path in CHAT_PATHS or self.path in COMPLETION_PATHS:
-            req = parse_request(
-                self._read_body(), srv.tokenizer, srv.config, self.path in CHAT_PATHS, srv.grammars
-            )
-            answer = Handler._stream if req.stream else Handler._whole
-        else:
-            raise APIError(404, f"no such endpoint: POST {self.path}", code="not_found")
+    def answer(self, req: Request, answer):
+        """Run `req` on the engine and send it with `answer(handler, req)`."""
         self.submit(req.job)
+        self.server.track(+1)
         try:
             answer(self, req)
         finally:
+            self.server.track(-1)
             req.job.cancelled.set()  # no-op when finished; frees the batch slot otherwise
 
     def submit(self, job: Job):
         engine, config = self.server.engine, self.server.config
+        retry = {"Retry-After": RETRY_AFTER_S}
         if not engine.healthy:
             raise APIError(503, "the generation engine is not running", type_="server_error")
+        if self.server.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error", headers=retry)
         if engine.load() >= config.max_concurrency + config.max_queue:
             raise APIError(
                 503,
                 f"the server is busy ({engine.load()} requests running or queued); retry later",
                 type_="server_error",
                 code="overloaded",
+                headers=retry,
             )
         engine.submit(job)
 
@@ -201,142 +246,54 @@ class Handler(BaseHTTPRequestHandler):
                 done = event
         return None if done is None else ("".join(text), records, prompt_records, done)
 
-    def _whole(self, req: Request):
-        got = self.collect(req.job)
-        if got is None:
-            return  # the client went away
-        text, records, prompt_records, (_, reason, n) = got
-        tok, job = self.server.tokenizer, req.job
-        if req.chat:
-            content, calls = split_answer(req, text)
-            message = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-                reason = "tool_calls" if reason == "stop" else reason
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": chat_logprobs(tok, records) if job.logprobs is not None else None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": req.echo_text + text,
-                "logprobs": self._completion_logprobs(req, records, prompt_records),
-            }
-        choice["finish_reason"] = reason
-        self.send_json(
-            200,
-            {
-                "id": _rid(req.chat),
-                "created": int(time.time()),
-                "object": "chat.completion" if req.chat else "text_completion",
-                "model": self.server.config.model_name,
-                "choices": [choice],
-                "usage": usage(job, n),
-            },
-        )
 
-    def _completion_logprobs(self, req, records, prompt_records, offset=None):
-        job, tok = req.job, self.server.tokenizer
-        if job.logprobs is None:
-            return None
-        if prompt_records is not None and job.echo:
-            lead = completion_logprobs(tok, prompt_records, 0, first=job.prompt[0])
-            rest = completion_logprobs(tok, records, len(req.echo_text))
-            return {k: lead[k] + rest[k] for k in lead}
-        return completion_logprobs(tok, records, len(req.echo_text) if offset is None else offset)
-
-    def _stream(self, req: Request):
-        self.start_sse()
-        rid, created, name = _rid(req.chat), int(time.time()), self.server.config.model_name
-        obj = "chat.completion.chunk" if req.chat else "text_completion"
-        tok, job = self.server.tokenizer, req.job
-        splitter = ToolSplitter(req.tool_markers, req.tools) if req.tools else None
-        state = {"offset": 0, "calls": 0}
-
-        def send(choice=None, use=None):
-            chunk = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": name,
-                "choices": [choice] if choice else [],
-            }
-            if use:
-                chunk["usage"] = use
-            self.send_sse(chunk)
-
-        def text_chunk(text, records, reason=None):
-            if req.chat:
-                lp = chat_logprobs(tok, records) if job.logprobs is not None else None
-                return {
-                    "index": 0,
-                    "delta": {"content": text},
-                    "logprobs": lp,
-                    "finish_reason": reason,
-                }
-            lp = (
-                completion_logprobs(tok, records, state["offset"])
-                if job.logprobs is not None
-                else None
-            )
-            state["offset"] += len(text)
-            return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
-
-        def chat_items(items, records):
-            for kind, value in items:
-                if kind == "text":
-                    send(text_chunk(value, records))
-                else:
-                    delta = {"tool_calls": [dict(value, index=state["calls"])]}
-                    state["calls"] += 1
-                    send({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
-                records = []
-            if records:
-                send(text_chunk("", records))
-
-        if req.chat:
-            send(
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-        for event in self.events(job):
-            if event[0] == "prompt_logprobs":
-                lp = self._completion_logprobs(req, [], event[1])
-                send({"index": 0, "text": req.echo_text, "logprobs": lp, "finish_reason": None})
-                state["offset"] = len(req.echo_text)
-            elif event[0] == "text":
-                if req.chat:
-                    chat_items(
-                        splitter.feed(event[1]) if splitter else [("text", event[1])], event[2]
-                    )
-                else:
-                    send(text_chunk(event[1], event[2]))
-            elif event[0] == "error":
-                self.send_sse(APIError(500, event[1], type_="server_error").body())
-                return
-            else:
-                if splitter:
-                    chat_items(splitter.flush(), [])
-                reason = "tool_calls" if state["calls"] and event[1] == "stop" else event[1]
-                send(
-                    text_chunk("", [], reason)
-                    if not req.chat
-                    else {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-                )
-                if req.include_usage:
-                    send(use=usage(job, event[2]))
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
+def _health(h: Handler):
+    ok = h.server.engine.healthy and not h.server.draining
+    h.send_json(
+        200 if ok else 503,
+        {
+            "status": "ok" if ok else ("draining" if h.server.draining else "error"),
+            "active": len(h.server.engine.active),
+        },
+    )
 
 
-def _rid(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+def _models(h: Handler):
+    srv = h.server
+    data = [
+        {"id": name, "object": "model", "created": srv.created, "owned_by": "mlx-ternary"}
+        for name in srv.config.names
+    ]
+    h.send_json(200, {"object": "list", "data": data})
+
+
+def _openai(chat: bool):
+    def route(h: Handler):
+        srv = h.server
+        req = parse_request(h._read_body(), srv.tokenizer, srv.config, chat, srv.grammars)
+        h.answer(req, answers.stream if req.stream else answers.whole)
+
+    return route
+
+
+def _messages(h: Handler):
+    req = anthropic.parse(h._read_body(), h.server)
+    h.answer(req, anthropic.stream if req.stream else anthropic.whole)
+
+
+# (method, path) -> route(handler): every endpoint, in one table.
+ROUTES = {
+    ("GET", "/health"): _health,
+    ("GET", "/"): endpoints.chat_page,
+    **{("GET", p): _models for p in ("/v1/models", "/models")},
+    **{("POST", p): _openai(True) for p in CHAT_PATHS},
+    **{("POST", p): _openai(False) for p in COMPLETION_PATHS},
+    **{("POST", p): _messages for p in MESSAGES_PATHS},
+    ("POST", "/tokenize"): endpoints.tokenize,
+    ("POST", "/detokenize"): endpoints.detokenize,
+    ("GET", "/tokenizer_info"): endpoints.tokenizer_info,
+    ("GET", "/metrics"): endpoints.metrics,
+}
 
 
 class Server(ThreadingHTTPServer):
@@ -357,12 +314,91 @@ class Server(ThreadingHTTPServer):
         self.engine = make_engine(model, tokenizer, config, engine_class or Engine)
         self.grammars = self.engine.grammars
         self.tokenizer, self.config, self.created = tokenizer, config, int(time.time())
+        self.draining = False
+        self.metrics = self.engine.metrics = Metrics()
+        self.connections = self.in_flight = 0
+        self._count = threading.Lock()
+        self.request_queue_size = max(128, min(config.max_connections, 4096))  # the backlog
         super().__init__((host, port), Handler)
         self.engine.start()
+
+    def track(self, n: int):
+        with self._count:
+            self.in_flight += n
+
+    def process_request(self, request, client_address):
+        """One thread per connection, up to --max-connections; past it a 503 and close."""
+        with self._count:
+            full = self.connections >= self.config.max_connections
+            self.connections += not full
+        if not full:
+            return super().process_request(request, client_address)
+        body = json.dumps(
+            APIError(503, "too many open connections; retry later", type_="server_error").body()
+        ).encode()
+        try:
+            request.sendall(BUSY % (RETRY_AFTER_S, len(body), body))
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._count:
+                self.connections -= 1
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Refuse new requests (503), let the in-flight ones finish (up to `timeout`, the
+        config's drain_timeout by default), then stop serve_forever. True if all finished."""
+        self.draining = True
+        deadline = time.monotonic() + (self.config.drain_timeout if timeout is None else timeout)
+        while (self.in_flight or self.engine.load()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done = not (self.in_flight or self.engine.load())
+        self.shutdown()
+        return done
 
     def server_close(self):
         super().server_close()
         self.engine.stop()
+
+
+def exposure_warning(host: str, api_key: Optional[str]) -> Optional[str]:
+    """A warning when `host` is reachable from other machines and no API key is set."""
+    if api_key or host in ("localhost", ""):
+        return None if api_key or host == "localhost" else _exposed(host)
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: loopback only if it resolves there
+        try:
+            if all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, 0)):
+                return None
+        except OSError:
+            pass
+    return _exposed(host)
+
+
+def _exposed(host: str) -> str:
+    return (
+        f"serving on {host or 'all addresses'} without an API key: anyone who can reach "
+        "it can use it; set --api-key (or $MLX_TERNARY_API_KEY)"
+    )
+
+
+def drain_on_signals(server: Server, signals=(signal.SIGTERM, signal.SIGINT)):
+    """Make SIGTERM/SIGINT drain `server` (Server.drain on a thread of its own, since
+    serve_forever runs on the thread that gets the signal); call from the main thread."""
+
+    def handler(signum, frame):
+        if not server.draining:
+            log.warning("signal %d: draining (%d in flight)", signum, server.in_flight)
+            threading.Thread(target=server.drain, name="mlx-ternary-drain").start()
+
+    for sig in signals:
+        signal.signal(sig, handler)
 
 
 def make_engine(model, tokenizer, config: ServeConfig, engine_class=None) -> Engine:
@@ -394,9 +430,9 @@ def _grammars(model, tokenizer):
     return Grammars(tokenizer, vocab or len(tokenizer.get_vocab()))
 
 
-def load_model(path: str, adapter_path: Optional[str] = None):
+def load_lazily(path: str, adapter_path: Optional[str] = None, activations: Optional[str] = None):
     """(model, tokenizer) for `serve`, loaded lazily so the memory plan runs first; LoRA/DoRA
     adapters (mlx-lm's format) applied when `adapter_path` is given."""
     from ..checkpoint.load import load
 
-    return load(path, lazy=True, adapter_path=adapter_path)
+    return load(path, lazy=True, adapter_path=adapter_path, activations=activations)

@@ -8,6 +8,7 @@ tokenizer's chat template and parsed back with mlx-lm's tool parser for that tem
 import json
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
 
 from .engine import Job
@@ -28,8 +29,10 @@ class APIError(Exception):
         param: Optional[str] = None,
         code: Optional[str] = None,
         type_: str = "invalid_request_error",
+        headers: Optional[dict] = None,
     ):
         super().__init__(message)
+        self.headers = headers or {}
         self.status, self.message, self.param, self.code, self.type = (
             status,
             message,
@@ -53,7 +56,7 @@ class APIError(Exception):
 class ServeConfig:
     """What `mlx-ternary serve` was started with."""
 
-    model_name: str
+    model_name: str  # the id /v1/models lists first (short_name of --model)
     max_context: int = 4096
     prefill_step_size: int = 512
     max_concurrency: int = 8
@@ -61,6 +64,28 @@ class ServeConfig:
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
     prompt_cache_bytes: Optional[int] = None  # None: as much as the live KV cache's plan
+    aliases: List[str] = field(default_factory=list)  # --served-model-name
+    api_key: Optional[str] = None  # required on every path but /health when set
+    cors_origins: List[str] = field(default_factory=list)  # "*" allows any origin
+    read_timeout: float = 60.0  # seconds a connection may send nothing
+    max_connections: int = 1024  # open connections; more are answered 503
+    drain_timeout: float = 25.0  # seconds in-flight requests get at SIGTERM/SIGINT
+
+    @property
+    def names(self) -> List[str]:
+        """Every name a request may give as `model`, the primary id first."""
+        return list(dict.fromkeys([self.model_name, *self.aliases]))
+
+
+def short_name(model: str) -> str:
+    """The id a client types for `model`: a directory's name, a GGUF file's stem, or the
+    Hugging Face repo id as given."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name
+    return model.rstrip("/")
 
 
 @dataclass
@@ -351,11 +376,11 @@ def stop_strings(body, name="stop", most=4) -> List[str]:
 
 def check_model(body, config: ServeConfig):
     model = field_(body, "model", (str,))
-    if model is not None and model not in (config.model_name, "default_model"):
+    if model is not None and model not in config.names + ["default_model"]:
         raise APIError(
             404,
             f"the model '{model}' does not exist; this server serves "
-            f"'{config.model_name}' (see /v1/models)",
+            f"{', '.join(repr(n) for n in config.names)} (see /v1/models)",
             "model",
             "model_not_found",
         )
@@ -464,116 +489,3 @@ def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=Non
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
-
-
-class ToolSplitter:
-    """Splits generated text into content and tool calls as it streams in."""
-
-    def __init__(self, markers, tools):
-        self.start, self.end, self.parse = markers
-        self.tools, self.buf, self.inside = tools, "", False
-        self.calls = 0
-
-    def feed(self, text: str) -> list:
-        """Items ("text", str) and ("call", {"id", "type", "function"}) ready to send."""
-        self.buf += text
-        out = []
-        while True:
-            mark = self.end if self.inside else self.start
-            i = self.buf.find(mark)
-            if i < 0:
-                break
-            if self.inside:
-                out.append(("call", self._call(self.buf[:i])))
-            elif i:
-                out.append(("text", self.buf[:i]))
-            self.buf, self.inside = self.buf[i + len(mark) :], not self.inside
-        if not self.inside:  # send all but a possible start of the start marker
-            hold = next(
-                (
-                    n
-                    for n in range(min(len(self.start) - 1, len(self.buf)), 0, -1)
-                    if self.buf.endswith(self.start[:n])
-                ),
-                0,
-            )
-            if len(self.buf) > hold:
-                out.append(("text", self.buf[: len(self.buf) - hold]))
-                self.buf = self.buf[len(self.buf) - hold :]
-        return out
-
-    def flush(self) -> list:
-        """What is left at the end; an unfinished call stays text."""
-        rest = (self.start if self.inside else "") + self.buf
-        self.buf, self.inside = "", False
-        return [("text", rest)] if rest else []
-
-    def _call(self, text: str) -> dict:
-        try:
-            parsed = self.parse(text, self.tools)
-        except Exception:  # what the model wrote is not a call: keep it visible
-            parsed = {"name": "", "arguments": text}
-        args = parsed.get("arguments", {})
-        self.calls += 1
-        return {
-            "id": new_call_id(),
-            "type": "function",
-            "function": {
-                "name": parsed.get("name", ""),
-                "arguments": args if isinstance(args, str) else json.dumps(args),
-            },
-        }
-
-
-def split_answer(req: Request, text: str):
-    """(content or None, [tool calls]) of a whole answer."""
-    if not req.tools:
-        return text, []
-    splitter = ToolSplitter(req.tool_markers, req.tools)
-    items = splitter.feed(text) + splitter.flush()
-    content = "".join(s for kind, s in items if kind == "text")
-    calls = [c for kind, c in items if kind == "call"]
-    return (content.strip() or None) if calls else content, calls
-
-
-def _token_str(tokenizer, tid: int) -> str:
-    return tokenizer.decode([tid])
-
-
-def chat_logprobs(tokenizer, records) -> dict:
-    def entry(tid, lp):
-        s = _token_str(tokenizer, tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-    return {
-        "content": [
-            dict(entry(r["id"], r["logprob"]), top_logprobs=[entry(i, v) for i, v in r["top"]])
-            for r in records
-        ]
-    }
-
-
-def completion_logprobs(tokenizer, records, offset: int = 0, first=None) -> dict:
-    """OpenAI's legacy logprobs object; `first`: a leading prompt token with no logprob."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    rows = ([(first, None, None)] if first is not None else []) + [
-        (r["id"], r["logprob"], {_token_str(tokenizer, i): v for i, v in r["top"]}) for r in records
-    ]
-    for tid, lp, top in rows:
-        s = _token_str(tokenizer, tid)
-        out["tokens"].append(s)
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(s)
-    return out
-
-
-def usage(job: Job, completion: int) -> dict:
-    n = len(job.prompt)
-    return {
-        "prompt_tokens": n,
-        "completion_tokens": completion,
-        "total_tokens": n + completion,
-        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
-    }

@@ -12,6 +12,7 @@ from tiny import ROOT, quantize_act_np, ternary_checkpoint
 from mlx_ternary import format as F
 from mlx_ternary.bench import ceiling as C
 from mlx_ternary.bench import formats as B
+from mlx_ternary.bench import variants as V
 from mlx_ternary.checkpoint.load import load_model
 from mlx_ternary.cli import main
 from mlx_ternary.runtime import dispatch
@@ -24,7 +25,7 @@ ALL = list(B.FORMATS)
 
 def _synthetic():
     spec = importlib.util.spec_from_file_location(
-        "make_synthetic_model", ROOT / "scripts" / "make_synthetic_model.py"
+        "make_synthetic_model", ROOT / "scripts" / "fixtures" / "make_synthetic_model.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -110,14 +111,14 @@ def test_bytes_held_per_format(variants):
     assert built["fast"][1].linear_bytes == want
     if native:  # the native kernel runs compact in place
         assert built["compact"][1].linear_bytes == sum(
-            C.linear_bytes(B._shape(m), "compact") for _, m in layers
+            C.linear_bytes(V._shape(m), "compact") for _, m in layers
         )
     else:  # repacked to fast at load on the reference backend
         assert built["compact"][1].linear_bytes == want
     # The analytic bytes of the ceiling model agree with what was built (16-bit scales).
     for name in ("q2", "q4", "bf16", "f32"):
         assert (
-            sum(C.linear_bytes(B._shape(m), name) for _, m in layers) == built[name][1].linear_bytes
+            sum(C.linear_bytes(V._shape(m), name) for _, m in layers) == built[name][1].linear_bytes
         ), name
     compact = sum(
         F.PackedTernary(
@@ -129,7 +130,7 @@ def test_bytes_held_per_format(variants):
         ).nbytes
         for _, m in layers
     )
-    assert sum(C.linear_bytes(B._shape(m), "compact") for _, m in layers) == compact
+    assert sum(C.linear_bytes(V._shape(m), "compact") for _, m in layers) == compact
     # Tied embeddings: every format reads its whole table as the output layer.
     for name in ALL:
         assert built[name][1].read_bytes == built[name][1].weight_bytes
@@ -179,7 +180,7 @@ def test_run_bench_end_to_end(tiny_dir):
     assert d["formats"][0]["decode_tps"]["min"] <= d["formats"][0]["decode_tps"]["median"]
     # The Apple table: bandwidth / bytes, 16-bit floats, at prompt + gen tokens of context.
     base, _ = load_model(tiny_dir, packing="compact")
-    shapes, floats = B._model_shapes(base)
+    shapes, floats = V.model_shapes(base)
     kv16 = 2 * 2 * 2 * 32
     m2 = next(row for row in r.apple if row["chip"] == "M2")
     want = C.ceiling_tps(C.metal_decode_bytes(shapes, "q4", floats, kv16, 0, 11), 100)
@@ -224,3 +225,15 @@ def test_cli_bench_table_json_and_plot(tiny_dir, tmp_path):
 def test_cli_bench_rejects_unknown_format(tiny_dir):
     res = CliRunner().invoke(main, ["bench", "--model", str(tiny_dir), "--formats", "q3"])
     assert res.exit_code == 1 and "unknown format(s) q3" in res.output
+
+
+@pytest.mark.parametrize("stored", ["compact", "fast"])
+def test_bench_holds_each_packing_as_load_does(tmp_path, stored):
+    """bench's compact/fast rows run in the packing load() itself holds for that checkpoint
+    (one rule, checkpoint.load.runtime_packing), on whatever backend this machine picks."""
+    path, _ = ternary_checkpoint(tmp_path, "llama", stored, "row")
+    model, _ = load_model(path)
+    held = {m.packing for _, m in ternary_layers(model)}
+    assert held == {V.held_packing(stored)}
+    layer = ternary_layers(model)[0][1]
+    assert V.make_layer(layer, stored).packing == V.held_packing(stored)

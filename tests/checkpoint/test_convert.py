@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from tiny import CONFIGS, FIXTURES, float_model, ternary_checkpoint, write_tokenizer
 
 import mlx_ternary
-from mlx_ternary.checkpoint.convert import convert
+from mlx_ternary.checkpoint.convert import convert, convert_source
 from mlx_ternary.checkpoint.verify import verify
 from mlx_ternary.cli import main
 from mlx_ternary.errors import FormatError, TernaryError
@@ -456,3 +456,35 @@ def test_transformers_fixtures_convert(tmp_path, name):
     assert report.max_error == 0.0
     want = logits(load_model(FIXTURES / name)[0])
     np.testing.assert_array_equal(logits(load_model(tmp_path / "out")[0]), want)
+
+
+@pytest.mark.parametrize("kind", ["dir", "file", "dangling link"])
+def test_one_destination_check_refuses_and_leaves_the_old_output_intact(tmp_path, native_src, kind):
+    """Without force an existing output (a dangling symlink too) is refused before any read,
+    for both convert() and convert_source(); the old output is left byte for byte."""
+    from mlx_ternary.checkpoint.convert import open_input
+
+    out = tmp_path / "out"
+    if kind == "dir":
+        out.mkdir()
+        (out / "keep.txt").write_text("old")
+    elif kind == "file":
+        out.write_text("old")
+    else:
+        out.symlink_to(tmp_path / "nowhere")
+    for run in (
+        lambda: convert(str(tmp_path / "no-such-source"), out),  # refused before opening
+        lambda: convert_source(open_input(str(native_src)), out),
+    ):
+        with pytest.raises(TernaryError, match="already exists; pass --force"):
+            run()
+    if kind == "dir":
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+        assert (out / "keep.txt").read_text() == "old"
+    elif kind == "file":
+        assert out.read_text() == "old"
+    else:
+        assert out.is_symlink() and not out.exists()
+    assert leftovers(tmp_path, "out") == ["out"]
+    convert(str(native_src), out, force=True)  # the control: force replaces it
+    assert (out / "config.json").is_file() and not (out / "keep.txt").exists()

@@ -9,12 +9,14 @@ import pytest
 from tiny import FIXTURES
 
 import mlx_ternary
+from mlx_ternary import format as fmt
 from mlx_ternary.checkpoint.convert import convert, convert_source
 from mlx_ternary.checkpoint.readers import gguf as reader
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
 from mlx_ternary.errors import FormatError
 from mlx_ternary.format import AffineTensor, PackedTernary
+from mlx_ternary.runtime.layers import ternary_layers
 
 FIXTURES = FIXTURES / "gguf"
 TOKENS = [3, 17, 42, 5, 99, 64, 1, 20]
@@ -49,7 +51,13 @@ def test_quantizer_layout_loads_exactly(tmp_path, arch, embd, output):
         weights["lm_head.weight"] = lm
     report = convert(str(path), tmp_path / "out")
     assert report.max_error == 0.0
-    model, tok = mlx_ternary.load(str(tmp_path / "out"))
+    # llama.cpp's files run with its Q8_K activations unless they record their own definition
+    recorded = gb.config_json(tmp_path / "out")["quantization"].get("activations", "model")
+    assert recorded == ("model" if extra else "q8k")
+    default, _ = mlx_ternary.load(str(tmp_path / "out"))
+    bits = {m.activation_bits for _, m in ternary_layers(default)}
+    assert bits == ({None} if extra else {fmt.Q8K})
+    model, tok = mlx_ternary.load(str(tmp_path / "out"), activations="float")  # float twin
     want = gb.reference_logits(config, weights, TOKENS)
     np.testing.assert_allclose(np.array(model(mx.array([TOKENS]))), want, atol=2e-3, rtol=2e-3)
     assert tok.encode(" the", add_special_tokens=False) == [4]  # the merges are honoured
@@ -66,7 +74,7 @@ def test_quantized_embedding_and_head_stay_quantized(tmp_path, embd):
 
     path, config, weights = gb.write(tmp_path / "m.gguf", "llama", embd=embd, output="Q8_0")
     convert(str(path), tmp_path / "out")
-    model, _ = mlx_ternary.load(str(tmp_path / "out"))
+    model, _ = mlx_ternary.load(str(tmp_path / "out"), activations="float")
     emb, head = model.model.embed_tokens, model.lm_head
     assert isinstance(emb, nn.QuantizedEmbedding) and (emb.bits, emb.group_size) == (4, 32)
     assert isinstance(head, nn.QuantizedLinear) and (head.bits, head.group_size) == (8, 32)
@@ -81,7 +89,8 @@ def test_llama_rotary_rows_negative_control(tmp_path):
     path, config, weights = gb.write(tmp_path / "m.gguf", "llama", output=None)
     src = reader.source(path, "compact", keep_affine=False, unpermute=False)
     convert_source(src, tmp_path / "perm")
-    bad = np.array(mlx_ternary.load(str(tmp_path / "perm"))[0](mx.array([TOKENS])))
+    bad = mlx_ternary.load(str(tmp_path / "perm"), activations="float")[0]
+    bad = np.array(bad(mx.array([TOKENS])))
     assert np.abs(bad - gb.reference_logits(config, weights, TOKENS)).max() > 1e-2
 
 
@@ -203,7 +212,7 @@ def test_i2s_model_generates(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", ["gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "falcon"])
 def test_pre_tokenizer_matches_llamacpp_expected_ids(name):
     """Vocabularies cut from llama.cpp's ggml-vocab-<name>.gguf test files (llama-cpp-python
-    0.3.36 sdist; scripts/make_gguf_vocab_fixtures.py): the rebuilt tokenizer gives the ids
+    0.3.36 sdist; scripts/fixtures/make_gguf_vocab_fixtures.py): the rebuilt tokenizer gives the ids
     of their .out files for every .inp string."""
     from tokenizers import Tokenizer
 

@@ -11,7 +11,7 @@ import pytest
 from tiny import FIXTURES, ternary_checkpoint
 
 import mlx_ternary
-from mlx_ternary.checkpoint.convert import convert, open_source
+from mlx_ternary.checkpoint.convert import convert, open_input
 from mlx_ternary.checkpoint.readers import gguf as reader
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 from mlx_ternary.checkpoint.writers import gguf as writer
@@ -64,7 +64,7 @@ def test_embedded_export_is_what_llamacpp_runs(embedded_gguf):
     assert gf.field("tokenizer.ggml.add_bos_token") is False
     assert gf.field("mlx_ternary.activation_bits") == 8
     # llama.cpp's view of q_proj: rows in its rotary order, d = float16(s)
-    native = dict(open_source(str(EMBEDDED_MODEL), "compact").items())
+    native = dict(open_input(str(EMBEDDED_MODEL), "compact").items())
     pt = native["model.layers.0.self_attn.q_proj"]
     info = next(t for t in gf.tensors if t.name == "blk.0.attn_q.weight")
     got = quants.dequantize(np.asarray(gf.tensor_bytes(info)), Q.TQ2_0).reshape(256, 256)
@@ -109,7 +109,7 @@ def test_narrow_layers_as_q8_0_codes_and_float(tmp_path, arch, monkeypatch):
         assert "blk.1.attn_sub_norm.weight" in types and "output.weight" not in types
     else:
         assert gf.field("qwen3.attention.key_length") == 16 and "blk.0.attn_k_norm.weight" in types
-    native = dict(open_source(str(ckpt), "compact").items())
+    native = dict(open_input(str(ckpt), "compact").items())
     again = dict(reader.source(out, "compact").items())
     for name, pt in native.items():
         if isinstance(pt, PackedTernary):

@@ -1,6 +1,6 @@
 """Parity with transformers' own BitNet code, through fixtures it produced.
 
-tests/fixtures/hf/*/ were written by scripts/make_hf_fixtures.py: checkpoints packed with
+tests/fixtures/hf/*/ were written by scripts/fixtures/make_hf_fixtures.py: checkpoints packed with
 transformers' `pack_weights` (or float latent), and the logits of transformers' forward,
 activation quantization included. No torch is needed here.
 """

@@ -369,7 +369,7 @@ def test_bench_adds_the_llamacpp_row(tmp_path, monkeypatch, cpu_default):
     from mlx_ternary.bench import llamacpp
 
     spec = importlib.util.spec_from_file_location(
-        "make_synthetic_model", os.path.join(ROOT, "scripts", "make_synthetic_model.py")
+        "make_synthetic_model", os.path.join(ROOT, "scripts", "fixtures", "make_synthetic_model.py")
     )
     syn = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(syn)

@@ -164,6 +164,38 @@ def test_disk_tensor_reads_rows_and_column_blocks(tmp_path):
     )
 
 
+def test_disk_tensor_reads_through_the_readers_one_header_parser(tmp_path):
+    """A corrupt header, an unknown dtype or a byte count off the shape: FormatError naming
+    the file (the readers' one error), never another class; a valid file reads the bytes
+    safetensors' own loader reads."""
+    import struct
+
+    from safetensors.numpy import load_file, save_file
+
+    from mlx_ternary.errors import FormatError
+
+    good = tmp_path / "model.safetensors"
+    want = np.arange(6 * 5, dtype=np.float16).reshape(6, 5)
+    save_file({"w": want, "u": np.arange(7, dtype=np.uint8)}, str(good))
+    index = tensor_index([good])
+    assert np.array_equal(
+        np.array(DiskTensor("w", index["w"])[1:4]), load_file(str(good))["w"][1:4]
+    )
+    assert np.array_equal(np.array(DiskTensor("w", index["w"])[:, 2:4]), want[:, 2:4])
+
+    bad = tmp_path / "corrupt.safetensors"
+    bad.write_bytes(struct.pack("<Q", 12) + b"{not json!!}")
+    with pytest.raises(FormatError, match="corrupt.safetensors: corrupt safetensors header"):
+        tensor_index([bad])
+    path, meta, start = index["w"]
+    for changed, message in [
+        ({"dtype": "F8_E4M3"}, "dtype F8_E4M3, which mlx-ternary does not read"),
+        ({"shape": [6, 6]}, "60 bytes for shape \\(6, 6\\)"),
+    ]:
+        with pytest.raises(FormatError, match=f"model.safetensors: tensor w has {message}"):
+            DiskTensor("w", (path, {**meta, **changed}, start))
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shard")

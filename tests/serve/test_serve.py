@@ -55,13 +55,16 @@ PROMPTS = [
 
 
 def greedy(model, tokenizer, tokens, max_tokens=NEW):
-    """(text, finish_reason, tokens generated) from mlx-lm's single-sequence generator."""
+    """(text, finish_reason, tokens generated) from mlx-lm's single-sequence generator;
+    the text is `tokenizer.decode` of the tokens it generated (end-of-sequence excluded)."""
     from mlx_lm import stream_generate
 
-    text, last = "", None
+    ids, last = [], None
     for last in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens):
-        text += last.text
-    return text, last.finish_reason, last.generation_tokens
+        ids.append(last.token)
+    if last.finish_reason == "stop":
+        ids.pop()
+    return tokenizer.decode(ids), last.finish_reason, last.generation_tokens
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +405,7 @@ def test_missing_content_length_is_411(srv):
         data = b""
         while chunk := s.recv(65536):  # the server closes after the response
             data += chunk
-    assert data.startswith(b"HTTP/1.0 411") and b'"error"' in data
+    assert data.startswith(b"HTTP/1.1 411") and b'"error"' in data
 
 
 def test_disconnect_mid_stream_stops_generation(srv):

@@ -206,7 +206,7 @@ def test_tool_choice_errors(srv):
 def test_splitter_reads_calls_split_anywhere():
     from mlx_lm.tool_parsers import json_tools
 
-    from mlx_ternary.serve.openai import ToolSplitter
+    from mlx_ternary.serve.answers import ToolSplitter
 
     text = (
         'Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'

@@ -263,6 +263,28 @@ def affine_triples(names) -> Tuple[Dict[str, str], set]:
     return triples, companions
 
 
+def _item(name, read, names, triples, dims, targets, block, where, linear, affine):
+    """One (name, item) of `stream`: an affine triple, a target layer's weight, or as stored."""
+    path = name.rpartition(".")[0]
+    if name in triples:
+        if path not in dims:
+            raise FormatError(
+                f"{where}: {name} is MLX affine-quantized but {path} is "
+                "not a Linear or Embedding layer of the model"
+            )
+        biases = read(f"{path}.biases") if f"{path}.biases" in names else None
+        at = affine_tensor(
+            path, read(name), read(f"{path}.scales"), biases, dims[path], block, where
+        )
+        pt = affine(path, at) if affine and path in targets else None
+        return (path, pt) if pt is not None else (path, at)
+    if linear and name.endswith(".weight") and path in targets:
+        arr = read(name)
+        pt = linear(path, arr, read)
+        return (path, pt) if pt is not None else (name, arr)
+    return name, read(name)
+
+
 def stream(
     model_path: Path,
     model: nn.Module,
@@ -308,25 +330,7 @@ def stream(
 
     def items():
         for name in order:
-            path = name.rpartition(".")[0]
-            if name in triples:
-                if path not in dims:
-                    raise FormatError(
-                        f"{where}: {name} is MLX affine-quantized but {path} is "
-                        "not a Linear or Embedding layer of the model"
-                    )
-                biases = read(f"{path}.biases") if f"{path}.biases" in names else None
-                at = affine_tensor(
-                    path, read(name), read(f"{path}.scales"), biases, dims[path], block, where
-                )
-                pt = affine(path, at) if affine and path in targets else None
-                yield (path, pt) if pt is not None else (path, at)
-            elif linear and name.endswith(".weight") and path in targets:
-                arr = read(name)
-                pt = linear(path, arr, read)
-                yield (path, pt) if pt is not None else (name, arr)
-            else:
-                yield name, read(name)
+            yield _item(name, read, names, triples, dims, targets, block, where, linear, affine)
 
     return len(order), items
 

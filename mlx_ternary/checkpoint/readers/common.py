@@ -10,8 +10,9 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
+from ..tensors import INDEX_FILE, SAFETENSORS_DTYPES
 
-INDEX_FILE = "model.safetensors.index.json"
+__all__ = ["INDEX_FILE", "SAFETENSORS_DTYPES"]  # re-exported for the readers
 
 
 def safetensors_header(path: Path) -> dict:
@@ -82,22 +83,6 @@ def tensor_shapes(files: List[Path]) -> Dict[str, tuple]:
 # Reading one tensor at a time (lazily: convert keeps peak memory near the largest tensor)
 # --------------------------------------------------------------------------- #
 
-# safetensors dtype name -> (numpy dtype of the raw bytes, MLX dtype it becomes)
-SAFETENSORS_DTYPES = {
-    "F32": (np.float32, mx.float32),
-    "F16": (np.float16, mx.float16),
-    "BF16": (np.uint16, mx.bfloat16),
-    "U8": (np.uint8, mx.uint8),
-    "I8": (np.int8, mx.int8),
-    "U16": (np.uint16, mx.uint16),
-    "I16": (np.int16, mx.int16),
-    "U32": (np.uint32, mx.uint32),
-    "I32": (np.int32, mx.int32),
-    "U64": (np.uint64, mx.uint64),
-    "I64": (np.int64, mx.int64),
-    "BOOL": (np.bool_, mx.bool_),
-}
-
 
 def tensor_index(files: List[Path]) -> Dict[str, Tuple[Path, dict, int]]:
     """{tensor name: (file, header entry, data start)} from the headers alone."""
@@ -112,14 +97,15 @@ def tensor_index(files: List[Path]) -> Dict[str, Tuple[Path, dict, int]]:
     return out
 
 
-def read_tensor(name: str, entry: Tuple[Path, dict, int]) -> mx.array:
-    """One tensor of its file, lazily: nothing is read until it is evaluated."""
+def tensor_layout(name: str, entry: Tuple[Path, dict, int]) -> Tuple[Any, Any, tuple, int]:
+    """(numpy dtype of the raw bytes, MLX dtype, shape, offset of the data in the file) of
+    one tensor of `tensor_index`; a dtype not read or a byte count off the shape is refused."""
     path, meta, start = entry
     if meta["dtype"] not in SAFETENSORS_DTYPES:
         raise FormatError(
             f"{path}: tensor {name} has dtype {meta['dtype']}, which mlx-ternary does not read"
         )
-    np_dtype, _ = SAFETENSORS_DTYPES[meta["dtype"]]
+    np_dtype, mx_dtype = SAFETENSORS_DTYPES[meta["dtype"]]
     begin, end = meta["data_offsets"]
     shape = tuple(meta["shape"])
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -128,6 +114,13 @@ def read_tensor(name: str, entry: Tuple[Path, dict, int]) -> mx.array:
             f"{path}: tensor {name} has {end - begin} bytes for shape {shape} "
             f"{meta['dtype']}; the file is corrupt: re-download or re-convert it"
         )
+    return np_dtype, mx_dtype, shape, start + begin
+
+
+def read_tensor(name: str, entry: Tuple[Path, dict, int]) -> mx.array:
+    """One tensor of its file, lazily: nothing is read until it is evaluated."""
+    tensor_layout(name, entry)
+    path = entry[0]
     try:  # mx.load maps the header only; each array reads its own bytes when evaluated
         return mx.load(str(path))[name]
     except (RuntimeError, ValueError) as e:
@@ -156,6 +149,7 @@ class Source:
     count: int
     items: Callable[[], Iterator[Tuple[str, Any]]]
     activation_bits: Optional[int] = None
+    activations: str = "model"  # format.ACTIVATION_MODES: what ternary layers run with
     group_size: Optional[int] = None
     tokenizer_dir: Optional[Path] = None
     tokenizer_files: Dict[str, str] = field(default_factory=dict)

@@ -148,6 +148,12 @@ def _activation_bits(gf: GGUFFile, arch_name: str):
     return 8 if ARCHITECTURES[arch_name].model_type == "bitnet" else None
 
 
+def _activations(gf: GGUFFile) -> str:
+    """llama.cpp's files run as llama.cpp computes them (its Q8_K activation blocks); our
+    exports, which record the model's own definition, keep it."""
+    return "model" if gf.field(f"{META}.activation_bits") is not None else "q8k"
+
+
 def _exact_scales(gf: GGUFFile, name: str, d: np.ndarray, block: int, cols: int, label: str):
     """Our writer's float32 scales for a tensor whose block d are their float16 rounding."""
     stored = gf.field(f"{META}.scale.{name}")
@@ -339,6 +345,7 @@ def source(path: Path, packing: str, *, keep_affine: bool = True, unpermute: boo
             path, config, packing, keep_affine=keep_affine, unpermute=unpermute
         ),
         activation_bits=_activation_bits(gf, arch),
+        activations=_activations(gf),
         group_size=groups.pop() if groups else None,
         tokenizer_files=files,
         notes=notes,

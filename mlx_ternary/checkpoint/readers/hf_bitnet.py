@@ -128,6 +128,62 @@ def _excluded(path: str, skip) -> bool:
     return any(path == s or path.endswith("." + s) or path.startswith(s + ".") for s in skip)
 
 
+def _sanitizer(model):
+    """1bitLLM sub-norm names, then the model class's own sanitize rules."""
+    model_sanitize = getattr(model, "sanitize", None)
+
+    def sanitize(weights):
+        renamed = {}
+        for k, v in weights.items():
+            for old, new in ONEBIT_RENAMES.items():
+                k = k.replace(old, new)
+            renamed[k] = v
+        return model_sanitize(renamed) if model_sanitize else renamed
+
+    return sanitize
+
+
+def _packed_trits(label: str, p: str, w, read, n: int, k: int, invert: bool):
+    """(trits, scale) of a packed uint8 weight and its one `weight_scale`."""
+    try:
+        ws = read(f"{p}.weight_scale")
+    except KeyError:
+        raise FormatError(f"{label} is packed (uint8) but {p}.weight_scale is missing") from None
+    ws = np.array(ws.astype(mx.float32)).reshape(-1)
+    if ws.size != 1:
+        raise FormatError(f"{label}_scale: expected one value per tensor, got {ws.size}")
+    if tuple(w.shape) != (-(-n // 4), k):
+        raise FormatError(
+            f"{label}: packed shape {tuple(w.shape)} does not match the "
+            f"config's ({n}, {k}) layer (expected ({-(-n // 4)}, {k}))"
+        )
+    s = (np.float32(1.0) / ws if invert else ws).reshape(1, 1).astype(np.float32)
+    return unpack_hf(np.array(w), n), s
+
+
+def _linear_rule(where: str, targets: dict, sem, packing: str):
+    """The `linear` rule of `arch.stream`: a packed or float latent weight to PackedTernary."""
+
+    def linear(p, w, read):
+        k, n, _ = targets[p]
+        label = f"{where}: {p}.weight"
+        if w.dtype == mx.uint8:
+            t, s = _packed_trits(label, p, w, read, n, k, sem.invert)
+            return PackedTernary.from_trits(t, s, packing, name=label)
+        if not mx.issubdtype(w.dtype, mx.floating):
+            raise FormatError(
+                f"{label}: dtype {w.dtype}; a BitNet weight is packed uint8 or float latent"
+            )
+        if tuple(w.shape) != (n, k):
+            raise FormatError(f"{label}: shape {tuple(w.shape)}, the config expects ({n}, {k})")
+        w32 = np.array(w.astype(mx.float32))
+        exact = _exact(w32, label) if sem.exact_floats else None
+        t, s, gs = exact if exact else (*ternarize_absmean(w32), None)
+        return PackedTernary.from_trits(t, s, packing, gs, name=label)
+
+    return linear
+
+
 def source(path: Path, packing: str = "compact") -> Source:
     """A Source for a BitNet checkpoint; ternary layers packed in `packing`."""
     raw = arch.read_config(path)
@@ -138,50 +194,8 @@ def source(path: Path, packing: str = "compact") -> Source:
     targets = {
         p: d for p, d in arch.ternary_targets(model, config).items() if not _excluded(p, skip)
     }
-    model_sanitize = getattr(model, "sanitize", None)
-
-    def sanitize(weights):  # 1bitLLM sub-norm names, then the class's own rules
-        renamed = {}
-        for k, v in weights.items():
-            for old, new in ONEBIT_RENAMES.items():
-                k = k.replace(old, new)
-            renamed[k] = v
-        return model_sanitize(renamed) if model_sanitize else renamed
-
-    def linear(p, w, read):
-        k, n, _ = targets[p]
-        label = f"{path.name}: {p}.weight"
-        if w.dtype == mx.uint8:
-            try:
-                ws = read(f"{p}.weight_scale")
-            except KeyError:
-                raise FormatError(
-                    f"{label} is packed (uint8) but {p}.weight_scale is missing"
-                ) from None
-            ws = np.array(ws.astype(mx.float32)).reshape(-1)
-            if ws.size != 1:
-                raise FormatError(
-                    f"{path.name}: {p}.weight_scale: expected one value per tensor, got {ws.size}"
-                )
-            if tuple(w.shape) != (-(-n // 4), k):
-                raise FormatError(
-                    f"{label}: packed shape {tuple(w.shape)} does not match the "
-                    f"config's ({n}, {k}) layer (expected ({-(-n // 4)}, {k}))"
-                )
-            t = unpack_hf(np.array(w), n)
-            s = (np.float32(1.0) / ws if sem.invert else ws).reshape(1, 1).astype(np.float32)
-        elif mx.issubdtype(w.dtype, mx.floating):
-            if tuple(w.shape) != (n, k):
-                raise FormatError(f"{label}: shape {tuple(w.shape)}, the config expects ({n}, {k})")
-            w32 = np.array(w.astype(mx.float32))
-            exact = _exact(w32, label) if sem.exact_floats else None
-            t, s, gs = exact if exact else (*ternarize_absmean(w32), None)
-            return PackedTernary.from_trits(t, s, packing, gs, name=label)
-        else:
-            raise FormatError(
-                f"{label}: dtype {w.dtype}; a BitNet weight is packed uint8 or float latent"
-            )
-        return PackedTernary.from_trits(t, s, packing, name=label)
+    linear = _linear_rule(path.name, targets, sem, packing)
+    sanitize = _sanitizer(model)
 
     count, items = arch.stream(
         path,

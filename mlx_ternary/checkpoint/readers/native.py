@@ -70,6 +70,7 @@ def source(path: Path, packing: str = "compact") -> Source:
         count=len(order),
         items=items,
         activation_bits=quant.activation_bits,
+        activations=quant.activations,
         group_size=quant.group_size,
         tokenizer_dir=path,
         model=model,

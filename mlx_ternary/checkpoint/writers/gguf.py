@@ -14,7 +14,7 @@ tokenizer none of them matches is refused rather than exported to tokenize diffe
 
 import json
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -192,6 +192,34 @@ def _tokenizer(w, tokenizer_json: Optional[str], tokenizer_config: dict, config:
         w.add_chat_template(tokenizer_config["chat_template"])
 
 
+def _add_tensors(w, items, names, arch_name: str, qtype: str, plan, on_tensor) -> List[str]:
+    """Add each item as its GGUF tensor; returns the GGUF names of the ternary ones."""
+    ternary_names = []
+    for name, item in items:
+        hf = name if isinstance(item, mx.array) else f"{name}.weight"
+        g = names.gguf(hf)
+        if g is None:
+            raise TernaryError(
+                f"{hf}: no llama.cpp name for this tensor in the {arch_name} "
+                "name table (gguf_tables.ARCHITECTURES)"
+            )
+        if isinstance(item, PackedTernary):
+            data, raw, err, exact = gt.ternary(hf, item, qtype, plan)
+            ternary_names.append(g)
+            if exact is not None:
+                w.add_array(f"{META}.scale.{g}", [float(v) for v in exact.ravel()])
+            if item.group_size:
+                w.add_uint32(f"{META}.group_size", item.group_size)
+        elif isinstance(item, AffineTensor):
+            data, raw, err = gt.affine(hf, item, plan)
+        else:
+            data, raw, err = gt.floating(hf, item, plan)
+        w.add_tensor(g, data, raw_dtype=raw)
+        if on_tensor:
+            on_tensor(name, raw.name if raw is not None else str(data.dtype), err)
+    return ternary_names
+
+
 def write(
     out_file: Path,
     config: dict,
@@ -220,34 +248,12 @@ def write(
         raise TernaryError(f"--gguf-type must be one of {QTYPES}, got {qtype!r}")
     arch = ARCHITECTURES[WRITE_ARCH[config["model_type"]]]
     names = NameTable(arch.names)
-    plan = gt.Plan.make(config, arch.rotary_permuted)
+    plan = gt.Encoding.make(config, arch.rotary_permuted)
     w = GGUFWriter(str(out_file), arch.gguf, use_temp_file=True)
     _metadata(w, config, activation_bits, plan.ffn)
     w.add_file_type(LlamaFileType[f"MOSTLY_{qtype}"])
     _tokenizer(w, tokenizer_json, tokenizer_config or {}, config)
-    ternary_names = []
-    for name, item in items:
-        hf = name if isinstance(item, mx.array) else f"{name}.weight"
-        g = names.gguf(hf)
-        if g is None:
-            raise TernaryError(
-                f"{hf}: no llama.cpp name for this tensor in the {arch.gguf} "
-                "name table (gguf_tables.ARCHITECTURES)"
-            )
-        if isinstance(item, PackedTernary):
-            data, raw, err, exact = gt.ternary(hf, item, qtype, plan)
-            ternary_names.append(g)
-            if exact is not None:
-                w.add_array(f"{META}.scale.{g}", [float(v) for v in exact.ravel()])
-            if item.group_size:
-                w.add_uint32(f"{META}.group_size", item.group_size)
-        elif isinstance(item, AffineTensor):
-            data, raw, err = gt.affine(hf, item, plan)
-        else:
-            data, raw, err = gt.floating(hf, item, plan)
-        w.add_tensor(g, data, raw_dtype=raw)
-        if on_tensor:
-            on_tensor(name, raw.name if raw is not None else str(data.dtype), err)
+    ternary_names = _add_tensors(w, items, names, arch.gguf, qtype, plan, on_tensor)
     w.add_array(f"{META}.ternary", ternary_names)
     w.write_header_to_file()
     w.write_kv_data_to_file()

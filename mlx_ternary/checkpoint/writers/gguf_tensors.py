@@ -24,7 +24,7 @@ PADDED_FFN = ("llama", "qwen2", "qwen3")  # gated MLP, act(0) = 0, no norm insid
 
 
 @dataclass
-class Plan:
+class Encoding:
     """How an mlx-lm tensor changes on its way into llama.cpp's layout."""
 
     config: dict
@@ -32,7 +32,7 @@ class Plan:
     ffn: Optional[int] = None  # padded intermediate size, when padding
 
     @classmethod
-    def make(cls, config: dict, permute: bool) -> "Plan":
+    def make(cls, config: dict, permute: bool) -> "Encoding":
         n = config["intermediate_size"]
         pad = (
             config["model_type"] in PADDED_FFN
@@ -85,7 +85,7 @@ def _constant_over(s: np.ndarray, block: int) -> bool:
     return bool((b == b[:, :, :1]).all())
 
 
-def ternary(hf: str, pt: PackedTernary, qtype: str, plan: Plan):
+def ternary(hf: str, pt: PackedTernary, qtype: str, plan: Encoding):
     """One ternary weight -> (data, GGML type or None for float32, max error, exact scales).
 
     The error is that of the values llama.cpp computes with (its d is float16); when the
@@ -134,7 +134,7 @@ def _codes(at: AffineTensor) -> np.ndarray:
     ).reshape(n, k)
 
 
-def affine(hf: str, at: AffineTensor, plan: Plan):
+def affine(hf: str, at: AffineTensor, plan: Encoding):
     """An MLX affine weight -> (data, GGML type or None for float, max round-trip error).
 
     4-bit codes with float16 scale and bias per 32 (or a multiple) are Q4_1 exactly; 8-bit
@@ -186,7 +186,7 @@ def affine(hf: str, at: AffineTensor, plan: Plan):
     return data, qtype, float(np.abs(back - w).max(initial=0.0))
 
 
-def floating(hf: str, arr: mx.array, plan: Plan):
+def floating(hf: str, arr: mx.array, plan: Encoding):
     """(data, GGML type or None, 0.0): 1-D as float32, others in their own precision."""
     from gguf import GGMLQuantizationType as Q
 

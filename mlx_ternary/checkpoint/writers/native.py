@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 from ...format import QuantizationConfig
 from ...runtime.layers import model_quantization, ternary_layers
+from ..tensors import INDEX_FILE, SAFETENSORS_NAMES, shard_name
 
 MAX_SHARD_BYTES = 5 << 30
 FOREIGN_QUANT_KEYS = ("quantization", "quantization_config")
@@ -23,27 +24,10 @@ def write_shards(
     out_dir: Path, tensors: Iterable[Tuple[str, mx.array]], max_shard_bytes: int = MAX_SHARD_BYTES
 ) -> Dict[str, str]:
     """Stream tensors into model-0000i-of-0000n.safetensors shards; returns the weight map."""
-    shards, current, size = [], {}, 0
+    writer = ShardWriter(out_dir, max_shard_bytes)
     for name, arr in tensors:
-        if current and size + arr.nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = arr
-        size += arr.nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = (
-            "model.safetensors"
-            if len(shards) == 1
-            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        )
-        mx.save_safetensors(str(out_dir / fname), shard, metadata={"format": "mlx"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(a.nbytes for s in shards for a in s.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return weight_map
+        writer.add(name, arr)
+    return writer.close()
 
 
 def native_config(config: dict, quant: QuantizationConfig) -> dict:
@@ -83,20 +67,6 @@ def save_model(
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "mlx-ternary-manifest"
-_ST_DTYPES = {
-    mx.float32: "F32",
-    mx.float16: "F16",
-    mx.bfloat16: "BF16",
-    mx.uint8: "U8",
-    mx.int8: "I8",
-    mx.uint16: "U16",
-    mx.int16: "I16",
-    mx.uint32: "U32",
-    mx.int32: "I32",
-    mx.uint64: "U64",
-    mx.int64: "I64",
-    mx.bool_: "BOOL",
-}
 _COPY_CHUNK = 64 << 20
 
 
@@ -140,7 +110,7 @@ class ShardWriter:
 
     def add(self, name: str, arr: mx.array) -> None:
         """Append one tensor (any dtype safetensors knows)."""
-        if arr.dtype not in _ST_DTYPES:
+        if arr.dtype not in SAFETENSORS_NAMES:
             raise ValueError(f"{name}: dtype {arr.dtype} cannot be written to safetensors")
         data = _tensor_bytes(arr)
         if self._open is None:
@@ -150,7 +120,7 @@ class ShardWriter:
             self._new_shard()
         path, fh, header, size = self._open
         header[name] = {
-            "dtype": _ST_DTYPES[arr.dtype],
+            "dtype": SAFETENSORS_NAMES[arr.dtype],
             "shape": list(arr.shape),
             "data_offsets": [size, size + len(data)],
         }
@@ -165,7 +135,7 @@ class ShardWriter:
         n = len(self.shards)
         weight_map = {}
         for i, (data_path, header) in enumerate(self.shards):
-            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            fname = shard_name(i, n)
             raw = json.dumps(
                 {"__metadata__": {"format": "mlx"}, **header}, separators=(",", ":")
             ).encode()
@@ -180,7 +150,7 @@ class ShardWriter:
             "metadata": {"total_size": self.total},
             "weight_map": dict(sorted(weight_map.items())),
         }
-        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
         return weight_map
 
 

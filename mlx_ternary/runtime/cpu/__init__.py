@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ...format import packing_code
+from ...format import Q8K, packing_code
 from . import build
 
 
@@ -97,19 +97,37 @@ def ternary_matmul(
 ) -> mx.array:
     """y = act_quant(x) @ (s * t).T + bias, on the CPU; see reference.ternary_matmul.
 
+    activation_bits: 8 (BitNet per token), None (float) or format.Q8K (llama.cpp's blocks,
+    where `q8k_supported`).
+
     Raises:
         TernaryError: the native backend is unavailable.
         ValueError: shapes or dtypes that do not describe one packed layer.
     """
-    return _require().ternary_matmul(
+    m = _require()
+    return m.ternary_matmul(
         x,
         packed,
         scales,
         bias,
         packing_code(packing),
         in_features,
-        group_size or 0,
-        activation_bits or 0,
+        _group(scales, group_size),
+        m.ACT_Q8K if activation_bits == Q8K else activation_bits or 0,
+    )
+
+
+def _group(scales: mx.array, group_size: Optional[int]) -> int:
+    return group_size or 0 if scales.shape[1] > 1 else 0
+
+
+def q8k_supported(scales: mx.array, *, packing: str, in_features: int, group_size=None) -> bool:
+    """Whether the kernel runs q8k activations for this layer: every packed step must lie
+    inside one 256-column block (not so for compact rows over 320 columns with one scale, or
+    fast packing with groups of 64); elsewhere the reference twin (runtime/q8k.py) runs."""
+    m = _module()
+    return m is not None and m.q8k_supported(
+        packing_code(packing), in_features, _group(scales, group_size)
     )
 
 

@@ -22,14 +22,7 @@ import mlx.core as mx
 
 from ...format import CODES_PER_WORD, TRITS_PER_BYTE, fast_padded_k, packing_code
 from .sources import read_source
-from .spec import (  # noqa: F401 - check_layer, check_x: part of the launcher's API
-    FLOAT_DTYPES,
-    MIN_DEVICE_ELEMENTS,
-    LayerSpec,
-    ceil_div,
-    check_layer,
-    check_x,
-)
+from .spec import FLOAT_DTYPES, MIN_DEVICE_ELEMENTS, LayerSpec, ceil_div, check_layer, check_x  # noqa: F401 - check_layer, check_x: part of the launcher's API
 
 BODY_MARKER = "//// BODY ////"
 GEMV_ROWS = 8  # output rows per GEMV threadgroup (2 SIMD groups x 4)

@@ -132,6 +132,65 @@ inline std::string check_case(int packing, int64_t M, int64_t N, int64_t K, int 
   return "";
 }
 
+// q8k: NativeOps and ScalarOps bit-identical, and both equal to ggml's sum computed here from
+// the definition (Q8_K per 256 columns, integer dot products per segment, float32 in order).
+inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, int group,
+                                  int scale_kind, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> trit(-1, 1);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  Geometry g = make_geometry(packing, N, K, scale_kind == 2 ? group : 0);
+  if (!g.q8k_ok) return "";
+  std::vector<int8_t> t(N * K);
+  for (auto& v : t) v = (int8_t)trit(rng);
+  std::vector<uint8_t> w = pack_rows(t, g);
+  std::vector<float> s(scale_kind == 0 ? 1 : scale_kind == 1 ? N : N * g.ngroups), x(M * K);
+  for (auto& v : s) v = 0.5f + (rng() % 1000) / 1000.f;
+  for (auto& v : x) v = normal(rng) * (1 + (rng() % 4));
+  if (K > 3) x[1] = 0.f, x[2] = -x[0];  // zeros and a tie of magnitudes
+  if (M > 1) std::fill(x.begin() + K, x.begin() + K + std::min<int64_t>(K, Q8K_BLOCK), 0.f);
+  Layer L(g);
+  L.w = w.data(), L.scales = s.data(), L.scale_kind = scale_kind;
+  L.act_quant = L.q8k = true;
+  Acts a;
+  a.q.assign(M * g.xlen(), 0), a.d8.assign(M * g.nblocks8, 0.f), a.ssum.assign(M * g.nseg, 0);
+  std::vector<float> tmp(K), y_native(M * N), y_scalar(M * N);
+  for (int64_t m = 0; m < M; m++) quantize_token_q8k(g, x.data(), F32, m, a, tmp.data());
+  L.out = y_native.data();
+  run_rows<NativeOps>(L, a, M);
+  L.out = y_scalar.data();
+  run_rows<ScalarOps>(L, a, M);
+  for (int64_t m = 0; m < M; m++) {
+    std::vector<float> d(g.nblocks8, 0.f);
+    std::vector<int> q(K, 0);
+    for (int64_t b = 0; b < g.nblocks8; b++) {
+      float amax = 0.f, top = 0.f;
+      for (int64_t i = b * Q8K_BLOCK; i < std::min<int64_t>(K, (b + 1) * Q8K_BLOCK); i++)
+        if (std::fabs(x[m * K + i]) > amax) amax = std::fabs(x[m * K + i]), top = x[m * K + i];
+      if (amax == 0.f) continue;
+      float is = -127.f / top;
+      for (int64_t i = b * Q8K_BLOCK; i < std::min<int64_t>(K, (b + 1) * Q8K_BLOCK); i++)
+        q[i] = std::min(127, (int)std::lrint(is * x[m * K + i]));
+      d[b] = 1.f / is;
+    }
+    for (int64_t n = 0; n < N; n++) {
+      float want = 0.f;
+      for (int64_t sg = 0; sg < g.nseg; sg++) {
+        int32_t sumi = 0;
+        for (int64_t i = sg * g.seg_len; i < std::min<int64_t>(K, (sg + 1) * g.seg_len); i++)
+          sumi += q[i] * t[n * K + i];
+        int64_t gi = scale_kind == 2 ? sg * g.seg_len / group : 0;
+        float sv = scale_kind == 0 ? s[0] : scale_kind == 1 ? s[n] : s[n * g.ngroups + gi];
+        want += (float)sumi * (d[sg * g.seg_len / Q8K_BLOCK] * sv);
+      }
+      if (y_native[m * N + n] != y_scalar[m * N + n])
+        return std::string(NativeOps::name) + " and scalar paths differ (q8k)";
+      if (y_native[m * N + n] != want) return "q8k result differs from ggml's definition";
+    }
+  }
+  return "";
+}
+
 inline std::string check_dense(int wd, int64_t M, int64_t N, int64_t K, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -225,6 +284,18 @@ inline std::string selfcheck() {
                      std::to_string(act) + ", M " + std::to_string(M) + ", K " +
                      std::to_string(K) + ")";
           }
+  for (int packing : {FAST, COMPACT})
+    for (int sk = 0; sk < 3; sk++)
+      for (int group : {64, 128, 256})
+        for (int64_t K : {7, 256, 300, 704}) {
+          if (sk != 2 && group != 64) continue;
+          int64_t M = 1 + seed % 9, N = 3 + seed % 7;
+          std::string e = check_q8k_case(packing, M, N, K, group, sk, seed++);
+          if (!e.empty())
+            return e + " (packing " + std::to_string(packing) + ", scale kind " +
+                   std::to_string(sk) + ", group " + std::to_string(group) + ", M " +
+                   std::to_string(M) + ", K " + std::to_string(K) + ")";
+        }
   for (auto [hq, hkv, lq, lk, d, causal] : {std::tuple{4, 2, 5, 9, 64, true},
                                             std::tuple{2, 2, 1, 7, 40, false},
                                             std::tuple{6, 3, 3, 3, 128, true}}) {

@@ -131,10 +131,10 @@ class CpuPrimitive : public mx::UnaryPrimitive {
 struct TernaryParams {
   int packing, group, scale_kind;
   int64_t n, k;
-  bool act_quant, has_bias;
+  bool act_quant, has_bias, q8k = false;
   bool operator==(const TernaryParams& o) const {
-    return std::tie(packing, group, scale_kind, n, k, act_quant, has_bias) ==
-           std::tie(o.packing, o.group, o.scale_kind, o.n, o.k, o.act_quant, o.has_bias);
+    return std::tie(packing, group, scale_kind, n, k, act_quant, has_bias, q8k) ==
+           std::tie(o.packing, o.group, o.scale_kind, o.n, o.k, o.act_quant, o.has_bias, o.q8k);
   }
 };
 
@@ -163,6 +163,7 @@ class TernaryMatmul : public CpuPrimitive {
       L.scale_kind = p.scale_kind;
       if (bias) L.bias = row_major(*bias, kb), L.bias_dtype = tk_dtype(bias->dtype(), "bias");
       L.act_quant = p.act_quant;
+      L.q8k = p.q8k;
       L.out = outp;
       L.out_dtype = out_dtype;
       const void* xp = row_major(x, kx);
@@ -170,7 +171,13 @@ class TernaryMatmul : public CpuPrimitive {
       const int64_t M = (int64_t)(x.size() / p.k), xlen = g->xlen();
       thread_local tk::Acts acts_buffer;  // reused across calls on this stream thread
       tk::Acts& a = acts_buffer;           // (a thread_local named in a lambda is per thread)
-      if (p.act_quant) {
+      if (p.q8k) {
+        a.q.resize(M * xlen), a.d8.resize(M * g->nblocks8), a.ssum.resize(M * g->nseg);
+        parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
+          std::vector<float> tmp(p.k);
+          for (int64_t m = m0; m < m1; m++) tk::quantize_token_q8k(*g, xp, xd, m, a, tmp.data());
+        });
+      } else if (p.act_quant) {
         a.q.resize(M * xlen), a.xs.resize(M), a.gsum.resize(M * g->ngroups);
         parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
           std::vector<float> tmp(p.k);
@@ -204,6 +211,9 @@ class TernaryMatmul : public CpuPrimitive {
       } else if (arg == 3) {
         out.push_back(mx::astype(mx::sum(g2, 0, false, s), primals[3].dtype(), s));
       } else if (arg == 2) {
+        if (p_.q8k)
+          throw std::invalid_argument(
+              "[mlx_ternary.native] no gradient with respect to the scales with q8k activations");
         out.push_back(scale_grad(primals, g2, s));
       } else {
         throw std::invalid_argument(
@@ -461,12 +471,24 @@ TernaryParams check_layer(const mx::array& packed, const mx::array& scales, int 
   return p;
 }
 
+constexpr int ACT_Q8K = -1;  // activation_bits code of llama.cpp's Q8_K blocks (q8k.h)
+
+bool q8k_supported(int packing, int in_features, int group_size) {
+  if (packing != tk::FAST && packing != tk::COMPACT) bad("packing must be 0 or 1");
+  if (in_features < 1) bad("in_features must be positive");
+  return geometry(packing, 1, in_features, group_size)->q8k_ok;
+}
+
 mx::array ternary_matmul(const mx::array& x, const mx::array& packed, const mx::array& scales,
                          const std::optional<mx::array>& bias, int packing, int in_features,
                          int group_size, int activation_bits) {
   TernaryParams p = check_layer(packed, scales, packing, in_features, group_size);
-  if (activation_bits != 0 && activation_bits != 8) bad("activation_bits must be 0 or 8");
-  p.act_quant = activation_bits == 8;
+  if (activation_bits != 0 && activation_bits != 8 && activation_bits != ACT_Q8K)
+    bad("activation_bits must be 0, 8 or ACT_Q8K (" + std::to_string(ACT_Q8K) + ")");
+  p.act_quant = activation_bits != 0;
+  p.q8k = activation_bits == ACT_Q8K;
+  if (p.q8k && !geometry(packing, p.n, p.k, p.group)->q8k_ok)
+    bad("q8k activations need steps inside one 256-column block (see q8k_supported)");
   if (x.ndim() < 1 || x.shape(-1) != in_features)
     bad("x of shape " + shape_str(x) + " does not end in in_features " + std::to_string(in_features));
   tk_dtype(x.dtype(), "x");
@@ -525,7 +547,11 @@ NB_MODULE(_mlx_ternary_native, m) {
         nb::arg("bias").none(), nb::arg("packing"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("activation_bits"),
         "y = act_quant(x) @ (s * t).T + bias for a packed ternary weight (packing 0 compact, "
-        "1 fast; group_size 0 unless scales are per group; activation_bits 0 or 8).");
+        "1 fast; group_size 0 unless scales are per group; activation_bits 0, 8 or ACT_Q8K).");
+  m.def("q8k_supported", &q8k_supported, nb::arg("packing"), nb::arg("in_features"),
+        nb::arg("group_size"),
+        "Whether the kernel runs q8k activations for this layout (else the reference twin).");
+  m.attr("ACT_Q8K") = ACT_Q8K;
   m.def("dense_matmul", &dense_matmul, nb::arg("x"), nb::arg("w"),
         "x @ w.T in float32 for w float16/bfloat16/float32 of shape (N, K).");
   m.def("ternary_weight", &ternary_weight_op, nb::arg("packed"), nb::arg("scales"),

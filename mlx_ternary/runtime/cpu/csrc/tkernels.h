@@ -106,6 +106,7 @@ struct Step {
   int16_t valid;   // packed bytes of this step (32 except at a block's or row's end)
   int16_t flush;   // group scales: 1 when a group (or two, lo/hi) ends with this step
   int32_t glo, ghi;  // the groups of bytes 0-15 / 16-31 (-1: past the last group)
+  int32_t seg;       // q8k: the segment (q8k.h) that ends with this step, else -1
 };
 
 struct Geometry {
@@ -118,6 +119,11 @@ struct Geometry {
   int64_t block_len = 0, block_bytes = 0, chunks = 0;  // compact
   std::vector<Step> steps;
   std::vector<int64_t> perm;  // activation position -> column (-1: none), see column_of
+  // q8k (q8k.h): columns per segment (a 256-column block, or a smaller scale group), the
+  // segments and blocks of a row, and whether every step lies inside one segment
+  int seg_len = 0;
+  int64_t nseg = 0, nblocks8 = 0;
+  bool q8k_ok = false;
 
   int64_t xlen() const { return (int64_t)steps.size() * nv * 32; }
 };
@@ -137,6 +143,8 @@ inline int64_t column_of(const Geometry& g, int64_t p) {
   }
   return col < g.k ? col : -1;
 }
+
+inline void plan_q8k(Geometry& g);  // q8k.h
 
 inline Geometry make_geometry(int packing, int64_t n, int64_t k, int group) {
   Geometry g;
@@ -184,6 +192,7 @@ inline Geometry make_geometry(int packing, int64_t n, int64_t k, int group) {
   }
   g.perm.resize(g.xlen());
   for (int64_t p = 0; p < g.xlen(); p++) g.perm[p] = column_of(g, p);
+  plan_q8k(g);
   return g;
 }
 
@@ -196,6 +205,8 @@ struct Acts {
   std::vector<float> f;        // (M, xlen) float
   std::vector<float> xs;       // (M) 1 / scale
   std::vector<int32_t> gsum;   // (M, ngroups) sum of q per group (tensor/row: ngroups = 1)
+  std::vector<float> d8;       // q8k: (M, nblocks8) ggml's Q8_K block scales d
+  std::vector<int32_t> ssum;   // q8k: (M, nseg) sum of q per segment
 };
 
 // Token m of x (row-major (M, K), dtype) -> int8 codes at acts.q[m], as reference.py does it
@@ -242,7 +253,8 @@ struct Layer {
   int scale_kind = 0;          // 0 tensor, 1 row, 2 group
   const void* bias = nullptr;  // (N) or null
   int bias_dtype = F32;
-  bool act_quant = false;
+  bool act_quant = false;      // int8 activations: BitNet's per token, or q8k's
+  bool q8k = false;            // llama.cpp's Q8_K blocks (q8k.h)
   void* out = nullptr;         // (M, N)
   int out_dtype = F32;
 
@@ -452,6 +464,12 @@ void rows_float_gemm(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
   }
 }
 
+}  // namespace tk
+
+#include "q8k.h"
+
+namespace tk {
+
 // Tokens per tile of the row kernels: a decoded step is reused this many times. Compact steps
 // cost more to decode, so they are shared by more tokens.
 constexpr int TOKEN_TILE = 4;
@@ -468,13 +486,15 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
   int64_t m = 0;
   auto run = [&](auto tile) {
     constexpr int T = decltype(tile)::value;
-    if (L.act_quant) rows_int<O, NV, GROUPED, T>(L, a, n0, n1, m);
+    if (L.q8k) rows_q8k<O, NV, T>(L, a, n0, n1, m);
+    else if (L.act_quant) rows_int<O, NV, GROUPED, T>(L, a, n0, n1, m);
     else rows_float<O, NV, GROUPED, T>(L, a, n0, n1, m);
     m += T;
   };
   if (NV == 5 && L.act_quant)
     for (; m + COMPACT_INT_TILE <= M;) {
-      rows_int<O, NV, GROUPED, COMPACT_INT_TILE>(L, a, n0, n1, m);
+      if (L.q8k) rows_q8k<O, NV, COMPACT_INT_TILE>(L, a, n0, n1, m);
+      else rows_int<O, NV, GROUPED, COMPACT_INT_TILE>(L, a, n0, n1, m);
       m += COMPACT_INT_TILE;
     }
   for (; m + TOKEN_TILE <= M;) run(std::integral_constant<int, TOKEN_TILE>{});

@@ -1,0 +1,213 @@
+"""serve: the OpenAI- and Anthropic-compatible HTTP server (tensor parallel under mlx.launch)."""
+
+from functools import partial
+
+import click
+
+from ..errors import TernaryError
+from .common import (
+    KV_BITS_TYPE,
+    KV_GROUP_SIZE_TYPE,
+    activations_option,
+    adapter_option,
+    check_kv_groups,
+    local_model,
+    memory_limit_option,
+    model_option,
+    or_embedded,
+    prefill_option,
+    prompt_cache_bytes,
+    refuse_adapters_under_launch,
+)
+
+NETWORK_OPTIONS = ("served_names", "api_key", "cors_origins", "read_timeout", "max_connections")
+SERVE_FLAGS = {
+    "context": "--max-context",
+    "batch": "--max-concurrency",
+    "prefill": "--prefill-step-size",
+    "kv_bits": "--kv-bits",
+    "prompt_cache": "--prompt-cache-bytes",
+}
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  mlx-ternary serve --model DIR                     # http://127.0.0.1:8080/v1
+  mlx-ternary serve --model DIR --max-context 8192 --max-concurrency 4 --memory-limit 12
+"""
+)
+@model_option
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (loopback by default; 0.0.0.0 exposes it).",
+)
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option(
+    "--max-context",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(min=2),
+    help="Prompt + generated tokens per request; longer prompts get HTTP 400.",
+)
+@memory_limit_option
+@prefill_option
+@click.option(
+    "--max-concurrency",
+    default=8,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests decoded together in one batch; more wait in a queue.",
+)
+@click.option(
+    "--kv-bits",
+    default=None,
+    type=KV_BITS_TYPE,
+    help="Quantize the KV cache (and the prompt cache) to this many bits.",
+)
+@click.option(
+    "--kv-group-size",
+    default=64,
+    show_default=True,
+    type=KV_GROUP_SIZE_TYPE,
+    help="Group size of --kv-bits.",
+)
+@click.option(
+    "--prompt-cache-bytes",
+    "prompt_cache",
+    default=None,
+    help="Bytes of KV kept across requests for prompt reuse, e.g. 512MB "
+    "(default: as much as the live KV cache; 0 turns it off).",
+)
+@adapter_option
+@click.option(
+    "--served-model-name",
+    "served_names",
+    multiple=True,
+    help="Another name clients may give as 'model' (repeatable); the id is the model's "
+    "short name (directory name, repo id or GGUF stem).",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="MLX_TERNARY_API_KEY",
+    help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every path but /health "
+    "(default: $MLX_TERNARY_API_KEY).",
+)
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    help="A browser origin allowed to call the API, e.g. http://localhost:3000, or * (repeatable).",
+)
+@click.option(
+    "--read-timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a connection may send nothing before it is closed.",
+)
+@click.option(
+    "--max-connections",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Open connections at most; more get HTTP 503 with Retry-After.",
+)
+@activations_option()
+def serve(model, host, port, memory_limit, prompt_cache, adapter_path, activations, **options):
+    """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
+    /v1/completions, /v1/messages)."""
+    from .. import parallel as dist
+    from ..serve.http import ServeConfig, Server, make_engine, short_name
+    from ..serve.lockstep import LockstepEngine, follow
+
+    network = {k: options.pop(k) for k in NETWORK_OPTIONS}
+    sizes = options
+    model = or_embedded(model)
+    group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
+    lm, tokenizer = _load_for_serve(local_model(model), group, adapter_path, activations)
+    check_kv_groups(lm, sizes["kv_bits"], sizes["kv_group_size"])
+    cache_bytes = _prompt_cache_size(lm, prompt_cache, sizes)
+    mem = _check_serve_memory(lm, memory_limit, cache_bytes, sizes)
+    config = ServeConfig(
+        model_name=short_name(model),
+        aliases=list(network["served_names"]),
+        api_key=network["api_key"] or None,
+        cors_origins=list(network["cors_origins"]),
+        read_timeout=network["read_timeout"],
+        max_connections=network["max_connections"],
+        prompt_cache_bytes=cache_bytes,
+        **sizes,
+    )
+    lockstep = partial(LockstepEngine, group=group) if group.size() > 1 else None
+    try:
+        if lockstep is not None and group.rank() != 0:
+            follow(make_engine(lm, tokenizer, config, lockstep))
+            return
+        server = Server(lm, tokenizer, config, host, port, engine_class=lockstep)
+    except ValueError as e:  # a model whose caches --kv-bits cannot quantize
+        raise TernaryError(str(e)) from None
+    _announce(server, model, config, host, mem)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+def _announce(server, model, config, host, mem):
+    """What is served where, the memory plan, a warning when exposed without a key; then
+    SIGTERM/SIGINT drain the server (in-flight requests finish, new ones get 503)."""
+    from ..serve.http import drain_on_signals, exposure_warning
+
+    click.echo(
+        f"Serving {model} as {', '.join(config.names)} on "
+        f"http://{host}:{server.server_address[1]}/v1 "
+        f"(plan: {mem.total / 1024**3:.2f} of {mem.limit / 1024**3:.2f} GiB)",
+        err=True,
+    )
+    warning = exposure_warning(host, config.api_key)
+    if warning:
+        click.echo(f"WARNING: {warning}", err=True)
+    drain_on_signals(server)
+
+
+def _load_for_serve(path, group, adapter_path, activations):
+    from .. import parallel as dist
+    from ..serve.http import load_lazily
+
+    if group.size() > 1:
+        refuse_adapters_under_launch(adapter_path)
+        return dist.sharded_load(path, group)
+    return load_lazily(path, adapter_path, activations)
+
+
+def _prompt_cache_size(lm, prompt_cache, sizes) -> int:
+    """--prompt-cache-bytes, by default as many bytes as the live KV cache."""
+    from ..memory import kv_bytes
+
+    if prompt_cache is not None:
+        return prompt_cache_bytes(prompt_cache)
+    return kv_bytes(
+        lm, sizes["max_context"], sizes["max_concurrency"], sizes["kv_bits"], sizes["kv_group_size"]
+    )
+
+
+def _check_serve_memory(lm, memory_limit, cache_bytes, sizes):
+    from ..memory import plan as memory_plan
+
+    mem = memory_plan(
+        lm,
+        sizes["max_context"],
+        batch=sizes["max_concurrency"],
+        prefill_step_size=sizes["prefill_step_size"],
+        memory_limit=memory_limit,
+        kv_bits=sizes["kv_bits"],
+        prompt_cache=cache_bytes,
+        flags=SERVE_FLAGS,
+    )
+    if not mem.fits:
+        raise TernaryError(mem.refusal())
+    return mem

@@ -1,0 +1,262 @@
+"""mlx-ternary against llama.cpp on the same ternary weights, side by side on the same cores.
+
+    python scripts/bench/bench_llamacpp.py --llama-cpp NODE_MODULES --dir /tmp/tq2 \
+        --threads 1,2 --prompt-tokens 128 --gen-tokens 64 --repeats 3
+
+1. DIR/model.gguf: a random TQ2_0 llama of the shape below (written once; F16 embedding and
+   output layer, F32 norms, a stub byte-level vocabulary llama.cpp accepts).
+2. DIR/<variant>: the same GGUF converted by `mlx_ternary.convert` (fast / compact packing);
+   "-act8" variants are the same checkpoint run with BitNet int8 per-token activations
+   (llama.cpp's TQ2_0 dot product also runs on int8 activations, Q8_K per 256 columns).
+3. Every engine runs in a fresh process per measurement (peak RSS is the process's), in an
+   order rotated each repeat; prefill = prompt tokens / time to the first token, decode =
+   further tokens / their time (greedy). The table gives medians (min-max) and each
+   mlx-ternary row's ratio to llama.cpp at the same number of threads.
+
+NODE_MODULES is the node_modules directory of `npm install node-llama-cpp@3.21.1` (or set
+$MLX_TERNARY_LLAMA_CPP); `node` must be on PATH.
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SHAPE = dict(
+    layers=12,
+    hidden=2048,
+    intermediate=5632,
+    vocab=32000,
+    heads=32,
+    kv_heads=4,
+    rope_theta=10000.0,
+    context=2048,
+    eps=1e-5,
+)
+VARIANTS = ("fast-act8", "fast", "compact-act8", "compact")
+
+
+def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0) -> None:
+    """A random TQ2_0 llama: trits uniform, one float16 scale per row (exact in TQ2_0)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, LlamaFileType, quants
+
+    rng = np.random.default_rng(seed)
+    h, inter, v = shape["hidden"], shape["intermediate"], shape["vocab"]
+    head_dim = h // shape["heads"]
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("random ternary llama (mlx-ternary benchmark)")
+    w.add_context_length(shape["context"])
+    w.add_embedding_length(h)
+    w.add_block_count(shape["layers"])
+    w.add_feed_forward_length(inter)
+    w.add_head_count(shape["heads"])
+    w.add_head_count_kv(shape["kv_heads"])
+    w.add_layer_norm_rms_eps(shape["eps"])
+    w.add_rope_freq_base(shape["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(v)
+    w.add_file_type(LlamaFileType.MOSTLY_TQ2_0)
+    # A byte-level BPE vocabulary with no merges: llama.cpp needs one to load the model.
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "ab"] + [f"<t{i}>" for i in range(v - 6)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (v - 3))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def half(shape_, scale=0.02):
+        return (scale * rng.standard_normal(shape_)).astype(np.float16)
+
+    def ternary(n, k):
+        t = rng.integers(-1, 2, (n, k)).astype(np.float32)
+        d = rng.uniform(0.01, 0.05, (n, 1)).astype(np.float16).astype(np.float32)
+        return quants.quantize(t * d, Q.TQ2_0), Q.TQ2_0
+
+    w.add_tensor("token_embd.weight", half((v, h)))
+    kv = head_dim * shape["kv_heads"]
+    for i in range(shape["layers"]):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
+        for name, (n, k) in (
+            ("attn_q", (h, h)),
+            ("attn_k", (kv, h)),
+            ("attn_v", (kv, h)),
+            ("attn_output", (h, h)),
+            ("ffn_gate", (inter, h)),
+            ("ffn_up", (inter, h)),
+            ("ffn_down", (h, inter)),
+        ):
+            data, q = ternary(n, k)
+            w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    w.add_tensor("output.weight", half((v, h)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def make_variants(d: Path, variants) -> None:
+    import mlx_ternary
+
+    for packing in ("fast", "compact"):
+        if any(v.startswith(packing) for v in variants) and not (d / packing).exists():
+            print(f"converting to {d / packing}", file=sys.stderr)
+            mlx_ternary.convert(str(d / "model.gguf"), str(d / packing), packing=packing)
+        act = d / f"{packing}-act8"
+        if f"{packing}-act8" in variants and not act.exists():
+            act.mkdir()
+            for f in (d / packing).iterdir():
+                if f.name != "config.json":
+                    os.symlink(f.resolve(), act / f.name)
+            config = json.loads((d / packing / "config.json").read_text())
+            config["quantization"]["activation_bits"] = 8
+            (act / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def worker(model_dir: str, prompt_tokens: int, gen_tokens: int, seed: int) -> dict:
+    """One mlx-ternary measurement in this (fresh) process."""
+    import mlx.core as mx
+
+    from mlx_ternary.bench.formats import time_generation
+    from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.runtime import cpu, dispatch
+
+    model, config = load_model(Path(model_dir))
+    rng = np.random.default_rng(seed)
+    prompt = mx.array(rng.integers(3, config["vocab_size"], prompt_tokens), dtype=mx.uint32)
+    time_generation(model, prompt[:1], 2)  # warm-up
+    run, _, _ = time_generation(model, prompt, gen_tokens)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss *= 1 if sys.platform == "darwin" else 1024
+    return {
+        "prefill_tps": run.prefill_tps,
+        "decode_tps": run.decode_tps,
+        "peak_rss": rss,
+        "backend": dispatch.resolve_backend(),
+        "isa": cpu.info().get("isa", ""),
+    }
+
+
+def run_mlx(model_dir: Path, threads: int, a) -> dict:
+    env = {**os.environ, "MLX_TERNARY_NUM_THREADS": str(threads)}
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        str(model_dir),
+        "--prompt-tokens",
+        str(a.prompt_tokens),
+        "--gen-tokens",
+        str(a.gen_tokens),
+        "--seed",
+        str(a.seed),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise SystemExit(f"mlx-ternary run failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fmt(values, digits=1):
+    v = [x for x in values if x == x]
+    if not v:
+        return "-"
+    return f"{statistics.median(v):.{digits}f} ({min(v):.{digits}f}-{max(v):.{digits}f})"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--llama-cpp", help="node_modules holding node-llama-cpp (default $MLX_TERNARY_LLAMA_CPP)"
+    )
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/mlx-ternary-tq2"))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--variants", default="fast-act8,fast")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.prompt_tokens, a.gen_tokens, a.seed)))
+        return
+
+    from mlx_ternary.bench import llamacpp
+
+    node_modules = llamacpp.find(a.llama_cpp)
+    if node_modules is None:
+        ap.error("pass --llama-cpp NODE_MODULES or set $MLX_TERNARY_LLAMA_CPP")
+    threads = [int(t) for t in a.threads.split(",")]
+    variants = [v for v in a.variants.split(",") if v]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variant(s) {bad}; choose from {VARIANTS}")
+    a.dir.mkdir(parents=True, exist_ok=True)
+    gguf = a.dir / "model.gguf"
+    if not gguf.exists():
+        print(f"writing {gguf}", file=sys.stderr)
+        write_gguf(gguf.with_suffix(".tmp"))
+        shutil.move(gguf.with_suffix(".tmp"), gguf)
+    make_variants(a.dir, variants)
+
+    engines = [("llama.cpp TQ2_0", t) for t in threads] + [
+        (f"mlx-ternary {v}", t) for v in variants for t in threads
+    ]
+    results = {e: [] for e in engines}
+    for r in range(a.repeats):
+        order = engines[r % len(engines) :] + engines[: r % len(engines)]
+        for name, t in order:
+            print(f"repeat {r + 1}/{a.repeats}: {name}, {t} thread(s)", file=sys.stderr)
+            if name.startswith("llama.cpp"):
+                res = llamacpp.run(
+                    node_modules,
+                    gguf,
+                    threads=t,
+                    prompt_tokens=a.prompt_tokens,
+                    gen_tokens=a.gen_tokens,
+                    seed=a.seed,
+                )
+                run = dict(res["runs"][0], peak_rss=res["peak_rss"])
+            else:
+                run = run_mlx(a.dir / name.split()[-1], t, a)
+            results[(name, t)].append(run)
+
+    rows = [
+        "| engine | threads | prefill tok/s | decode tok/s | peak RSS MB | prefill × | "
+        "decode × | memory × |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = {t: results[("llama.cpp TQ2_0", t)] for t in threads}
+    med = lambda runs, k: statistics.median(x[k] for x in runs)  # noqa: E731
+    for (name, t), runs in results.items():
+        ratio = ["", "", ""]
+        if not name.startswith("llama.cpp"):
+            ratio = [
+                f"{med(runs, k) / med(base[t], k):.2f}"
+                for k in ("prefill_tps", "decode_tps", "peak_rss")
+            ]
+        rows.append(
+            f"| {name} | {t} | {fmt([x['prefill_tps'] for x in runs])} | "
+            f"{fmt([x['decode_tps'] for x in runs])} | "
+            f"{fmt([x['peak_rss'] / 1e6 for x in runs], 0)} | " + " | ".join(ratio) + " |"
+        )
+    print("\n".join(rows))
+    if a.json:
+        a.json.write_text(json.dumps({f"{n} @{t}": v for (n, t), v in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

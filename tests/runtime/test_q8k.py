@@ -1,0 +1,240 @@
+"""llama.cpp's activation numerics (activations="q8k"): the pure-MLX twin (runtime/q8k.py) and
+the native kernel against a numpy transcription of ggml's Q8_K quantizer and its TQ x Q8_K
+integer dot product, bit for bit; the routing; the settings."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_ternary import format as fmt
+from mlx_ternary.errors import FormatError
+from mlx_ternary.runtime import cpu, dispatch, q8k, reference
+
+needs_native = pytest.mark.native
+F32 = np.float32
+
+
+# ---- numpy transcription of ggml (ggml-quants.c quantize_row_q8_K_ref; ggml-cpu quants.c
+# ggml_vec_dot_tq2_0_q8_K_generic), one token at a time, float32 scalars as C computes them
+
+
+def nearest_int(v: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int: add 1.5 * 2**23 in float32 and read the low mantissa bits."""
+    val = (v.astype(F32) + F32(12582912.0)).astype(F32)
+    return (val.view(np.int32) & 0x007FFFFF) - 0x00400000
+
+
+def ggml_q8k(x: np.ndarray):
+    """One token (K,) float32, K a multiple of 256 -> (q (nb, 256) int8, d (nb,) float32)."""
+    nb = x.size // 256
+    q, d = np.zeros((nb, 256), np.int8), np.zeros(nb, F32)
+    for b in range(nb):
+        blk = x[b * 256 : (b + 1) * 256].astype(F32)
+        amax, top = F32(0), F32(0)
+        for v in blk:
+            if abs(v) > amax:
+                amax, top = F32(abs(v)), v
+        if amax == 0:
+            continue
+        iscale = F32(F32(-127.0) / top)
+        q[b] = np.minimum(127, nearest_int((iscale * blk).astype(F32)))
+        d[b] = F32(F32(1.0) / iscale)
+    return q, d
+
+
+def ggml_dot(t: np.ndarray, s_blocks: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """All rows of trits t (N, nb*256) with a scale per row and block s_blocks (N, nb):
+    sumf += (float)sumi * (d_q8 * d_tq), block by block."""
+    n, nb = s_blocks.shape
+    sumf = np.zeros(n, F32)
+    for b in range(nb):
+        sumi = t[:, b * 256 : (b + 1) * 256].astype(np.int64) @ q[b].astype(np.int64)
+        coef = (F32(d[b]) * s_blocks[:, b].astype(F32)).astype(F32)
+        sumf = (sumf + (sumi.astype(F32) * coef).astype(F32)).astype(F32)
+    return sumf
+
+
+def ggml_layer(x: np.ndarray, t: np.ndarray, s_blocks: np.ndarray) -> np.ndarray:
+    """(M, K) activations, zero-padded to whole blocks -> (M, N), as llama.cpp computes it."""
+    kp = s_blocks.shape[1] * 256
+    out = []
+    for row in x.astype(F32):
+        xp = np.zeros(kp, F32)
+        xp[: row.size] = row
+        tp = np.zeros((t.shape[0], kp), np.int8)
+        tp[:, : t.shape[1]] = t
+        out.append(ggml_dot(tp, s_blocks, *ggml_q8k(xp)))
+    return np.stack(out)
+
+
+# ---- cases
+
+
+def tricky_x(rng, m: int, k: int) -> np.ndarray:
+    """Activations with what the rules single out: a zero block, ties at .5 after scaling,
+    two entries of the largest magnitude with opposite signs, a negative largest."""
+    x = (rng.normal(size=(m, k)) * rng.uniform(0.2, 5, size=(m, 1))).astype(F32)
+    if k > 256:
+        x[0, :256] = 0.0
+    if m > 1:
+        x[1, :4] = [-2.0, 2.0, 1.0, 0.5]  # first largest is -2: iscale = 63.5
+        x[1, 4:256] = np.clip(x[1, 4:256], -1.9, 1.9)
+    if m > 2 and k > 256:
+        x[2, 256:512] = np.round(x[2, 256:512] * 2) / 2
+        x[2, 300] = -127.0 / 63.5 * 2  # a negative largest
+    return x
+
+
+def tq_layer(rng, n: int, k: int, packing: str, scale: str):
+    """A TQ-like layer: trits and fp16 scales (per 256-block as a TQ2_0 file, or coarser)."""
+    t = rng.integers(-1, 2, size=(n, k)).astype(np.int8)
+    nb = -(-k // 256)
+    if scale == "group":
+        s = rng.uniform(0.01, 0.05, size=(n, nb)).astype(np.float16)
+        gs = 256
+    else:
+        s = rng.uniform(0.01, 0.05, size=(1, 1) if scale == "tensor" else (n, 1))
+        s, gs = s.astype(np.float16), None
+    pt = fmt.PackedTernary.from_trits(t, s, packing, gs)
+    s_blocks = np.broadcast_to(s.astype(F32), (n, nb)) if s.shape[1] == 1 else s.astype(F32)
+    kw = dict(packing=packing, in_features=k, group_size=gs)
+    return (mx.array(pt.packed), mx.array(s), kw), t, np.ascontiguousarray(s_blocks)
+
+
+def test_quantize_is_ggml_q8k():
+    rng = np.random.default_rng(0)
+    x = tricky_x(rng, 3, 768)
+    q, d = q8k.quantize(mx.array(x))
+    for m in range(3):
+        wq, wd = ggml_q8k(x[m])
+        np.testing.assert_array_equal(np.array(q[m]).astype(np.int8), wq)
+        np.testing.assert_array_equal(np.array(d[m]), wd)
+    assert np.array(d[0, 0]) == 0 and not np.array(q[0, 0]).any()  # the zero block
+    assert np.array(d[1, 0]) > 0 and np.array(q[1, 0, 0]) == -127  # ggml's sign convention
+
+
+@pytest.mark.parametrize("packing", ["fast", "compact"])
+@pytest.mark.parametrize("scale,k", [("group", 512), ("group", 704), ("row", 768), ("tensor", 256)])
+def test_reference_is_llamacpp_bit_for_bit(packing, scale, k):
+    rng = np.random.default_rng(k)
+    (packed, s, kw), t, s_blocks = tq_layer(rng, 24, k, packing, scale)
+    x = tricky_x(rng, 3, k)
+    want = ggml_layer(x, t, s_blocks)
+    y = reference.ternary_matmul(mx.array(x), packed, s, activation_bits=fmt.Q8K, **kw)
+    np.testing.assert_array_equal(np.array(y), want)
+    # negative control: BitNet's per-token int8 is a different computation
+    other = reference.ternary_matmul(mx.array(x), packed, s, activation_bits=8, **kw)
+    assert not np.array_equal(np.array(other), want)
+
+
+def test_segments_with_small_groups_follow_the_definition():
+    """Groups of 64 cut each block: segment sums scaled by their group, in column order."""
+    rng = np.random.default_rng(3)
+    t = rng.integers(-1, 2, size=(8, 512)).astype(np.int8)
+    s = rng.uniform(0.5, 1.5, size=(8, 8)).astype(F32)
+    pt = fmt.PackedTernary.from_trits(t, s, "fast", 64)
+    x = tricky_x(rng, 2, 512)
+    want = np.zeros((2, 8), F32)
+    for m in range(2):
+        q, d = ggml_q8k(x[m])
+        for j in range(8):
+            sumi = t[:, 64 * j : 64 * j + 64].astype(np.int64) @ q.reshape(-1)[64 * j : 64 * j + 64]
+            want[m] = want[m] + sumi.astype(F32) * (d[j // 4] * s[:, j])
+    y = reference.ternary_matmul(
+        mx.array(x),
+        mx.array(pt.packed),
+        mx.array(s),
+        packing="fast",
+        in_features=512,
+        group_size=64,
+        activation_bits=fmt.Q8K,
+    )
+    np.testing.assert_array_equal(np.array(y), want)
+
+
+def test_layer_activation_bits_and_config():
+    assert fmt.layer_activation_bits("model", 8) == 8
+    assert fmt.layer_activation_bits("model", None) is None
+    assert fmt.layer_activation_bits("float", 8) is None
+    assert fmt.layer_activation_bits("q8k", None) == fmt.Q8K
+    with pytest.raises(FormatError, match="expected one of model, q8k, float"):
+        fmt.layer_activation_bits("int4", None)
+    q = fmt.QuantizationConfig(packing="fast", scale="group", group_size=256, activations="q8k")
+    d = q.to_dict()
+    assert d["activations"] == "q8k"
+    assert fmt.QuantizationConfig.from_dict(d).activations == "q8k"
+    assert "activations" not in fmt.QuantizationConfig().to_dict()  # older files unchanged
+    with pytest.raises(FormatError, match="config.json: quantization.activations is 'int4'"):
+        fmt.QuantizationConfig.from_dict({**d, "activations": "int4"})
+
+
+@needs_native
+@pytest.mark.parametrize("packing", ["fast", "compact"])
+@pytest.mark.parametrize("scale,k", [("group", 512), ("group", 704), ("row", 768), ("tensor", 256)])
+@pytest.mark.parametrize("m", [1, 3, 9])  # token tiles (4, compact 8) and their remainders
+def test_native_is_llamacpp_bit_for_bit(packing, scale, k, m):
+    rng = np.random.default_rng(k + m)
+    (packed, s, kw), t, s_blocks = tq_layer(rng, 40, k, packing, scale)
+    x = tricky_x(rng, m, k)
+    want = ggml_layer(x, t, s_blocks)
+    native = cpu.q8k_supported(s, **kw)
+    # compact rows of one scale are cut in 160-column steps that straddle the blocks
+    assert native == (packing == "fast" or scale == "group" or k <= 320)
+    y = dispatch.ternary_matmul(
+        mx.array(x), packed, s, activation_bits=fmt.Q8K, backend="native", **kw
+    )
+    np.testing.assert_array_equal(np.array(y), want)
+    if native:
+        direct = cpu.ternary_matmul(mx.array(x), packed, s, activation_bits=fmt.Q8K, **kw)
+        np.testing.assert_array_equal(np.array(direct), want)
+        per_token = cpu.ternary_matmul(mx.array(x), packed, s, activation_bits=8, **kw)
+        assert not np.array_equal(np.array(per_token), want)  # negative control
+    else:
+        with pytest.raises(ValueError, match="q8k activations need steps"):
+            cpu.ternary_matmul(mx.array(x), packed, s, activation_bits=fmt.Q8K, **kw)
+
+
+@needs_native
+def test_native_q8k_bias_dtypes_and_gradient():
+    rng = np.random.default_rng(7)
+    (packed, s, kw), t, s_blocks = tq_layer(rng, 16, 512, "fast", "group")
+    x = mx.array(tricky_x(rng, 2, 512))
+    b = mx.array(rng.normal(size=16).astype(F32))
+    args = dict(activation_bits=fmt.Q8K, **kw)
+    want = reference.ternary_matmul(x, packed, s, b, **args)
+    np.testing.assert_array_equal(
+        np.array(cpu.ternary_matmul(x, packed, s, b, **args)), np.array(want)
+    )
+    xh = x.astype(mx.float16)
+    np.testing.assert_array_equal(
+        np.array(cpu.ternary_matmul(xh, packed, s, b, **args)),
+        np.array(reference.ternary_matmul(xh, packed, s, b, **args)),
+    )
+    g = mx.grad(lambda v: cpu.ternary_matmul(v, packed, s, **args).sum())(x)
+    w = t.astype(F32) * np.repeat(s_blocks, 256, axis=1)  # straight-through: g @ (s t)
+    np.testing.assert_allclose(np.array(g), np.ones((2, 16), F32) @ w, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_load_activations_on_the_embedded_model():
+    """load(activations=) sets every layer, records the choice beside the model's own
+    definition, and the native model agrees with the reference twin's (the layers are
+    bit-exact above; attention and the tables differ between backends by float rounding)."""
+    import mlx_ternary
+    from mlx_ternary import generate as gen
+    from mlx_ternary.runtime.layers import ternary_layers
+
+    path = str(gen.EMBEDDED_MODEL)
+    model, _, config = mlx_ternary.load(path, activations="q8k", return_config=True)
+    layers = [m for _, m in ternary_layers(model)]
+    assert {m.activation_bits for m in layers} == {fmt.Q8K}
+    assert config["quantization"]["activations"] == "q8k"
+    assert config["quantization"]["activation_bits"] == 8  # the model's own, kept
+    # compact rows of 704 columns and one scale cannot run natively as stored: fast-packed
+    assert {m.packing for m in layers if m.in_features == 704} == {"fast"}
+    twin, _ = mlx_ternary.load(path, activations="q8k", backend="reference")
+    tokens = mx.array([[0, 5, 17, 99, 3, 250, 7]])
+    np.testing.assert_allclose(np.array(model(tokens)), np.array(twin(tokens)), atol=1e-4)
+    own, _ = mlx_ternary.load(path)
+    assert {m.activation_bits for _, m in ternary_layers(own)} == {8}
+    assert not np.array_equal(np.array(own(tokens)), np.array(model(tokens)))
