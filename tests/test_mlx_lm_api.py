@@ -3,6 +3,8 @@
 `linear_to_lora_layers`, on the native CPU backend (float16 tables kept as stored) and the
 reference backend (tables widened to float32)."""
 
+import json
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -13,11 +15,15 @@ from mlx_lm.utils import compute_bits_per_weight, quantize_model, save_config
 from mlx_lm.utils import save_model as mlx_save_model
 from tiny import float_model
 
+import mlx_ternary
 from mlx_ternary.checkpoint.load import load_model
 from mlx_ternary.checkpoint.writers.native import save_model
+from mlx_ternary.errors import TernaryError
+from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.runtime.layers import ternarize_model
 
 BACKENDS = [pytest.param("native", marks=pytest.mark.native), "reference"]
+EMBEDDED = str(EMBEDDED_MODEL)
 TOKENS = mx.array([[1, 5, 9, 33, 70, 2]])
 
 
@@ -121,3 +127,75 @@ def test_lora_and_dora_wrap_the_embedding_and_head(half_tables, backend, use_dor
         fused = layer.fuse()
         assert type(fused) in (nn.Embedding, nn.Linear)
         assert _rel(fused(inp), layer(inp)) < 1e-3  # float16 rounding of W + update only
+
+
+# --------------------------------------------------------------------------- DoRA / LoRA
+
+DORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
+KEYS = ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"]
+
+
+def _loss(model, ids):
+    logits = model(ids[:, :-1]).astype(mx.float32)
+    return nn.losses.cross_entropy(logits, ids[:, 1:]).mean()
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_mlx_lm_linear_to_lora_layers_wraps_ternary_layers(tmp_path, use_dora):
+    """The issue's pipeline: mlx_ternary.load, then mlx-lm's own converter (looked up on its
+    module, as mlx-lm's trainer and load_adapters do), Adam, mlx-lm's adapter files."""
+    import mlx.optimizers as optim
+    from mlx_lm.tuner import utils as tuner
+
+    from mlx_ternary.runtime.lora import TernaryDoRALinear, TernaryLoRALinear
+
+    model, tok = mlx_ternary.load(EMBEDDED)
+    ids = mx.array([tok.encode("ROMEO: What light through yonder window breaks? It is")])
+    base = model(ids)
+    config = {**DORA, "keys": KEYS}
+    if use_dora:  # negative control: mlx-lm's own function, unrouted, refuses TernaryLinear
+        from mlx_ternary.runtime.adapters import mlx_linear_to_lora_layers
+
+        with pytest.raises(ValueError, match="TernaryLinear"):
+            mlx_linear_to_lora_layers(model, 2, config, use_dora=True)
+    tuner.linear_to_lora_layers(model, 2, config, use_dora=use_dora)
+    kind = TernaryDoRALinear if use_dora else TernaryLoRALinear
+    wrapped = [p for p, m in model.named_modules() if isinstance(m, kind)]
+    assert len(wrapped) == 2 * len(KEYS)
+    assert _rel(model(ids), base) < 1e-6  # B = 0 (and m = ||W||): the base model at init
+    model.freeze()
+    for _, m in model.named_modules():  # as mlx-lm's trainer: the adapter leaves train
+        if isinstance(m, kind):
+            m.unfreeze(keys=["lora_a", "lora_b", "m"], strict=False)
+    opt = optim.Adam(learning_rate=1e-3)
+    step = nn.value_and_grad(model, _loss)
+    losses = []
+    for _ in range(5):
+        loss, grads = step(model, ids)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1e-3
+    adapted = model(ids)
+    # mlx-lm's adapter files, as its trainer writes them, then mlx-lm's load_adapters
+    mx.save_safetensors(
+        str(tmp_path / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters()))
+    )
+    kind_name = "dora" if use_dora else "lora"
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": kind_name, "num_layers": 2, "lora_parameters": config})
+    )
+    again, _ = mlx_ternary.load(EMBEDDED)
+    tuner.load_adapters(again, str(tmp_path))
+    assert np.array_equal(np.array(again(ids)), np.array(adapted))
+    # mlx-lm's fuse: the ternary base refuses a lossy fold; dequantized, the float layer is
+    # m * V / ||V|| (DoRA) or W + scale * (A @ B).T (LoRA) on the unquantized input
+    layer = dict(again.named_modules())[wrapped[0]]
+    with pytest.raises(TernaryError):
+        layer.fuse()
+    w = np.array(layer.linear.dequantize(), np.float64)
+    a, b = np.array(layer.lora_a, np.float64), np.array(layer.lora_b, np.float64)
+    v = w + DORA["scale"] * (a @ b).T
+    if use_dora:
+        v = np.array(layer.m, np.float64)[:, None] * v / np.linalg.norm(v, axis=1, keepdims=True)
+    assert _rel(layer.fuse(dequantize=True).weight, v) < 1e-5
