@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.nn.layers import distributed as mlx_distributed
 
 from .. import format as fmt
@@ -330,7 +331,12 @@ class ShardedToAllTernaryLinear(nn.Module):
     """
 
     def __init__(
-        self, linear: TernaryLinear, bias: Optional[mx.array], activation_bits: Optional[int], group
+        self,
+        linear: TernaryLinear,
+        bias: Optional[mx.array],
+        activation_bits: Optional[int],
+        group,
+        segments: Segments = 1,
     ):
         super().__init__()
         self.linear = linear
@@ -338,6 +344,7 @@ class ShardedToAllTernaryLinear(nn.Module):
             self.bias = bias
         self.activation_bits = activation_bits
         self.group = group
+        self.__dict__["_segments"] = segments  # not a child module: how K was cut
 
     @classmethod
     def from_parts(
@@ -358,18 +365,38 @@ class ShardedToAllTernaryLinear(nn.Module):
             None,
             with_bias=False,
         )
-        return cls(linear, bias, p.activation_bits, group)
+        return cls(linear, bias, p.activation_bits, group, segments)
 
     @property
     def in_features(self) -> int:
         return self.linear.in_features * self.group.size()
+
+    def _q8k_slice(self, x: mx.array) -> mx.array:
+        """This rank's columns of ggml's Q8_K of the whole row, dequantized (d * q): the
+        256-column blocks straddle the ranks' slices, so the ranks gather the row first."""
+        from . import q8k  # llama.cpp's block numerics: q8k layers only
+
+        k, world, rank = self.in_features, self.group.size(), self.group.rank()
+        cols = [
+            np.concatenate([np.arange(a, b) for a, b in rank_ranges(k, world, r, self._segments)])
+            for r in range(world)
+        ]
+        lead, kl = x.shape[:-1], x.shape[-1]
+        rows = mx.distributed.all_gather(x.reshape(1, -1, kl).astype(mx.float32), group=self.group)
+        whole = rows.transpose(1, 0, 2).reshape(-1, world * kl)  # columns in `cols` order
+        whole = whole[:, mx.array(np.argsort(np.concatenate(cols)))]
+        q, d = q8k.quantize(whole)
+        xq = (q * d[..., None]).reshape(whole.shape[0], -1)[:, mx.array(cols[rank])]
+        return xq.reshape(*lead, kl).astype(x.dtype)
 
     @property
     def out_features(self) -> int:
         return self.linear.out_features
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.activation_bits:
+        if self.activation_bits == fmt.Q8K:
+            y = mx.distributed.all_sum(self.linear(self._q8k_slice(x)), group=self.group)
+        elif self.activation_bits:
             xq, x_scale = quantize_shared(x, self.group)
             y = mx.distributed.all_sum(self.linear(xq), group=self.group) * x_scale
         else:
