@@ -5,7 +5,8 @@ it is converted to the native format into the cache, and later loads read that c
 
 Where: $XDG_CACHE_HOME/mlx_ternary/gguf (default ~/.cache/mlx_ternary/gguf), one
 directory per file version, `<name>-<path hash>-<content key>`. The content key hashes
-the file's size, modification time and its first and last MiB, so a replaced or
+the conversion's version, the file's size, modification time and its first and last MiB,
+so an upgrade that converts differently, a replaced or
 re-exported file gets a new key and is converted again; the older conversions of the
 same path are then removed. Conversion writes beside the destination and renames into
 place (convert's rule), so a directory in the cache is always complete.
@@ -20,6 +21,9 @@ from ..errors import TernaryError
 from ..paths import cache_dir as kind_dir
 
 SAMPLE = 1 << 20  # bytes hashed at each end of the file
+# Bumped when a conversion's meaning changes, so older cached copies are converted again:
+# 2 = llama.cpp's files record `activations: q8k`.
+CONVERSION = 2
 
 
 def cache_root() -> Path:
@@ -32,7 +36,7 @@ def _path_key(path: Path) -> str:
 
 def _content_key(path: Path) -> str:
     st = path.stat()
-    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    h = hashlib.sha256(f"{CONVERSION}:{st.st_size}:{st.st_mtime_ns}".encode())
     with open(path, "rb") as f:
         h.update(f.read(SAMPLE))
         if st.st_size > SAMPLE:

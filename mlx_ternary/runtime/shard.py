@@ -355,6 +355,12 @@ class ShardedToAllTernaryLinear(nn.Module):
         group: Optional[mx.distributed.Group] = None,
     ):
         group = group or mx.distributed.init()
+        # llama.cpp's q8k blocks are local to a rank when its columns start on one; where the
+        # split cuts a block, the ranks gather the row and quantize it whole (_q8k_slice)
+        q8k = p.activation_bits == fmt.Q8K
+        k_local = p.in_features // group.size()
+        cut = group.size() > 1 and (segments != 1 or k_local % fmt.Q8K_BLOCK != 0)
+        local_q8k = q8k and not cut
         linear, bias = _local_linear(
             p,
             "sharded-to-all",
@@ -362,10 +368,10 @@ class ShardedToAllTernaryLinear(nn.Module):
             group.rank(),
             segments,
             TernaryLinear,
-            None,
+            fmt.Q8K if local_q8k else None,
             with_bias=False,
         )
-        return cls(linear, bias, p.activation_bits, group, segments)
+        return cls(linear, bias, None if local_q8k else p.activation_bits, group, segments)
 
     @property
     def in_features(self) -> int:

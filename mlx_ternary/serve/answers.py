@@ -174,83 +174,86 @@ def _completion_logprobs(h, req, records, prompt_records, offset=None):
     return completion_logprobs(tok, records, len(req.echo_text) if offset is None else offset)
 
 
-def stream(h, req: Request):
-    h.start_sse()
-    rid, created, name = _rid(req.chat), int(time.time()), h.server.config.model_name
-    obj = "chat.completion.chunk" if req.chat else "text_completion"
-    tok, job = h.server.tokenizer, req.job
-    splitter = ToolSplitter(req.tool_markers, req.tools) if req.tools else None
-    state = {"offset": 0, "calls": 0}
+class _Stream:
+    """The SSE chunks of one streamed chat or completions answer."""
 
-    def send(choice=None, use=None):
+    def __init__(self, h, req: Request):
+        self.h, self.req, self.job, self.tok = h, req, req.job, h.server.tokenizer
+        self.rid, self.created = _rid(req.chat), int(time.time())
+        self.splitter = ToolSplitter(req.tool_markers, req.tools) if req.tools else None
+        self.offset = self.calls = 0
+
+    def send(self, choice=None, use=None):
         chunk = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": name,
+            "id": self.rid,
+            "object": "chat.completion.chunk" if self.req.chat else "text_completion",
+            "created": self.created,
+            "model": self.h.server.config.model_name,
             "choices": [choice] if choice else [],
         }
         if use:
             chunk["usage"] = use
-        h.send_sse(chunk)
+        self.h.send_sse(chunk)
 
-    def text_chunk(text, records, reason=None):
-        if req.chat:
-            lp = chat_logprobs(tok, records) if job.logprobs is not None else None
+    def text_chunk(self, text, records, reason=None):
+        on = self.job.logprobs is not None
+        if self.req.chat:
+            lp = chat_logprobs(self.tok, records) if on else None
             return {"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": reason}
-        lp = (
-            completion_logprobs(tok, records, state["offset"]) if job.logprobs is not None else None
-        )
-        state["offset"] += len(text)
+        lp = completion_logprobs(self.tok, records, self.offset) if on else None
+        self.offset += len(text)
         return {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
 
-    def chat_items(items, records):
+    def items(self, items, records):
         for kind, value in items:
             if kind == "text":
-                send(text_chunk(value, records))
+                self.send(self.text_chunk(value, records))
             else:
-                delta = {"tool_calls": [dict(value, index=state["calls"])]}
-                state["calls"] += 1
-                send({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+                delta = {"tool_calls": [dict(value, index=self.calls)]}
+                self.calls += 1
+                self.send({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
             records = []
         if records:
-            send(text_chunk("", records))
+            self.send(self.text_chunk("", records))
 
+    def text(self, text, records):
+        if not self.req.chat:
+            self.send(self.text_chunk(text, records))
+        else:
+            self.items(self.splitter.feed(text) if self.splitter else [("text", text)], records)
+
+    def finish(self, reason, n):
+        if self.splitter:
+            self.items(self.splitter.flush(), [])
+        reason = "tool_calls" if self.calls and reason == "stop" else reason
+        if self.req.chat:
+            self.send({"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason})
+        else:
+            self.send(self.text_chunk("", [], reason))
+        if self.req.include_usage:
+            self.send(use=usage(self.job, n))
+        self.h.wfile.write(b"data: [DONE]\n\n")
+        self.h.wfile.flush()
+
+
+def stream(h, req: Request):
+    h.start_sse()
+    out = _Stream(h, req)
     if req.chat:
-        send(
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        )
-    for event in h.events(job):
+        delta = {"role": "assistant", "content": ""}
+        out.send({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+    for event in h.events(req.job):
         if event[0] == "prompt_logprobs":
             lp = _completion_logprobs(h, req, [], event[1])
-            send({"index": 0, "text": req.echo_text, "logprobs": lp, "finish_reason": None})
-            state["offset"] = len(req.echo_text)
+            out.send({"index": 0, "text": req.echo_text, "logprobs": lp, "finish_reason": None})
+            out.offset = len(req.echo_text)
         elif event[0] == "text":
-            if req.chat:
-                chat_items(splitter.feed(event[1]) if splitter else [("text", event[1])], event[2])
-            else:
-                send(text_chunk(event[1], event[2]))
+            out.text(event[1], event[2])
         elif event[0] == "error":
             h.send_sse(APIError(500, event[1], type_="server_error").body())
             return
         else:
-            if splitter:
-                chat_items(splitter.flush(), [])
-            reason = "tool_calls" if state["calls"] and event[1] == "stop" else event[1]
-            send(
-                text_chunk("", [], reason)
-                if not req.chat
-                else {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-            )
-            if req.include_usage:
-                send(use=usage(job, event[2]))
-            h.wfile.write(b"data: [DONE]\n\n")
-            h.wfile.flush()
+            out.finish(event[1], event[2])
 
 
 def _rid(chat: bool) -> str:

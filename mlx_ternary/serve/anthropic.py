@@ -224,75 +224,67 @@ def whole(handler, req: Request):
     )
 
 
-def stream(handler, req: Request):
-    handler.start_sse()
-    job = req.job
-    send = lambda kind, **kw: handler.send_sse(dict(type=kind, **kw), event=kind)  # noqa: E731
-    send(
-        "message_start",
-        message=dict(
-            _message_head(handler, req),
-            content=[],
-            stop_reason=None,
-            stop_sequence=None,
-            usage=_usage(job, 0),
-        ),
-    )
-    send("ping")
-    splitter = ToolSplitter(req.tool_markers, req.tools) if req.tools else None
-    state = {"index": -1, "open": None, "calls": 0}
+class _Blocks:
+    """The content-block events of one streamed Messages answer."""
 
-    def close():
-        if state["open"] is not None:
-            send("content_block_stop", index=state["index"])
-            state["open"] = None
+    def __init__(self, handler):
+        self.handler, self.index, self.open, self.calls = handler, -1, None, 0
 
-    def items(pairs):
+    def send(self, kind, **kw):
+        self.handler.send_sse(dict(type=kind, **kw), event=kind)
+
+    def close(self):
+        if self.open is not None:
+            self.send("content_block_stop", index=self.index)
+            self.open = None
+
+    def text(self, value):
+        if self.open != "text":
+            self.close()
+            self.index, self.open = self.index + 1, "text"
+            block = {"type": "text", "text": ""}
+            self.send("content_block_start", index=self.index, content_block=block)
+        delta = {"type": "text_delta", "text": value}
+        self.send("content_block_delta", index=self.index, delta=delta)
+
+    def call(self, value):
+        self.close()
+        self.index, self.calls = self.index + 1, self.calls + 1
+        block = _tool_block(value)
+        self.send("content_block_start", index=self.index, content_block=dict(block, input={}))
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        self.send("content_block_delta", index=self.index, delta=delta)
+        self.send("content_block_stop", index=self.index)
+
+    def items(self, pairs):
         for kind, value in pairs:
             if kind == "text" and value:
-                if state["open"] != "text":
-                    close()
-                    state["index"] += 1
-                    state["open"] = "text"
-                    send(
-                        "content_block_start",
-                        index=state["index"],
-                        content_block={"type": "text", "text": ""},
-                    )
-                send(
-                    "content_block_delta",
-                    index=state["index"],
-                    delta={"type": "text_delta", "text": value},
-                )
+                self.text(value)
             elif kind == "call":
-                close()
-                state["index"] += 1
-                state["calls"] += 1
-                block = _tool_block(value)
-                send(
-                    "content_block_start", index=state["index"], content_block=dict(block, input={})
-                )
-                send(
-                    "content_block_delta",
-                    index=state["index"],
-                    delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
-                )
-                send("content_block_stop", index=state["index"])
+                self.call(value)
 
+
+def stream(handler, req: Request):
+    handler.start_sse()
+    job, out = req.job, _Blocks(handler)
+    head = dict(_message_head(handler, req), content=[], stop_reason=None, stop_sequence=None)
+    out.send("message_start", message=dict(head, usage=_usage(job, 0)))
+    out.send("ping")
+    splitter = ToolSplitter(req.tool_markers, req.tools) if req.tools else None
     for event in handler.events(job):
         if event[0] == "text":
-            items(splitter.feed(event[1]) if splitter else [("text", event[1])])
+            out.items(splitter.feed(event[1]) if splitter else [("text", event[1])])
         elif event[0] == "error":
             handler.send_sse(error_body(APIError(500, event[1])), event="error")
             return
         elif event[0] == "done":
             if splitter:
-                items(splitter.flush())
-            close()
-            stop_reason, stop_sequence = _stop(job, event[1], state["calls"])
-            send(
+                out.items(splitter.flush())
+            out.close()
+            stop_reason, stop_sequence = _stop(job, event[1], out.calls)
+            out.send(
                 "message_delta",
                 delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                 usage={"output_tokens": event[2]},
             )
-            send("message_stop")
+            out.send("message_stop")

@@ -31,6 +31,7 @@ from .openai import APIError, Request, ServeConfig, parse_request, short_name
 log = logging.getLogger(__name__)
 MAX_BODY = 4 * 1024 * 1024
 RETRY_AFTER_S = 1  # what a 503 tells a client to wait
+CLOSE_WAIT_S = 5  # how long server_close waits for open connections to end
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETION_PATHS = ("/v1/completions", "/completions")
 MESSAGES_PATHS = ("/v1/messages", "/messages")
@@ -317,6 +318,7 @@ class Server(ThreadingHTTPServer):
         self.draining = False
         self.metrics = self.engine.metrics = Metrics()
         self.connections = self.in_flight = 0
+        self.open_sockets = set()  # of the connections open now, closed by server_close
         self._count = threading.Lock()
         self.request_queue_size = max(128, min(config.max_connections, 4096))  # the backlog
         super().__init__((host, port), Handler)
@@ -331,6 +333,8 @@ class Server(ThreadingHTTPServer):
         with self._count:
             full = self.connections >= self.config.max_connections
             self.connections += not full
+            if not full:
+                self.open_sockets.add(request)
         if not full:
             return super().process_request(request, client_address)
         body = json.dumps(
@@ -348,6 +352,7 @@ class Server(ThreadingHTTPServer):
         finally:
             with self._count:
                 self.connections -= 1
+                self.open_sockets.discard(request)
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Refuse new requests (503), let the in-flight ones finish (up to `timeout`, the
@@ -361,7 +366,19 @@ class Server(ThreadingHTTPServer):
         return done
 
     def server_close(self):
+        """Stop listening, end the open (keep-alive) connections and wait for their threads
+        (up to CLOSE_WAIT_S), then stop the engine: nothing of the server outlives it."""
         super().server_close()
+        with self._count:
+            sockets = list(self.open_sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.engine.stop()
 
 

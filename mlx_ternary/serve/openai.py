@@ -411,11 +411,8 @@ def fit_context(tokens, max_tokens, config: ServeConfig, param: str, zero_ok=Fal
     return room if max_tokens is None else max_tokens
 
 
-def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=None) -> Request:
-    """Validate an OpenAI chat or completions body into a Request."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    check_model(body, config)
+def _refuse_unsupported(body, chat: bool):
+    """400 for what this server does not do (never silently ignored)."""
     for name in UNSUPPORTED + (("echo",) if chat else ()):
         if body.get(name) is not None:
             raise APIError(400, f"'{name}' is not supported by this server", name)
@@ -426,6 +423,37 @@ def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=Non
     n = field_(body, "n", (int,), 1)
     if n != 1:
         raise APIError(400, f"'n' must be 1 (this server returns one choice), got {n}", "n")
+
+
+def _chat_prompt(body, tokenizer, grammars, grammar):
+    """(prompt tokens, parsed tools, markers, grammar) of a chat request."""
+    tools, parsed, markers, tool_grammar = _tools(body, tokenizer, grammars)
+    if field_(body, "parallel_tool_calls", (bool,), True) is False and parsed:
+        if tool_grammar is None:
+            raise APIError(
+                400,
+                "'parallel_tool_calls': false is kept only with tool_choice "
+                "'required' or a named function (one call, by grammar)",
+                "parallel_tool_calls",
+            )
+    if tool_grammar is not None:
+        if grammar is not None:
+            raise APIError(
+                400,
+                "'response_format' and a forced tool call cannot be combined",
+                "response_format",
+            )
+        grammar = tool_grammar
+    tokens = render_chat(tokenizer, chat_messages(body.get("messages")), tools)
+    return tokens, parsed, markers, grammar
+
+
+def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=None) -> Request:
+    """Validate an OpenAI chat or completions body into a Request."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    check_model(body, config)
+    _refuse_unsupported(body, chat)
     stream = field_(body, "stream", (bool,), False)
     opts = field_(body, "stream_options", (dict,), {})
     big = 1 << 31
@@ -435,29 +463,9 @@ def parse_request(body, tokenizer, config: ServeConfig, chat: bool, grammars=Non
         max_tokens = field_(body, "max_tokens", (int,), None, 0 if echo else 1, big)
     logprobs = _logprobs(body, chat)
     grammar = _response_format(body, grammars)
-    tools = parsed = markers = None
+    parsed = markers = None
     if chat:
-        tools, parsed, markers, tool_grammar = _tools(body, tokenizer, grammars)
-        if (
-            field_(body, "parallel_tool_calls", (bool,), True) is False
-            and parsed
-            and tool_grammar is None
-        ):
-            raise APIError(
-                400,
-                "'parallel_tool_calls': false is kept only with tool_choice "
-                "'required' or a named function (one call, by grammar)",
-                "parallel_tool_calls",
-            )
-        if tool_grammar is not None:
-            if grammar is not None:
-                raise APIError(
-                    400,
-                    "'response_format' and a forced tool call cannot be combined",
-                    "response_format",
-                )
-            grammar = tool_grammar
-        tokens = render_chat(tokenizer, chat_messages(body.get("messages")), tools)
+        tokens, parsed, markers, grammar = _chat_prompt(body, tokenizer, grammars, grammar)
     else:
         tokens = completion_prompt(tokenizer, body.get("prompt"))
     max_tokens = fit_context(

@@ -5,9 +5,10 @@
 
 1. DIR/model.gguf: a random TQ2_0 llama of the shape below (written once; F16 embedding and
    output layer, F32 norms, a stub byte-level vocabulary llama.cpp accepts).
-2. DIR/<variant>: the same GGUF converted by `mlx_ternary.convert` (fast / compact packing);
-   "-act8" variants are the same checkpoint run with BitNet int8 per-token activations
-   (llama.cpp's TQ2_0 dot product also runs on int8 activations, Q8_K per 256 columns).
+2. DIR/<variant>: the same GGUF converted by `mlx_ternary.convert` (fast / compact packing),
+   run as written: llama.cpp's own activations (q8k: int8 per 256 columns, ggml's Q8_K, what
+   its TQ2_0 dot product computes); "-act8" variants are the same checkpoint run with BitNet
+   int8 per-token activations, "-float" ones with float activations.
 3. Every engine runs in a fresh process per measurement (peak RSS is the process's), in an
    order rotated each repeat; prefill = prompt tokens / time to the first token, decode =
    further tokens / their time (greedy). The table gives medians (min-max) and each
@@ -40,7 +41,12 @@ SHAPE = dict(
     context=2048,
     eps=1e-5,
 )
-VARIANTS = ("fast-act8", "fast", "compact-act8", "compact")
+VARIANTS = ("fast-act8", "fast", "fast-float", "compact-act8", "compact", "compact-float")
+# quantization fields each variant suffix sets in the converted checkpoint's config.json
+SUFFIXES = {
+    "-act8": {"activation_bits": 8, "activations": "model"},
+    "-float": {"activations": "float"},
+}
 
 
 def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0) -> None:
@@ -113,14 +119,16 @@ def make_variants(d: Path, variants) -> None:
         if any(v.startswith(packing) for v in variants) and not (d / packing).exists():
             print(f"converting to {d / packing}", file=sys.stderr)
             mlx_ternary.convert(str(d / "model.gguf"), str(d / packing), packing=packing)
-        act = d / f"{packing}-act8"
-        if f"{packing}-act8" in variants and not act.exists():
+        for suffix, fields in SUFFIXES.items():
+            act = d / f"{packing}{suffix}"
+            if f"{packing}{suffix}" not in variants or act.exists():
+                continue
             act.mkdir()
             for f in (d / packing).iterdir():
                 if f.name != "config.json":
                     os.symlink(f.resolve(), act / f.name)
             config = json.loads((d / packing / "config.json").read_text())
-            config["quantization"]["activation_bits"] = 8
+            config["quantization"].update(fields)
             (act / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -182,7 +190,7 @@ def main(argv=None):
     )
     ap.add_argument("--dir", type=Path, default=Path("/tmp/mlx-ternary-tq2"))
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--variants", default="fast-act8,fast")
+    ap.add_argument("--variants", default="fast,fast-float")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

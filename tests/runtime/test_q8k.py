@@ -238,3 +238,31 @@ def test_load_activations_on_the_embedded_model():
     own, _ = mlx_ternary.load(path)
     assert {m.activation_bits for _, m in ternary_layers(own)} == {8}
     assert not np.array_equal(np.array(own(tokens)), np.array(model(tokens)))
+
+
+def test_sharded_to_all_keeps_q8k_local_on_each_rank():
+    """Row-parallel layers run llama.cpp's blocks on each rank's columns, not the shared
+    per-token quantization; a split that cuts a block quantizes the gathered row instead
+    (its numerics under mlx.launch: tests/test_parallel.py, the embedded-q8k case)."""
+    from mlx_ternary.runtime.layers import TernaryLinear
+    from mlx_ternary.runtime.shard import ShardedToAllTernaryLinear, TernaryParts
+
+    class TwoRanks:  # enough of a group for the split (from_parts runs no collective)
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    rng = np.random.default_rng(11)
+    (packed, s, kw), t, s_blocks = tq_layer(rng, 8, 320, "fast", "row")
+    layer = TernaryLinear.from_packed(
+        fmt.PackedTernary("fast", packed, s, 8, 320), activation_bits=fmt.Q8K
+    )
+    parts = TernaryParts.of(layer, "down_proj")
+    sharded = ShardedToAllTernaryLinear.from_parts(parts)  # one rank: every column local
+    assert sharded.activation_bits is None and sharded.linear.activation_bits == fmt.Q8K
+    x = tricky_x(rng, 2, 320)
+    np.testing.assert_array_equal(np.array(sharded(mx.array(x))), ggml_layer(x, t, s_blocks))
+    cut = ShardedToAllTernaryLinear.from_parts(parts, group=TwoRanks())  # 160 columns each
+    assert cut.activation_bits == fmt.Q8K and cut.linear.activation_bits is None

@@ -1,6 +1,6 @@
 """Check the chat page of `serve` in headless Chromium and screenshot it (loopback only).
 
-    python scripts/chat_page_check.py [--model DIR] [--out docs/serve_chat.png]
+    python scripts/bench/chat_page_check.py [--model DIR] [--out docs/serve_chat.png]
 
 Starts `serve` on 127.0.0.1, opens http://127.0.0.1:PORT/ in Debian's `chromium`
 (`apt-get install -y chromium`), driven over the DevTools protocol on a pipe (no Python

@@ -1,6 +1,6 @@
 """Load and shutdown check for `mlx-ternary serve`, loopback only, bounded in count and time.
 
-    python scripts/serve_load.py [--model DIR] [--idle 500] [--streams 16] [--drain-streams 8]
+    python scripts/bench/serve_load.py [--model DIR] [--idle 500] [--streams 16] [--drain-streams 8]
 
 Starts `serve` as a subprocess on 127.0.0.1, then:
 1. opens --idle connections that send nothing, runs --streams streaming clients (openai
@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # checkout
 
 
 def free_port() -> int:
