@@ -160,6 +160,7 @@ def sharded_load(
     tokenizer_config: Optional[dict] = None,
     revision: Optional[str] = None,
     return_config: bool = False,
+    activations: Optional[str] = None,
 ):
     """`mlx_ternary.load` for one rank of a tensor-parallel group.
 
@@ -183,6 +184,7 @@ def sharded_load(
         lazy=True,
         revision=revision,
         return_config=True,
+        activations=activations,
     )
     parts = checkpoint_parts(model, source, read_config(source)) if source.is_dir() else {}
     from .runtime.shard_plans import shard_model  # the per-model plans, for sharded loads only

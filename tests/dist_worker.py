@@ -63,13 +63,14 @@ def main(spec_file: str, out_dir: str) -> None:
     generate(spec["generate"], out, rank)
     for case in spec["cases"]:
         tokens = mx.array([case["tokens"]])
-        disk, peak_disk = measured(lambda: sharded_load(case["path"], group)[0])
+        acts = case.get("activations")
+        disk, peak_disk = measured(lambda: sharded_load(case["path"], group, activations=acts)[0])
         logits = {"disk": disk(tokens)}
         info = {"ternary_bytes_disk": ternary_bytes(disk), "peak_disk": peak_disk}
         del disk
 
         def in_memory():
-            model = load(case["path"], lazy=True)[0]
+            model = load(case["path"], lazy=True, activations=acts)[0]
             model.shard(group)
             return model
 

@@ -232,10 +232,8 @@ def _loss(model, tokenizer):
     return default_loss(model, ids, lengths)[0].item()
 
 
-@pytest.fixture(scope="module")
-def trained_adapter(tmp_path_factory):
+def _lm_lora(root, *extra):
     """5 steps of `mlx-ternary lm lora` on the embedded model; the adapter directory."""
-    root = tmp_path_factory.mktemp("lora")
     (root / "data").mkdir()
     for split, n in (("train", 8), ("valid", 4)):
         (root / "data" / f"{split}.jsonl").write_text(
@@ -265,10 +263,26 @@ def trained_adapter(tmp_path_factory):
             "5",
             "--adapter-path",
             str(root / "adapter"),
+            *extra,
         ],
     )
     assert result.exit_code == 0, result.output
     return root / "adapter"
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(tmp_path_factory):
+    return _lm_lora(tmp_path_factory.mktemp("lora"))
+
+
+def test_lm_lora_trains_a_dora_adapter(tmp_path, embedded):
+    adapter = _lm_lora(tmp_path, "--fine-tune-type", "dora")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["fine_tune_type"] == "dora"
+    weights = mx.load(str(adapter / "adapters.safetensors"))
+    assert sorted({k.rsplit(".", 1)[1] for k in weights}) == ["lora_a", "lora_b", "m"]
+    adapted, _ = mlx_ternary.load(EMBEDDED, adapter_path=str(adapter))
+    assert _loss(adapted, embedded[1]) < 0.7 * _loss(embedded[0], embedded[1])
 
 
 def test_lm_lora_trains_and_saves_an_adapter_in_mlx_lm_form(trained_adapter, embedded):

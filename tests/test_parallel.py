@@ -28,6 +28,7 @@ from mlx_ternary.runtime.shard import ternary_bytes
 HERE = Path(__file__).parent
 TOKENS = [0, 5, 17, 3, 99, 42, 7, 64, 11, 2, 80, 33]
 TOL = 1e-4
+ACTIVATIONS = {"embedded-q8k": "q8k"}  # the cases loaded with load(activations=...)
 LAUNCH_TIMEOUT = 180
 GENERATE = ["--prompt", "ROMEO:", "-m", "12"]  # the embedded model, greedy
 
@@ -61,6 +62,8 @@ def cases(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     dirs = {
         "embedded": EMBEDDED_MODEL,  # compact on disk, int8 activations, trained weights
+        # llama.cpp's Q8_K activations: 256-column blocks straddle the ranks' K slices
+        "embedded-q8k": EMBEDDED_MODEL,
         "llama-compact-row": ternary_checkpoint(tmp / "a", "llama", "compact", "row", None, 8)[0],
         "bitnet-fast-tensor": ternary_checkpoint(tmp / "b", "bitnet", "fast", "tensor", None, 8)[0],
         "qwen3-compact-group": ternary_checkpoint(
@@ -93,10 +96,11 @@ def cases(tmp_path_factory):
     }
     specs, single = [], {}
     for name, path in dirs.items():
-        model, _ = mlx_ternary.load(str(path))
+        acts = ACTIVATIONS.get(name)
+        model, _ = mlx_ternary.load(str(path), activations=acts)
         total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
         single[name] = (np.array(model(mx.array([TOKENS]))), ternary_bytes(model), total)
-        specs.append({"name": name, "path": str(path), "tokens": TOKENS})
+        specs.append({"name": name, "path": str(path), "tokens": TOKENS, "activations": acts})
     out = tmp / "out"
     out.mkdir()
     (tmp / "cases.json").write_text(json.dumps({"cases": specs, "generate": GENERATE}))
@@ -117,6 +121,7 @@ def cases(tmp_path_factory):
     "name",
     [
         "embedded",
+        "embedded-q8k",
         "llama-compact-row",
         "bitnet-fast-tensor",
         "qwen3-compact-group",
@@ -135,7 +140,8 @@ def test_two_ranks_give_the_single_process_logits(cases, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["embedded", "llama-compact-row", "bitnet-fast-tensor", "qwen3-compact-group"]
+    "name",
+    ["embedded", "embedded-q8k", "llama-compact-row", "bitnet-fast-tensor", "qwen3-compact-group"],
 )
 def test_per_rank_activation_absmax_changes_the_model(cases, name):
     single, results = cases
@@ -149,6 +155,7 @@ def test_per_rank_activation_absmax_changes_the_model(cases, name):
     "name",
     [
         "embedded",
+        "embedded-q8k",
         "llama-compact-row",
         "bitnet-fast-tensor",
         "qwen3-compact-group",

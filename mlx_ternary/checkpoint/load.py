@@ -222,9 +222,10 @@ def load(
         lazy=lazy,
         activations=activations,
     )
-    if adapter_path is not None:
-        from ..runtime.adapters import load_adapters
+    from ..runtime.adapters import load_adapters, route_dora  # mlx-lm's tuner: only here
 
+    route_dora()  # mlx-lm's linear_to_lora_layers(..., use_dora=True) takes TernaryLinear
+    if adapter_path is not None:
         load_adapters(model, adapter_path)
         model.eval()
     try:

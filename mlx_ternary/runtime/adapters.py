@@ -3,6 +3,7 @@
 mlx-lm's `linear_to_lora_layers` already converts TernaryLinear for LoRA through the
 layer's `to_lora` hook; it asks no hook for DoRA, so `linear_to_lora_layers` here converts
 the ternary layers itself, by mlx-lm's key rules, and leaves the rest to mlx-lm.
+`route_dora` (called by `load()`) puts it in the place of mlx-lm's own (patches.py says how).
 """
 
 from pathlib import Path
@@ -16,6 +17,7 @@ from mlx_lm.tuner import utils as tuner
 from mlx_lm.utils import dequantize_model as mlx_dequantize_model
 
 from ..errors import FormatError, TernaryError, read_json
+from . import patches
 from .layers import FusedTernaryLinear, TernaryLinear, ternary_layers
 
 ADAPTER_LEAVES = ("lora_a", "lora_b", "m")
@@ -90,6 +92,13 @@ def linear_to_lora_layers(
     used = _ternary_dora(model, num_layers, keys, config)
     rest = {**config, "keys": sorted(keys - used)}
     return mlx_linear_to_lora_layers(model, num_layers, rest, use_dora=True)
+
+
+def route_dora() -> None:
+    """For the life of the process, mlx-lm's `linear_to_lora_layers` is this module's, so
+    mlx-lm's own Python API (and its `load_adapters`, its lora trainer) wraps TernaryLinear
+    for DoRA too; models without ternary layers still go to mlx-lm's function unchanged."""
+    patches.rebind_for_life({mlx_linear_to_lora_layers: linear_to_lora_layers})
 
 
 def load_adapters(model: nn.Module, adapter_path) -> nn.Module:

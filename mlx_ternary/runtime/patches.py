@@ -9,6 +9,14 @@ Three callers use the two mechanisms below:
     so mlx-lm's own tools (`mlx-ternary lm TOOL`) load, LoRA-wrap and fuse ternary models;
   - `runtime.shard_plans`: mlx's `shard_linear` / `shard_inplace` as seen by a model's own
     `shard()` method, so mlx-lm's tensor-parallel plans shard TernaryLinear too.
+- `rebind_for_life` (for the life of the process, inert for other models):
+  - `runtime.adapters.route_dora` (called by `load()`): mlx-lm's `linear_to_lora_layers`,
+    whose DoRA branch asks no layer hook and refuses TernaryLinear, becomes
+    `adapters.linear_to_lora_layers`, which converts ternary layers to TernaryDoRALinear and
+    hands everything else (and any model without ternary layers) to mlx-lm's own. Reaches
+    mlx-lm's callers (`load_adapters`, the lora trainer) and any later
+    `from mlx_lm.tuner.utils import linear_to_lora_layers`; a name bound before the first
+    `load()` keeps mlx-lm's function.
 - `route_attention` (for the life of the process, inert for other models):
   - `runtime.cpu.attention`: mlx-lm's `scaled_dot_product_attention` in the modules of one
     model's classes, and that model's class `__call__`, so the native CPU attention runs
@@ -30,18 +38,30 @@ def mlx_lm_namespaces() -> List[dict]:
     ]
 
 
-@contextmanager
-def swapped(replacements: Dict[Callable, Callable], extra: Iterable[dict] = ()):
-    """Within the block, every name in an mlx-lm module (and in the `extra` namespaces) that
-    is bound to a key of `replacements` is bound to its value; restored on exit."""
+def _rebind(replacements: Dict[Callable, Callable], namespaces: Iterable[dict]) -> list:
+    """Bind each name bound to a key of `replacements` to its value; returns the undo list."""
     by_id = {id(old): (old, new) for old, new in replacements.items()}
     undo = []
-    for namespace in [*extra, *mlx_lm_namespaces()]:
+    for namespace in namespaces:
         for name, value in list(namespace.items()):
             old, new = by_id.get(id(value), (None, None))
             if old is value:
                 undo.append((namespace, name, value))
                 namespace[name] = new
+    return undo
+
+
+def rebind_for_life(replacements: Dict[Callable, Callable]) -> None:
+    """For the rest of the process, every name in an imported mlx-lm module bound to a key
+    of `replacements` is bound to its value (calling it again is harmless)."""
+    _rebind(replacements, mlx_lm_namespaces())
+
+
+@contextmanager
+def swapped(replacements: Dict[Callable, Callable], extra: Iterable[dict] = ()):
+    """Within the block, every name in an mlx-lm module (and in the `extra` namespaces) that
+    is bound to a key of `replacements` is bound to its value; restored on exit."""
+    undo = _rebind(replacements, [*extra, *mlx_lm_namespaces()])
     try:
         yield
     finally:

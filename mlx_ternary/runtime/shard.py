@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.nn.layers import distributed as mlx_distributed
 
 from .. import format as fmt
@@ -330,7 +331,12 @@ class ShardedToAllTernaryLinear(nn.Module):
     """
 
     def __init__(
-        self, linear: TernaryLinear, bias: Optional[mx.array], activation_bits: Optional[int], group
+        self,
+        linear: TernaryLinear,
+        bias: Optional[mx.array],
+        activation_bits: Optional[int],
+        group,
+        segments: Segments = 1,
     ):
         super().__init__()
         self.linear = linear
@@ -338,6 +344,7 @@ class ShardedToAllTernaryLinear(nn.Module):
             self.bias = bias
         self.activation_bits = activation_bits
         self.group = group
+        self.__dict__["_segments"] = segments  # not a child module: how K was cut
 
     @classmethod
     def from_parts(
@@ -348,8 +355,12 @@ class ShardedToAllTernaryLinear(nn.Module):
         group: Optional[mx.distributed.Group] = None,
     ):
         group = group or mx.distributed.init()
-        # llama.cpp's q8k blocks are local to a rank when its columns start on one
+        # llama.cpp's q8k blocks are local to a rank when its columns start on one; where the
+        # split cuts a block, the ranks gather the row and quantize it whole (_q8k_slice)
         q8k = p.activation_bits == fmt.Q8K
+        k_local = p.in_features // group.size()
+        cut = group.size() > 1 and (segments != 1 or k_local % fmt.Q8K_BLOCK != 0)
+        local_q8k = q8k and not cut
         linear, bias = _local_linear(
             p,
             "sharded-to-all",
@@ -357,28 +368,41 @@ class ShardedToAllTernaryLinear(nn.Module):
             group.rank(),
             segments,
             TernaryLinear,
-            fmt.Q8K if q8k else None,
+            fmt.Q8K if local_q8k else None,
             with_bias=False,
         )
-        cut = segments != 1 or linear.in_features % fmt.Q8K_BLOCK
-        if q8k and group.size() > 1 and cut:
-            raise TernaryError(
-                f"{p.name}: q8k activations need each rank's {linear.in_features} columns "
-                f"to be whole blocks of {fmt.Q8K_BLOCK}; load with activations='model' or "
-                "'float' to run it on this many ranks"
-            )
-        return cls(linear, bias, None if q8k else p.activation_bits, group)
+        return cls(linear, bias, None if local_q8k else p.activation_bits, group, segments)
 
     @property
     def in_features(self) -> int:
         return self.linear.in_features * self.group.size()
+
+    def _q8k_slice(self, x: mx.array) -> mx.array:
+        """This rank's columns of ggml's Q8_K of the whole row, dequantized (d * q): the
+        256-column blocks straddle the ranks' slices, so the ranks gather the row first."""
+        from . import q8k  # llama.cpp's block numerics: q8k layers only
+
+        k, world, rank = self.in_features, self.group.size(), self.group.rank()
+        cols = [
+            np.concatenate([np.arange(a, b) for a, b in rank_ranges(k, world, r, self._segments)])
+            for r in range(world)
+        ]
+        lead, kl = x.shape[:-1], x.shape[-1]
+        rows = mx.distributed.all_gather(x.reshape(1, -1, kl).astype(mx.float32), group=self.group)
+        whole = rows.transpose(1, 0, 2).reshape(-1, world * kl)  # columns in `cols` order
+        whole = whole[:, mx.array(np.argsort(np.concatenate(cols)))]
+        q, d = q8k.quantize(whole)
+        xq = (q * d[..., None]).reshape(whole.shape[0], -1)[:, mx.array(cols[rank])]
+        return xq.reshape(*lead, kl).astype(x.dtype)
 
     @property
     def out_features(self) -> int:
         return self.linear.out_features
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.activation_bits:
+        if self.activation_bits == fmt.Q8K:
+            y = mx.distributed.all_sum(self.linear(self._q8k_slice(x)), group=self.group)
+        elif self.activation_bits:
             xq, x_scale = quantize_shared(x, self.group)
             y = mx.distributed.all_sum(self.linear(xq), group=self.group) * x_scale
         else:

@@ -224,7 +224,8 @@ def test_mlx_lm_converter_takes_ternary_layers_default_and_explicit_keys():
 
 
 def test_dora_conversion_where_mlx_lm_refuses():
-    from mlx_lm.tuner.utils import linear_to_lora_layers as mlx_linear_to_lora_layers
+    # mlx-lm's own function, as held before load() routes its name (patches.py)
+    from mlx_ternary.runtime.adapters import mlx_linear_to_lora_layers
 
     with pytest.raises(ValueError, match="TernaryLinear"):
         mlx_linear_to_lora_layers(_fresh(), 4, LORA, use_dora=True)

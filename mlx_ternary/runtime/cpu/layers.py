@@ -6,9 +6,12 @@ is 524 MB where the file (and llama.cpp) holds 262 MB. With the native backend t
 float16/bfloat16 - exact, they are what the file stores - and run through the native dense
 kernel; activations stay float32:
 
-    HalfEmbedding  nn.Embedding: rows gathered then widened to float32; `as_linear` (tied
-                   output layer) is the native x @ W.T
-    HalfLinear     nn.Linear (the untied output layer, other float linears) the same way
+    HalfEmbedding  an nn.Embedding: rows gathered then widened to float32; `as_linear`
+                   (tied output layer) is the native x @ W.T
+    HalfLinear     an nn.Linear (the untied output layer, other float linears) the same way
+
+Both are subclasses of the stock classes, so mlx-lm's isinstance checks, `quantize_model`,
+LoRA/DoRA and `save_model` treat them as the layers they replace.
 
 `adopt(model, weights, dtype)` is what `load()` does on the native backend: these tables, and
 the native attention (attention.py).
@@ -25,11 +28,27 @@ from . import attention, dense_matmul
 HALF = (mx.float16, mx.bfloat16)
 
 
-class HalfEmbedding(nn.Module):
-    """An embedding table kept float16/bfloat16; lookups and `as_linear` give float32."""
+def _stock(cls, weight: mx.array, **kw) -> nn.Module:
+    """A stock `cls` (nn.Embedding / nn.Linear) holding `weight`, without a random init."""
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    m.weight = weight
+    m.update(kw)
+    return m
+
+
+class HalfEmbedding(nn.Embedding):
+    """An nn.Embedding whose table stays float16/bfloat16; lookups and `as_linear` give
+    float32 (the native dense kernel).
+
+    To mlx-lm it is an nn.Embedding: the parameter is `weight`, LoRA/DoRA wrap it, and
+    `to_quantized` (mlx-lm's quantize_model) quantizes the float32 widening of the table,
+    which is exactly what the reference backend holds, so both backends get the same
+    QuantizedEmbedding (scales in float32, the dtype activations run in).
+    """
 
     def __init__(self, num_embeddings: int, dims: int, dtype=mx.float16):
-        super().__init__()
+        nn.Module.__init__(self)
         self.weight = mx.zeros((num_embeddings, dims), dtype=dtype)  # (vocab, dims)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -38,12 +57,17 @@ class HalfEmbedding(nn.Module):
     def as_linear(self, x: mx.array) -> mx.array:
         return dense_matmul(x, self.weight)
 
+    def to_quantized(self, group_size=None, bits=None, mode="affine", quantize_input=False):
+        wide = _stock(nn.Embedding, self.weight.astype(mx.float32))
+        return wide.to_quantized(group_size, bits, mode=mode, quantize_input=quantize_input)
 
-class HalfLinear(nn.Module):
-    """A float linear layer whose weight stays float16/bfloat16 (bias in float32)."""
+
+class HalfLinear(nn.Linear):
+    """An nn.Linear whose weight stays float16/bfloat16 (bias in float32), run through the
+    native dense kernel; `to_quantized` as HalfEmbedding's (the float32 widening)."""
 
     def __init__(self, input_dims: int, output_dims: int, bias: bool, dtype=mx.float16):
-        super().__init__()
+        nn.Module.__init__(self)
         self.weight = mx.zeros((output_dims, input_dims), dtype=dtype)  # (out, in)
         if bias:
             self.bias = mx.zeros((output_dims,))
@@ -51,6 +75,11 @@ class HalfLinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         y = dense_matmul(x, self.weight)
         return y + self.bias if "bias" in self else y
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", quantize_input=False):
+        extra = {"bias": self.bias} if "bias" in self else {}
+        wide = _stock(nn.Linear, self.weight.astype(mx.float32), **extra)
+        return wide.to_quantized(group_size, bits, mode=mode, quantize_input=quantize_input)
 
 
 def keep_half_tables(model: nn.Module, weights: Dict[str, mx.array]) -> Set[str]:
