@@ -20,7 +20,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
-from .. import __version__
 from ..memory import kv_bytes, materialize
 from . import answers, endpoints, openapi
 from . import anthropic as anthropic
@@ -296,9 +295,15 @@ ROUTES = {
     ("GET", "/tokenizer_info"): endpoints.tokenizer_info,
     ("GET", "/metrics"): endpoints.metrics,
 }
-ROUTES[("GET", "/openapi.json")] = lambda h: h.send_json(
-    200, openapi.document(ROUTES, "mlx-ternary", __version__)
-)
+
+
+def _openapi(handler):
+    from .. import __version__  # the package root imports the whole library: only here
+
+    handler.send_json(200, openapi.document(ROUTES, "mlx-ternary", __version__))
+
+
+ROUTES[("GET", "/openapi.json")] = _openapi
 
 
 class Server(ThreadingHTTPServer):
