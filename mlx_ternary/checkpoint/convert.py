@@ -469,9 +469,7 @@ def convert(
 ) -> ConvertReport:
     """Convert a ternary checkpoint to the native format, stock MLX, or GGUF.
 
-    Reads the native format, Hugging Face BitNet (packed, both scale semantics, or float
-    latent), TriLM-style unpacked floats, MLX 2-bit affine ternary packs (Ternary-Bonsai,
-    prism_hadamard_qwen35 with the rotation kept) and llama.cpp GGUF TQ1_0/TQ2_0.
+    Reads every format readers.READERS lists (docs/CONVERT.md has the table).
 
     Args:
         hf_path: a local model directory, a Hugging Face repo id, or a .gguf file.
@@ -485,13 +483,11 @@ def convert(
         to_gguf: write a llama.cpp GGUF file here instead of a directory.
         gguf_type: "TQ1_0" or "TQ2_0" for the GGUF ternary tensors.
         force: replace an existing destination. revision: hub revision of a repo id.
-        group_size: column group for TriLM-style weights whose scales vary along a row.
-        activation_bits: 8 or 0 to override the source's activation quantization (e.g. a
-            float checkpoint of a BitNet-trained model whose config does not say so);
-            None keeps what the source's config says.
-        activations: what the converted checkpoint runs its ternary layers with
-            (format.ACTIVATION_MODES: "model", "q8k", "float"); None: the source's default
-            ("q8k" for llama.cpp's GGUF files, else "model").
+        group_size: column group of TriLM-style weights whose scales vary along a row.
+        activation_bits: 8 or 0 over the source's activation quantization (a float copy of
+            a BitNet-trained model whose config does not say so); None: as the config says.
+        activations: what its ternary layers run with (format.ACTIVATION_MODES); None:
+            the source's default ("q8k" for llama.cpp's GGUF files, else "model").
         max_shard_bytes: largest safetensors shard (default 5 GB).
         progress: called as (tensor name, done, total) after each tensor.
 
@@ -506,14 +502,10 @@ def convert(
     packing = check_packing(packing or DEFAULT_PACKING)
     dst = destination(mlx_path, to_gguf, force)  # before a hub download
     _check_activation_bits(activation_bits)
-    if activations is not None:
-        check_activations(activations)
-    source = open_input(
-        hf_path, "fast" if (q_bits or dequantize or to_gguf) else packing, revision, group_size
-    )
-    if activations is not None:
-        source.activations = activations
-    _set_activation_bits(source, activation_bits)
+    activations = activations and check_activations(activations)
+    read_as = "fast" if (q_bits or dequantize or to_gguf) else packing
+    source = _overridden(open_input(hf_path, read_as, revision, group_size), activation_bits)
+    source.activations = activations or source.activations
     target = Target(packing, q_bits, q_group_size, dequantize, dtype, gguf_type, max_shard_bytes)
     return _convert(with_model(source), dst, target, to_gguf is not None, force, progress)
 
@@ -526,10 +518,11 @@ def _check_activation_bits(activation_bits) -> None:
         )
 
 
-def _set_activation_bits(source: Source, activation_bits: Optional[int]) -> None:
-    """The caller's activation quantization (8 or 0) over what the source's config says."""
+def _overridden(source: Source, activation_bits: Optional[int]) -> Source:
+    """The source with the caller's activation quantization (8 or 0) over its config's."""
     if activation_bits is not None:
         source.activation_bits = activation_bits or None
         source.notes.append(
             f"activation quantization set by the caller: {'int8' if activation_bits else 'none'}"
         )
+    return source

@@ -211,8 +211,6 @@ def load(
         TernaryError: a missing directory, config or weights, an unsupported model
             type, or (FormatError) a checkpoint that does not match its config.
     """
-    from mlx_lm.utils import load_tokenizer
-
     model_path = resolve_model_path(path_or_hf_repo, revision)
     model, config = load_model(
         model_path,
@@ -228,8 +226,16 @@ def load(
     if adapter_path is not None:
         load_adapters(model, adapter_path)
         model.eval()
+    tokenizer = _tokenizer(model_path, tokenizer_config, config)
+    return (model, tokenizer, config) if return_config else (model, tokenizer)
+
+
+def _tokenizer(model_path: Path, tokenizer_config: Optional[dict], config: dict):
+    """mlx-lm's TokenizerWrapper for the model directory, or a FormatError naming it."""
+    from mlx_lm.utils import load_tokenizer
+
     try:
-        tokenizer = load_tokenizer(
+        return load_tokenizer(
             model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
         )
     except Exception as e:  # transformers and tokenizers raise bare Exception on a bad file
@@ -238,4 +244,3 @@ def load(
             "the directory needs a valid tokenizer.json or tokenizer.model with "
             "tokenizer_config.json"
         ) from None
-    return (model, tokenizer, config) if return_config else (model, tokenizer)

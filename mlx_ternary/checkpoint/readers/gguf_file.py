@@ -168,48 +168,56 @@ class GGUFFile:
         for _ in range(n_kv):
             key = cur.string()
             self.fields[key] = cur.value(cur.take("<I"))
-        infos = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = cur.take("<I")
-            if not 1 <= n_dims <= MAX_DIMS:
-                raise FormatError(
-                    f"{self.path}: tensor {name} has {n_dims} dimensions; GGUF tensors have "
-                    f"1 to {MAX_DIMS}: the file is corrupt"
-                )
-            dims = [cur.take("<Q") for _ in range(n_dims)]
-            if 0 in dims:
-                raise FormatError(f"{self.path}: tensor {name} has a zero dimension {dims}")
-            type_id, offset = cur.take("<IQ")
-            infos.append((name, tuple(reversed(dims)), type_id, offset))
-        align = self.fields.get("general.alignment", 32)
-        if (
-            not isinstance(align, int)
-            or isinstance(align, bool)
-            or align <= 0
-            or align & (align - 1)
-        ):
-            raise FormatError(f"{self.path}: general.alignment {align} is not a power of two")
+        infos = [self._tensor_entry(cur) for _ in range(n_tensors)]
+        align = self._alignment()
         start = -(-cur.pos // align) * align
-        self.tensors: List[TensorInfo] = []
-        for name, shape, type_id, offset in infos:
-            info = TensorInfo(name, shape, type_id, start + offset, _nbytes(type_id, shape))
-            if info.nbytes == -1:
-                raise FormatError(
-                    f"{self.path}: tensor {name} ({info.type_name}, shape {shape}) has rows "
-                    "that are not whole quantization blocks: the file is corrupt"
-                )
-            if offset % align:
-                raise FormatError(
-                    f"{self.path}: tensor {name} starts at offset {offset}, not a multiple "
-                    f"of general.alignment {align}: the file is corrupt"
-                )
-            if info.nbytes is not None and info.offset + info.nbytes > len(self._map):
-                raise FormatError(
-                    f"{self.path}: truncated GGUF file: tensor {name} needs bytes up to "
-                    f"{info.offset + info.nbytes}, the file has {len(self._map)}; re-download it"
-                )
-            self.tensors.append(info)
+        self.tensors: List[TensorInfo] = [
+            self._checked(name, shape, type_id, offset, start, align)
+            for name, shape, type_id, offset in infos
+        ]
+
+    def _tensor_entry(self, cur: "_Cursor") -> tuple:
+        """(name, shape, type id, offset) of the next entry of the tensor table."""
+        name = cur.string()
+        n_dims = cur.take("<I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise FormatError(
+                f"{self.path}: tensor {name} has {n_dims} dimensions; GGUF tensors have "
+                f"1 to {MAX_DIMS}: the file is corrupt"
+            )
+        dims = [cur.take("<Q") for _ in range(n_dims)]
+        if 0 in dims:
+            raise FormatError(f"{self.path}: tensor {name} has a zero dimension {dims}")
+        type_id, offset = cur.take("<IQ")
+        return name, tuple(reversed(dims)), type_id, offset
+
+    def _alignment(self) -> int:
+        align = self.fields.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0:
+            raise FormatError(f"{self.path}: general.alignment {align} is not a power of two")
+        if align & (align - 1):
+            raise FormatError(f"{self.path}: general.alignment {align} is not a power of two")
+        return align
+
+    def _checked(self, name, shape, type_id, offset, start, align) -> "TensorInfo":
+        """The tensor's TensorInfo, refused when its blocks, offset or bytes do not fit."""
+        info = TensorInfo(name, shape, type_id, start + offset, _nbytes(type_id, shape))
+        if info.nbytes == -1:
+            raise FormatError(
+                f"{self.path}: tensor {name} ({info.type_name}, shape {shape}) has rows "
+                "that are not whole quantization blocks: the file is corrupt"
+            )
+        if offset % align:
+            raise FormatError(
+                f"{self.path}: tensor {name} starts at offset {offset}, not a multiple "
+                f"of general.alignment {align}: the file is corrupt"
+            )
+        if info.nbytes is not None and info.offset + info.nbytes > len(self._map):
+            raise FormatError(
+                f"{self.path}: truncated GGUF file: tensor {name} needs bytes up to "
+                f"{info.offset + info.nbytes}, the file has {len(self._map)}; re-download it"
+            )
+        return info
 
     def field(self, key: str, default=None):
         return self.fields.get(key, default)
