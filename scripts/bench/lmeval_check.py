@@ -1,9 +1,9 @@
 """lm-eval's `local-completions` against `serve` equals the model's own answers and scores.
 
-    python scripts/bench/lmeval_check.py [--lm-eval-python /work/lmeval-venv/bin/python]
+    python scripts/bench/lmeval_check.py [--lm-eval-python LMEVAL_VENV/bin/python]
 
-lm-eval lives in a separate venv (`python -m venv /work/lmeval-venv &&
-/work/lmeval-venv/bin/pip install "lm-eval[api]" transformers`), never the project's. This script
+lm-eval lives in a separate venv (`python -m venv LMEVAL_VENV &&
+LMEVAL_VENV/bin/pip install "lm-eval[api]" transformers`), never the project's. This script
 (run with the project's Python) computes the references with the embedded model itself —
 greedy continuations (mlx-lm's generator, `tokenizer.decode`, cut at the stop string) and
 continuation log-likelihoods (one forward pass, log-softmax, lm-eval's context/continuation
@@ -146,7 +146,11 @@ def compare(samples, gen, ll):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lm-eval-python", default="/work/lmeval-venv/bin/python")
+    ap.add_argument(
+        "--lm-eval-python",
+        default=os.environ.get("LMEVAL_PYTHON", "lmeval-venv/bin/python"),
+        help="the Python of lm-eval's own venv (default: $LMEVAL_PYTHON, else lmeval-venv/)",
+    )
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
     args.model = os.path.join(ROOT, "mlx_ternary", "assets", "tiny-shakespeare")
