@@ -41,6 +41,7 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 AFFINE_GROUP_SIZES = (32, 64, 128)
 KV_BITS = AFFINE_BITS
 KV_GROUP_SIZES = AFFINE_GROUP_SIZES
+KV_GROUP_SIZE = 64  # the default, as mlx-lm's
 # The integer code of each packing, the one table both kernel families read: the Metal
 # kernels' PACKING template constant and the native CPU backend's `Packing` enum
 # (runtime/cpu/csrc/tkernels.h).

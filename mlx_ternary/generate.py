@@ -5,6 +5,8 @@ from typing import Iterator, List, Optional
 
 import mlx.core as mx
 
+from .format import KV_GROUP_SIZE
+
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-shakespeare"
 
 
@@ -36,7 +38,7 @@ def stream(
     ignore_chat_template: bool = False,
     max_kv_size: Optional[int] = None,
     kv_bits: Optional[int] = None,
-    kv_group_size: int = 64,
+    kv_group_size: int = KV_GROUP_SIZE,
     prefill_step_size: int = 2048,
 ) -> Iterator:
     """Yield mlx-lm GenerationResponse objects (text segment, token, speeds, peak memory)."""

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .format import KV_GROUP_SIZE
 from .runtime.cpu.layers import HalfEmbedding, HalfLinear
 from .runtime.layers import TernaryLinear, ternary_layers
 
@@ -25,7 +26,6 @@ GiB = 1024**3
 # (measured: 0.35 GiB peak RSS serving the tiny model on Linux; docs/SERVE.md).
 FRAMEWORK_OVERHEAD = 512 * 1024**2
 KV_STEP = 256  # mlx-lm's KV caches grow in steps of 256 tokens
-KV_GROUP_SIZE = 64
 ACTIVATION_MARGIN = 1.1  # allocator rounding and small temporaries the count leaves out
 # The command-line options that change each part of the plan (named in the advice).
 PLAN_FLAGS = {

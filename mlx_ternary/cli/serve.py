@@ -5,6 +5,7 @@ from functools import partial
 import click
 
 from ..errors import TernaryError
+from ..format import KV_GROUP_SIZE
 from .common import (
     KV_BITS_TYPE,
     KV_GROUP_SIZE_TYPE,
@@ -69,7 +70,7 @@ Examples:
 )
 @click.option(
     "--kv-group-size",
-    default=64,
+    default=KV_GROUP_SIZE,
     show_default=True,
     type=KV_GROUP_SIZE_TYPE,
     help="Group size of --kv-bits.",

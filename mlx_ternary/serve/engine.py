@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from ..format import KV_GROUP_SIZE
 from .kv_quant import make_cache
 from .prompt_cache import PromptCache
 from .text import TextStream
@@ -115,7 +116,7 @@ class Engine:
         max_concurrency: int = 8,
         prefill_step_size: int = 512,
         kv_bits: Optional[int] = None,
-        kv_group_size: int = 64,
+        kv_group_size: int = KV_GROUP_SIZE,
         prompt_cache_bytes: int = 0,
         grammars=None,
     ):

@@ -8,7 +8,7 @@ extend, extract) over the same triples. Both carry `bits` and `group_size`, whic
 makes mlx-lm's attention take its quantized path.
 """
 
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -226,7 +226,7 @@ class BatchQuantizedKV(_BaseCache):
         return batch
 
 
-def make_cache(model, kv_bits=None, kv_group_size: int = 64) -> list:
+def make_cache(model, kv_bits: Optional[int], kv_group_size: int) -> list:
     """One sequence's cache: mlx-lm's own, or `QuantizedKV` per layer when `kv_bits`."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 

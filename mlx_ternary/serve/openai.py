@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from ..format import KV_GROUP_SIZE
 from .engine import Job
 
 MAX_TOP_LOGPROBS = 20
@@ -62,7 +63,7 @@ class ServeConfig:
     max_concurrency: int = 8
     max_queue: int = 64
     kv_bits: Optional[int] = None
-    kv_group_size: int = 64
+    kv_group_size: int = KV_GROUP_SIZE
     prompt_cache_bytes: Optional[int] = None  # None: as much as the live KV cache's plan
     aliases: List[str] = field(default_factory=list)  # --served-model-name
     api_key: Optional[str] = None  # required on every path but /health when set

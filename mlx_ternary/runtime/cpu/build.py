@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import List
 
 from ... import paths
-from ...paths import cache_dir as kind_dir
 from ...paths import digest, locked, publish
 
 CSRC = Path(__file__).parent / "csrc"
@@ -50,7 +49,7 @@ class NativeBuildError(RuntimeError):
 
 def cache_dir() -> Path:
     """Where the built extension lives (paths.CACHE_ENV["native"] moves it)."""
-    return kind_dir("native")
+    return paths.cache_dir("native")
 
 
 def compiler() -> str:
