@@ -345,7 +345,16 @@ def _convert(
 
 
 def peak_rss() -> int:
-    """This process's peak resident set size in bytes (0 where the OS does not say)."""
+    """This process's peak resident set size in bytes (0 where the OS does not say).
+
+    Linux: VmHWM, the high-water mark of this program's own address space (ru_maxrss
+    would also count the process it was forked from, carried across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:  # not POSIX

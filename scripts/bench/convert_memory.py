@@ -2,7 +2,12 @@
 
     python scripts/bench/bonsai_memory.py --shape 8b --layers 2 --out /tmp/bonsai-8b-2l
     python scripts/bench/convert_memory.py /tmp/bonsai-8b-2l --out /tmp/bonsai-8b-2l-native
-    python scripts/bench/convert_memory.py model.gguf --gguf-cache   # load-time conversion
+    python scripts/bench/bonsai_memory.py --shape 27b-head --layers 1 --out /tmp/b27 --write-only
+    python scripts/bench/convert_memory.py /tmp/b27
+    python -c "import sys; sys.path.insert(0, 'scripts/bench'); import bench_llamacpp as b; \
+        from pathlib import Path; b.write_gguf(Path('/tmp/tq2.gguf'), dict(b.SHAPE, layers=1, \
+        hidden=4096, intermediate=12288, vocab=151936, heads=32, kv_heads=8))"
+    python scripts/bench/convert_memory.py /tmp/tq2.gguf --gguf-cache   # load-time conversion
 
 Runs the conversion in a fresh subprocess (the CLI's `convert`, or with --gguf-cache the
 load-time GGUF conversion into a scratch cache) and reads the child's peak resident set

@@ -9,7 +9,6 @@ The full-size figures (8B head, 27B head) come from scripts/bench/convert_memory
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -27,20 +26,21 @@ _KIB = 1 if sys.platform == "darwin" else 1024
 IMPORTS = "import mlx.core, mlx_lm.models.qwen3, mlx_ternary.cli, mlx_ternary.checkpoint.convert"
 
 
-def write_pack(out, seed=0):
-    """An MLX 2-bit g128 pack of a one-layer Qwen3: codes t + 1, biases = -scales."""
+def write_pack(out, seed=0, vocab=VOCAB, hidden=HIDDEN, change=None):
+    """An MLX 2-bit g128 pack of a one-layer Qwen3: codes t + 1, biases = -scales.
+    `change`: (tensor name, row, word) whose 2-bit fields are all set to 0 or 1."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
 
     cfg = dict(
         model_type="qwen3",
-        hidden_size=HIDDEN,
+        hidden_size=hidden,
         intermediate_size=1024,
         num_hidden_layers=1,
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         rms_norm_eps=1e-6,
         rope_theta=1e6,
         max_position_embeddings=4096,
@@ -59,7 +59,10 @@ def write_pack(out, seed=0):
         t = rng.integers(-1, 2, (n, k), dtype=np.int8)
         scales = rng.uniform(0.01, 0.1, (n, k // GROUP)).astype(np.float16)
         path = name.rpartition(".")[0]
-        writer.add(f"{path}.weight", mx.array(fmt.pack_fast(t)))  # MLX's 2-bit codes t + 1
+        codes = fmt.pack_fast(t)  # MLX's 2-bit codes t + 1
+        if change and change[0] == f"{path}.weight":
+            codes[change[1], change[2]] &= np.uint32(0x55555555)  # still ternary
+        writer.add(f"{path}.weight", mx.array(codes))
         writer.add(f"{path}.scales", mx.array(scales))
         writer.add(f"{path}.biases", mx.array(-scales))
     writer.close()
@@ -67,15 +70,26 @@ def write_pack(out, seed=0):
     return out
 
 
+# The measured process is started by a small intermediate Python: a child's ru_maxrss
+# also counts the memory of the process it was forked from (Linux carries the old address
+# space's high-water mark across exec), and pytest's own is large.
+SPAWN = (
+    "import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:]); "
+    "_, s, u = os.wait4(p.pid, 0); print(u.ru_maxrss, os.waitstatus_to_exitcode(s))"
+)
+
+
 def peak_rss(args) -> int:
     """Peak resident bytes of `python args...`, from the OS."""
-    proc = subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, out.decode()[-2000:]
-    return usage.ru_maxrss * _KIB
+    out = subprocess.run(
+        [sys.executable, "-c", SPAWN, sys.executable, *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    peak, code = out.split()[-2:]
+    assert code == "0", out[-2000:]
+    return int(peak) * _KIB
 
 
 def largest(path) -> int:
@@ -106,3 +120,62 @@ def test_negative_control_a_float_copy_of_the_head_is_seen(pack, tmp_path):
     peak = convert_peak(pack, tmp_path / "float", "--dequantize")
     # -d writes the head as (32000, 2048) float16: the measure must see it resident.
     assert peak - base > 2 * largest(pack) + FIXED, (peak, base)
+
+
+# --------------------------------------------------------------------------- #
+# The row blocks change memory, never bytes
+# --------------------------------------------------------------------------- #
+
+
+def _files(out):
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def _convert_with_blocks(src, out, block_weights, monkeypatch, **kw):
+    from mlx_ternary.checkpoint.convert import convert
+
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "BLOCK_WEIGHTS", block_weights)
+        convert(str(src), out, **kw)
+    return _files(out)
+
+
+SMALL = dict(vocab=512, hidden=256)
+
+
+@pytest.mark.parametrize("packing", ["compact", "fast"])
+def test_bonsai_pack_converts_to_the_independent_numpy_packing(tmp_path, monkeypatch, packing):
+    """Rows cut into blocks of one row or left whole: the same files, and the trits
+    written are the pack's 2-bit codes minus one, decoded here with plain shifts."""
+    from mlx_ternary.checkpoint.readers.common import read_tensor
+
+    src = write_pack(tmp_path / "pack", seed=1, **SMALL)
+    one_row = _convert_with_blocks(src, tmp_path / "a", 1, monkeypatch, packing=packing)
+    whole = _convert_with_blocks(src, tmp_path / "b", 1 << 30, monkeypatch, packing=packing)
+    assert one_row == whole
+    idx = tensor_index(sorted(src.glob("*.safetensors")))
+    got = tensor_index(sorted((tmp_path / "a").glob("*.safetensors")))
+    for name in ("lm_head", "model.layers.0.mlp.down_proj"):
+        codes = np.array(read_tensor(f"{name}.weight", idx[f"{name}.weight"]))
+        n = codes.shape[0]
+        want = ((codes[:, :, None] >> (2 * np.arange(16, dtype=np.uint32))) & 3).reshape(n, -1)
+        packed = np.array(read_tensor(f"{name}.packed", got[f"{name}.packed"]))
+        trits = fmt.unpack(packed, packing, want.shape[1], GROUP)
+        assert np.array_equal(trits.astype(np.int16), want.astype(np.int16) - 1)
+        scales = np.array(read_tensor(f"{name}.scales", got[f"{name}.scales"]))
+        assert np.array_equal(
+            scales, np.array(read_tensor(f"{name}.scales", idx[f"{name}.scales"]))
+        )
+    # Negative control: one word of codes changed (still ternary) changes the output.
+    changed = write_pack(tmp_path / "changed", seed=1, change=("lm_head.weight", 7, 3), **SMALL)
+    other = _convert_with_blocks(changed, tmp_path / "c", 1, monkeypatch, packing=packing)
+    assert other != one_row
+
+
+def test_gguf_converts_to_the_same_bytes_whatever_the_row_blocks(tmp_path, monkeypatch):
+    from gguf_build import write as write_gguf
+
+    path, _, _ = write_gguf(tmp_path / "m.gguf", "llama", ternary=("TQ2_0", "TQ1_0"))
+    one_row = _convert_with_blocks(path, tmp_path / "a", 1, monkeypatch)
+    whole = _convert_with_blocks(path, tmp_path / "b", 1 << 30, monkeypatch)
+    assert one_row == whole
