@@ -67,6 +67,10 @@ CODES_PER_WORD = 16
 FAST_K_ALIGN = 32
 ROW_ALIGN_BYTES = 4
 _POW3 = np.array([81, 27, 9, 3, 1], dtype=np.uint32)
+# Weights handled per step by the row-blocked numpy paths (pack, unpack, checks, round-trip
+# errors): their temporaries stay a few times 4 MiB whatever the tensor's size, so
+# converting a 151936 x 4096 head holds its packed bytes, never an (N, K) float copy.
+BLOCK_WEIGHTS = 1 << 20
 
 
 def check_packing(packing: str, what: str = "packing") -> str:
@@ -172,15 +176,27 @@ def scale_kind(scales_shape_: tuple, out_features: int) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def check_trits(t: np.ndarray, name: str = "tensor") -> np.ndarray:
+def row_blocks(rows: int, cols: int):
+    """Slices of rows holding about BLOCK_WEIGHTS weights each (at least one row)."""
+    step = max(1, BLOCK_WEIGHTS // max(cols, 1))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def check_trits(t: np.ndarray, name: str = "tensor", first_row: int = 0) -> np.ndarray:
+    """`t` as int8 trits (no copy when it is int8), or a FormatError naming the first
+    value that is not a trit (its row counted from `first_row`)."""
     t = np.asarray(t)
     if t.ndim != 2:
         raise FormatError(f"{name}: expected a 2-D weight, got shape {t.shape}")
-    bad = (t != -1) & (t != 0) & (t != 1)
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise FormatError(f"{name}: value {t[idx]} at {idx} is not a trit in {{-1, 0, +1}}")
-    return t.astype(np.int8)
+    for rows in row_blocks(*t.shape):
+        block = t[rows]
+        bad = (block != -1) & (block != 0) & (block != 1)
+        if bad.any():
+            i, j = (int(x) for x in np.argwhere(bad)[0])
+            value = block[i, j]
+            idx = (i + rows.start + first_row, j)
+            raise FormatError(f"{name}: value {value} at {idx} is not a trit in {{-1, 0, +1}}")
+    return t if t.dtype == np.int8 else t.astype(np.int8)
 
 
 def _blocks(t: np.ndarray, group_size: Optional[int], pad_value: int) -> np.ndarray:
@@ -248,18 +264,38 @@ def unpack_fast(packed: np.ndarray, in_features: int) -> np.ndarray:
     return codes.reshape(n, -1)[:, :in_features].astype(np.int8) - 1
 
 
+def pack_rows(
+    trits_of, rows: int, cols: int, packing: str, group_size: Optional[int] = None
+) -> np.ndarray:
+    """The packed (rows, ...) array of trits handed over a block of rows at a time:
+    `trits_of(row slice)` -> int8 trits of those rows. Both layouts pack each row on its
+    own, so the bytes are those of packing the whole matrix at once."""
+    compact = check_packing(packing) == "compact"
+    out = np.empty(packed_shape(packing, rows, cols, group_size), packed_dtype(packing))
+    for r in row_blocks(rows, cols):
+        t = trits_of(r)
+        out[r] = pack_compact(t, group_size) if compact else pack_fast(t)
+    return out
+
+
 def pack(t: np.ndarray, packing: str, group_size: Optional[int] = None) -> np.ndarray:
-    if check_packing(packing) == "compact":
-        return pack_compact(t, group_size)
-    return pack_fast(t)
+    t = np.asarray(t, dtype=np.int8)
+    return pack_rows(lambda r: t[r], *t.shape, packing, group_size)
 
 
 def unpack(
     packed: np.ndarray, packing: str, in_features: int, group_size: Optional[int] = None
 ) -> np.ndarray:
-    if check_packing(packing) == "compact":
-        return unpack_compact(packed, in_features, group_size)
-    return unpack_fast(packed, in_features)
+    compact = check_packing(packing) == "compact"
+    out = np.empty((packed.shape[0], in_features), np.int8)
+    for r in row_blocks(packed.shape[0], in_features):
+        block = packed[r]
+        out[r] = (
+            unpack_compact(block, in_features, group_size)
+            if compact
+            else unpack_fast(block, in_features)
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -340,6 +376,25 @@ def expand_scales(scales, in_features: int, group_size: Optional[int]):
 # --------------------------------------------------------------------------- #
 
 
+def _fitted_scales(scales, n: int, k: int, group_size: Optional[int], name: str):
+    """(scales as (1, 1) | (n, 1) | (n, groups), the group size they imply) for an (n, k)
+    weight, or a FormatError when their shape fits none."""
+    scales = np.asarray(scales)
+    if scales.ndim == 0:
+        scales = scales.reshape(1, 1)
+    elif scales.ndim == 1:
+        scales = scales.reshape(-1, 1)
+    kind = scale_kind(scales.shape, n)
+    gs = group_size if kind == "group" else None
+    want = scales_shape(kind, n, k, gs)
+    if scales.shape != want:
+        raise FormatError(
+            f"{name}: scales of shape {scales.shape} do not fit a ({n}, {k}) weight "
+            f"with {kind} scales (expected {want})"
+        )
+    return scales, gs
+
+
 @dataclass
 class PackedTernary:
     """One ternary weight in the native layout.
@@ -368,20 +423,28 @@ class PackedTernary:
     ) -> "PackedTernary":
         t = check_trits(t, name)
         n, k = t.shape
-        scales = np.asarray(scales)
-        if scales.ndim == 0:
-            scales = scales.reshape(1, 1)
-        elif scales.ndim == 1:
-            scales = scales.reshape(-1, 1)
-        kind = scale_kind(scales.shape, n)
-        gs = group_size if kind == "group" else None
-        want = scales_shape(kind, n, k, gs)
-        if scales.shape != want:
-            raise FormatError(
-                f"{name}: scales of shape {scales.shape} do not fit a ({n}, {k}) weight "
-                f"with {kind} scales (expected {want})"
-            )
+        scales, gs = _fitted_scales(scales, n, k, group_size, name)
         return cls(packing, pack(t, packing, gs), scales, n, k, gs)
+
+    @classmethod
+    def from_trit_rows(
+        cls,
+        trits_of,
+        rows: int,
+        cols: int,
+        scales: np.ndarray,
+        packing: str = "compact",
+        group_size: Optional[int] = None,
+        name: str = "tensor",
+    ) -> "PackedTernary":
+        """As from_trits, the trits handed over a block of rows at a time (`trits_of(row
+        slice)` -> those rows' trits), so no (rows, cols) array is ever held."""
+        scales, gs = _fitted_scales(scales, rows, cols, group_size, name)
+
+        def checked(r: slice) -> np.ndarray:
+            return check_trits(trits_of(r), name, r.start)
+
+        return cls(packing, pack_rows(checked, rows, cols, packing, gs), scales, rows, cols, gs)
 
     @property
     def scale(self) -> str:
@@ -389,6 +452,22 @@ class PackedTernary:
 
     def trits(self) -> np.ndarray:
         return unpack(to_numpy(self.packed), self.packing, self.in_features, self.group_size)
+
+    def rows(self, r: slice) -> "PackedTernary":
+        """Rows `r` (a slice with a stop) as a PackedTernary of their own: views, no copy."""
+        scales = self.scales[r] if self.scales.shape[0] > 1 else self.scales
+        n = len(range(*r.indices(self.out_features)))
+        return PackedTernary(
+            self.packing, self.packed[r], scales, n, self.in_features, self.group_size
+        )
+
+    def max_difference(self, other: "PackedTernary") -> float:
+        """max |self - other| over every weight (float32), a block of rows at a time."""
+        err = 0.0
+        for r in row_blocks(self.out_features, self.in_features):
+            a, b = self.rows(r).dequantize(np.float32), other.rows(r).dequantize(np.float32)
+            err = max(err, float(np.abs(a - b).max(initial=0.0)))
+        return err
 
     def dequantize(self, dtype=np.float32) -> np.ndarray:
         s = expand_scales(
@@ -401,7 +480,13 @@ class PackedTernary:
             return self
         return PackedTernary(
             packing,
-            pack(self.trits(), packing, self.group_size),
+            pack_rows(
+                lambda r: self.rows(r).trits(),
+                self.out_features,
+                self.in_features,
+                packing,
+                self.group_size,
+            ),
             self.scales,
             self.out_features,
             self.in_features,

@@ -105,6 +105,11 @@ def _max_err(a, b) -> float:
     return float(np.abs(a - b).max(initial=0.0))
 
 
+def _storable(a):
+    """What gets written: float64 numpy scales as float32, as MLX would hold them."""
+    return a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype == np.float64 else a
+
+
 def _float(arr: mx.array, dtype) -> mx.array:
     if dtype is not None and mx.issubdtype(arr.dtype, mx.floating):
         return arr.astype(dtype)
@@ -123,9 +128,12 @@ def _ternary_tensors(
     dequantize,
     dtype,
 ):
-    """The tensors one ternary layer becomes, with its round-trip error recorded."""
-    ref = item.dequantize(np.float32)
+    """The tensors one ternary layer becomes, with its round-trip error recorded.
+
+    The native target is repacked and checked a block of rows at a time (no float copy of
+    the layer); the affine and float targets compare against the layer's float values."""
     if q_bits or dequantize:
+        ref = item.dequantize(np.float32)
         tensors = (
             affine_writer.affine_tensors(name, item, q_bits, q_group_size, dtype)
             if q_bits
@@ -136,17 +144,17 @@ def _ternary_tensors(
             if q_bits
             else tensors[0][1]
         )
-        back = np.array(back.astype(mx.float32))
+        err = _max_err(np.array(back.astype(mx.float32)), ref)
         kind = f"affine {q_bits}-bit g{q_group_size}" if q_bits else "float"
     else:
         pt = item.repack(packing)
-        tensors = [(f"{name}.packed", _mx(pt.packed)), (f"{name}.scales", _mx(pt.scales))]
-        back = pt.dequantize(np.float32)
+        tensors = [(f"{name}.packed", pt.packed), (f"{name}.scales", _storable(pt.scales))]
+        err = pt.max_difference(item)
         kind = f"ternary {pt.packing} {pt.scale}"
         written.setdefault("groups", set()).add(pt.group_size)
         report.ternary_bytes += pt.nbytes
     report.ternary_weights += item.out_features * item.in_features
-    report.tensors.append(TensorReport(name, kind, _max_err(back, ref), getattr(item, "note", "")))
+    report.tensors.append(TensorReport(name, kind, err, getattr(item, "note", "")))
     return tensors
 
 
@@ -212,6 +220,8 @@ def _write_tensors(
             report.tensors.append(TensorReport(name, str(arr.dtype).split(".")[-1], err))
         for n, t in tensors:
             writer.add(n, t)
+        del item, tensors  # before the next item is read: one tensor's bytes at a time
+        mx.clear_cache()  # MLX keeps freed buffers for reuse; they would stay resident
         done += 1
         if progress:
             progress(name, done, source.count)
@@ -236,10 +246,6 @@ def _quantization(source: Source, packing: str, written: dict) -> QuantizationCo
         activations=source.activations,
         layers=written.get("affine", {}),
     )
-
-
-def _mx(a) -> mx.array:
-    return a if isinstance(a, mx.array) else mx.array(a)
 
 
 def _copy_tokenizer(source: Source, out: Path) -> None:
@@ -339,7 +345,16 @@ def _convert(
 
 
 def peak_rss() -> int:
-    """This process's peak resident set size in bytes (0 where the OS does not say)."""
+    """This process's peak resident set size in bytes (0 where the OS does not say).
+
+    Linux: VmHWM, the high-water mark of this program's own address space (ru_maxrss
+    would also count the process it was forked from, carried across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:  # not POSIX

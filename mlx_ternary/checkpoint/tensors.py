@@ -23,6 +23,10 @@ SAFETENSORS_DTYPES = {
 
 # MLX dtype -> the safetensors name it is written as
 SAFETENSORS_NAMES = {m: name for name, (_, m) in SAFETENSORS_DTYPES.items()}
+# numpy dtype -> the safetensors name (numpy has no bfloat16: uint16 is U16)
+SAFETENSORS_NUMPY_NAMES = {
+    np.dtype(n): name for name, (n, _) in SAFETENSORS_DTYPES.items() if name != "BF16"
+}
 
 
 def shard_name(i: int, n: int) -> str:

@@ -6,6 +6,11 @@ prompt (prompt_cache.py), computes prompt-token logprobs when a job asks for `ec
 inserts the rest of the prompt into the running batch (continuous batching, chunked
 prefill). A finished sequence's KV cache goes back into the prompt cache.
 
+A round that raises (admitting, stepping, emitting) fails the requests of its batch with
+an "error" event and starts over with an empty batch and empty caches; the requests still
+queued, and every later one, are served as usual. Only MAX_FAILED_TURNS failed rounds in a
+row (a broken engine, not one bad step) stop it: `healthy` turns False, the server 503s.
+
 Events on `Job.events`: ("prompt_logprobs", [record]), ("text", str, [record]),
 ("done", finish_reason, completion_tokens), ("error", message). A record is one token's
 {"id", "logprob", "top": [(id, logprob)]}.
@@ -20,6 +25,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from ..errors import TernaryError
 from ..format import KV_GROUP_SIZE
 from .kv_quant import make_cache
 from .prompt_cache import PromptCache
@@ -27,6 +33,7 @@ from .text import TextStream
 
 log = logging.getLogger("mlx_ternary.serve.http")
 POLL_S = 0.2
+MAX_FAILED_TURNS = 3  # rounds failing in a row before the engine stops (health: 503)
 MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the request made impossible
 
 
@@ -180,23 +187,43 @@ class Engine:
         try:
             stream = mx.default_stream(mx.default_device())
             gen = self._new_generator(stream)
+            failures = 0  # turns failed in a row
             while not self._stop.is_set():
-                self._admit(gen, block=not self.active)
-                self._drop_cancelled(gen)
-                if not self.active:
+                failure = self._turn(gen)
+                if failure is None:
+                    failures = 0
                     continue
-                try:
-                    self._step(gen)
-                except Exception as e:  # a failed step fails its batch, not the server
-                    log.exception("generation step failed")
-                    self._fail_all(f"generation failed ({type(e).__name__})")
-                    del gen
-                    mx.clear_cache()
-                    gen = self._new_generator(stream)
+                failures += 1
+                if failures >= MAX_FAILED_TURNS:
+                    raise TernaryError(f"{failures} generation steps failed in a row ({failure})")
+                gen = self._gen = None  # the failed batch and its KV caches go now
+                gen = self._reset(stream, failure)
         except Exception as e:
             log.exception("engine thread died")
             self.failed = f"{type(e).__name__}: {e}"
             self._fail_all("the generation engine stopped")
+
+    def _turn(self, gen) -> Optional[str]:
+        """One round: admit, drop the cancelled, step the batch. None when it went well,
+        else what failed: a failed round fails its batch, not the server."""
+        try:
+            self._admit(gen, block=not self.active)
+            self._drop_cancelled(gen)
+            if self.active:
+                self._step(gen)
+        except Exception as e:
+            log.exception("generation step failed")
+            return f"generation failed ({type(e).__name__})"  # the details go to the log
+        return None
+
+    def _reset(self, stream, failure: str):
+        """After a failed round: every request of the batch gets the error (in its API's
+        shape, from the handlers), the prompt cache and MLX's buffer cache are emptied, and
+        a new, empty batch generator takes the next requests."""
+        self._fail_all(f"{failure}; the request was not completed, retry it")
+        self.prompt_cache.clear()
+        mx.clear_cache()
+        return self._new_generator(stream)
 
     def _fail_all(self, message: str):
         for job in self.active.values():
@@ -217,13 +244,16 @@ class Engine:
             except queue.Empty:
                 return
             block = False
-            if job.cancelled.is_set():
-                continue
-            try:
-                self._insert(gen, job)
-            except Exception as e:  # one bad job (a grammar, a prompt) fails alone
-                log.exception("admitting a request failed")
-                job.events.put(("error", f"the request could not start ({type(e).__name__})"))
+            if not job.cancelled.is_set():
+                self._start(gen, job)
+
+    def _start(self, gen, job: Job):
+        """Insert one job; one that cannot start (a grammar, a prompt) fails alone."""
+        try:
+            self._insert(gen, job)
+        except Exception as e:
+            log.exception("admitting a request failed")
+            job.events.put(("error", f"the request could not start ({type(e).__name__})"))
 
     def _insert(self, gen, job: Job):
         from mlx_lm.sample_utils import make_logits_processors

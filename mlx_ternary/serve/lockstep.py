@@ -17,13 +17,20 @@ class LockstepEngine(Engine):
     Each round rank 0 (the HTTP server's engine) decides what to admit and what to cancel
     and sends it to the others as JSON; every rank then inserts, removes and steps alike,
     so the collectives inside the model meet. The other ranks' jobs are never read.
-    A step that fails on one rank only leaves the group out of step: restart it.
+
+    A failed round is recovered as on one rank (Engine._reset): every rank fails its
+    batch, empties its caches and starts a new generator, so a fault every rank meets at
+    the same step (they run the same shapes) leaves the group in step, and rank 0 answers
+    the failed requests with an error. A fault on one rank alone leaves the others inside
+    a collective that rank no longer joins: the group is out of step; restart it.
     """
 
     def __init__(self, model, tokenizer, *args, group, **kwargs):
         super().__init__(model, tokenizer, *args, **kwargs)
         self.group, self.leader = group, group.rank() == 0
-        mx.random.seed(agree_seed(None, group))  # unseeded sampling draws alike everywhere
+        seed = agree_seed(None, group)  # None on a group of one: nothing to agree on
+        if seed is not None:
+            mx.random.seed(seed)  # unseeded sampling draws alike everywhere
         self._held: Dict[int, Job] = {}  # rank 0: jobs sent, by round id
         self._next_rid = 0
         self._stop_sent = False
@@ -86,7 +93,7 @@ class LockstepEngine(Engine):
                 )
             )
             job.rid = spec["rid"]
-            self._insert(gen, job)
+            self._start(gen, job)
 
     def _drop_cancelled(self, gen):
         pass  # rank 0 decides in _admit, for every rank at once

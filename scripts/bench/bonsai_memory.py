@@ -11,6 +11,7 @@ prints one JSON line: file bytes, bytes of the loaded model's arrays (ternary la
 affine layers, float norms), and what the embedding and head cost as float16, which is
 how they were held before they stayed packed. `--layers` shrinks the depth (the embedding
 and head keep their full size). Random codes: the pack measures memory, nothing else.
+`--write-only` skips the load; scripts/bench/convert_memory.py measures `convert` on it.
 """
 
 import argparse
@@ -45,6 +46,19 @@ SHAPES = {
         num_attention_heads=32,
         tie_word_embeddings=False,
     ),
+    # Bonsai 27B's largest tensors on Qwen3's class: its 248320 x 5120 embedding and head
+    # and 24 x 256 attention heads (Qwen3.5-27B, as scripts/fixtures/make_synthetic_model.py
+    # writes it); its linear-attention layers are smaller and not modelled here.
+    "27b-head": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        tie_word_embeddings=False,
+    ),
 }
 GROUP = 128
 ROWS = 4096  # rows drawn per step
@@ -59,8 +73,8 @@ def config(shape: str, layers=None) -> dict:
         rms_norm_eps=1e-6,
         rope_theta=1e6,
         max_position_embeddings=40960,
-        **SHAPES[shape],
     )
+    c.update(SHAPES[shape])
     if layers:
         c["num_hidden_layers"] = layers
     q = {"group_size": GROUP, "bits": 2}
@@ -139,6 +153,7 @@ def main(argv=None):
         required=True,
         help="directory to write, or a pack this script wrote to measure again",
     )
+    ap.add_argument("--write-only", action="store_true", help="write the pack, do not load it")
     args = ap.parse_args(argv)
     mx.random.seed(0)
     cfg = config(args.shape, args.layers)
@@ -146,6 +161,8 @@ def main(argv=None):
         cfg = json.loads((args.out / "config.json").read_text())
     else:
         write(args.out, cfg)
+    if args.write_only:
+        return 0
     print(
         json.dumps(
             {"shape": args.shape, "layers": cfg["num_hidden_layers"], **measure(args.out, cfg)}

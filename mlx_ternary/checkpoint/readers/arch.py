@@ -19,7 +19,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ...errors import FormatError, TernaryError, read_json
-from ...format import AffineTensor, PackedTernary, affine_entry
+from ...format import AffineTensor, PackedTernary, affine_entry, row_blocks
 from ...runtime.linears import linear_paths
 from .common import read_sanitized, sanitized_index, shard_files
 from .config_check import check_args, check_scale
@@ -248,9 +248,6 @@ def affine_tensor(
     return AffineTensor(weight, scales, biases, bits, g)
 
 
-_CHUNK = 1 << 24  # codes decoded per step: bounds the float scratch of the checks
-
-
 def _codes(at: AffineTensor, rows: slice) -> mx.array:
     ones = mx.ones(at.scales[rows].shape, dtype=mx.float32)
     return mx.dequantize(
@@ -259,24 +256,28 @@ def _codes(at: AffineTensor, rows: slice) -> mx.array:
 
 
 def is_exact_ternary(at: AffineTensor) -> bool:
-    """Every group holds codes t + 1 (0, 1 or 2) with bias == -scale: w = scale * t."""
+    """Every group holds codes t + 1 (0, 1 or 2) with bias == -scale: w = scale * t.
+
+    Checked a block of rows at a time (format.row_blocks): the scratch stays small."""
     if not mx.array_equal(at.biases, -at.scales).item():
         return False
+    blocks = row_blocks(*at.shape)
     if at.bits == 2:  # a code 3 has both bits of its field set
         w = at.weight
-        return not mx.any((w & (w >> 1)) & 0x55555555).item()
-    n, k = at.shape
-    step = max(1, _CHUNK // k)
-    return not any(mx.any(_codes(at, slice(r, r + step)) > 2).item() for r in range(0, n, step))
+        return not any(mx.any((w[r] & (w[r] >> 1)) & 0x55555555).item() for r in blocks)
+    return not any(mx.any(_codes(at, r) > 2).item() for r in blocks)
 
 
-def affine_trits(at: AffineTensor) -> np.ndarray:
-    """Trits (N, K) int8 of an exactly ternary affine layer, decoded a block of rows at a time."""
+def affine_trits(at: AffineTensor, rows: Optional[slice] = None) -> np.ndarray:
+    """Trits (rows, K) int8 of an exactly ternary affine layer (all rows by default),
+    decoded a block of rows at a time."""
     n, k = at.shape
-    step = max(1, _CHUNK // k)
-    out = np.empty((n, k), np.int8)
-    for r in range(0, n, step):
-        out[r : r + step] = np.array(_codes(at, slice(r, r + step)).astype(mx.int8)) - 1
+    rows = rows or slice(0, n)
+    start, stop, _ = rows.indices(n)
+    out = np.empty((stop - start, k), np.int8)
+    for r in row_blocks(stop - start, k):
+        part = slice(start + r.start, start + r.stop)
+        out[r] = np.array(_codes(at, part).astype(mx.int8)) - 1
     return out
 
 

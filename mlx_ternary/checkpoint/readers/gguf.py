@@ -311,6 +311,7 @@ def iter_items(
         n_head = rotary_heads(hf, config) if arch.rotary_permuted and unpermute else None
         try:
             item = _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names)
+            gf.release(info)  # its pages leave this process's RSS, not the file
         except FormatError:
             raise
         except (ValueError, IndexError, TypeError, ArithmeticError) as e:  # a corrupt table

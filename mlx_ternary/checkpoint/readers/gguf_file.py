@@ -9,6 +9,7 @@ first, type id, offset), padding to `general.alignment` (32), then the tensor da
 """
 
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,3 +231,17 @@ class GGUFFile:
                 "which mlx-ternary cannot size or read"
             )
         return self._map[info.offset : info.offset + info.nbytes]
+
+    def release(self, info: TensorInfo) -> None:
+        """Drop the tensor's mapped pages from this process's resident memory; the map is
+        a read-only view of the file, so a page touched again is read again, unchanged.
+        A conversion then holds one tensor's pages at a time, not the whole file's."""
+        advise = getattr(mmap, "MADV_DONTNEED", None)
+        raw = getattr(self._map, "_mmap", None)
+        if advise is None or raw is None or not info.nbytes:
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        try:
+            raw.madvise(advise, start, info.offset + info.nbytes - start)
+        except (OSError, ValueError):  # an OS that refuses it: only memory is at stake
+            pass

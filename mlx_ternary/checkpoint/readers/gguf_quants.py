@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import GROUP_SIZES, AffineTensor
+from ...format import GROUP_SIZES, AffineTensor, row_blocks
 from ..gguf_tables import Q_BLOCK, TQ_BLOCK
 
 AFFINE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")
@@ -52,14 +52,18 @@ def tq_trits(raw: np.ndarray, qtype, rows: int, cols: int, name: str):
     _, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = _blocks(raw, rows, cols, TQ_BLOCK, block_bytes)
     d = _f16(blocks[:, :, -2:])
-    w = quants.dequantize(blocks.reshape(rows, -1), qtype).reshape(rows, cols)
-    dd = np.repeat(d.astype(np.float32), TQ_BLOCK, axis=1)
-    t = np.rint(np.divide(w, dd, out=np.zeros_like(w), where=dd != 0)).astype(np.int8)
-    if (np.abs(t) > 1).any() or not np.array_equal(t.astype(np.float32) * dd, w):
-        raise FormatError(
-            f"{name}: {qtype.name} blocks do not decode to d * t; the file is "
-            "corrupt: re-download it"
-        )
+    t = np.empty((rows, cols), np.int8)
+    for r in row_blocks(rows, cols):  # float scratch of one block of rows at a time
+        n = len(range(*r.indices(rows)))
+        w = quants.dequantize(blocks[r].reshape(n, -1), qtype).reshape(n, cols)
+        dd = np.repeat(d[r].astype(np.float32), TQ_BLOCK, axis=1)
+        part = np.rint(np.divide(w, dd, out=np.zeros_like(w), where=dd != 0)).astype(np.int8)
+        if (np.abs(part) > 1).any() or not np.array_equal(part.astype(np.float32) * dd, w):
+            raise FormatError(
+                f"{name}: {qtype.name} blocks do not decode to d * t; the file is "
+                "corrupt: re-download it"
+            )
+        t[r] = part
     return t, d
 
 

@@ -58,7 +58,9 @@ def ternary_layer(path: str, at: AffineTensor, packing: str, where: str) -> Opti
     n, k = at.shape
     if packing == "fast" and at.bits == 2:  # the codes already are the fast layout
         return PackedTernary("fast", at.weight, s, n, k, gs)
-    return PackedTernary.from_trits(arch.affine_trits(at), s, packing, gs, name=label)
+    return PackedTernary.from_trit_rows(
+        lambda r: arch.affine_trits(at, r), n, k, s, packing, gs, name=label
+    )
 
 
 def _hadamard_sanitize(model):

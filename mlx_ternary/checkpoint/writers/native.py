@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from ...format import QuantizationConfig
 from ...runtime.layers import model_quantization, ternary_layers
-from ..tensors import INDEX_FILE, SAFETENSORS_NAMES, shard_name
+from ..tensors import INDEX_FILE, SAFETENSORS_NAMES, SAFETENSORS_NUMPY_NAMES, shard_name
 
 MAX_SHARD_BYTES = 5 << 30
 FOREIGN_QUANT_KEYS = ("quantization", "quantization_config")
@@ -70,10 +70,20 @@ MANIFEST_FORMAT = "mlx-ternary-manifest"
 _COPY_CHUNK = 64 << 20
 
 
-def _tensor_bytes(arr: mx.array) -> bytes:
-    if arr.dtype == mx.bfloat16:  # numpy has no bfloat16: move the raw bits
+def _dtype_name(name: str, arr) -> str:
+    """The safetensors dtype of an MLX or numpy array, or a ValueError naming the tensor."""
+    names = SAFETENSORS_NUMPY_NAMES if isinstance(arr, np.ndarray) else SAFETENSORS_NAMES
+    if arr.dtype not in names:
+        raise ValueError(f"{name}: dtype {arr.dtype} cannot be written to safetensors")
+    return names[arr.dtype]
+
+
+def _tensor_bytes(arr) -> memoryview:
+    """The array's bytes in C order, without a copy where it already is (an evaluated MLX
+    array's buffer is read in place)."""
+    if isinstance(arr, mx.array) and arr.dtype == mx.bfloat16:  # numpy has no bfloat16
         arr = arr.view(mx.uint16)
-    return memoryview(np.ascontiguousarray(np.array(arr)).reshape(-1)).cast("B")
+    return memoryview(np.ascontiguousarray(np.asarray(arr)).reshape(-1)).cast("B")
 
 
 def sha256_file(path: Path) -> str:
@@ -108,10 +118,9 @@ class ShardWriter:
         self.shards.append((path, header))
         self._open = None
 
-    def add(self, name: str, arr: mx.array) -> None:
-        """Append one tensor (any dtype safetensors knows)."""
-        if arr.dtype not in SAFETENSORS_NAMES:
-            raise ValueError(f"{name}: dtype {arr.dtype} cannot be written to safetensors")
+    def add(self, name: str, arr) -> None:
+        """Append one tensor, an MLX or numpy array (any dtype safetensors knows)."""
+        dtype = _dtype_name(name, arr)
         data = _tensor_bytes(arr)
         if self._open is None:
             self._new_shard()
@@ -120,7 +129,7 @@ class ShardWriter:
             self._new_shard()
         path, fh, header, size = self._open
         header[name] = {
-            "dtype": SAFETENSORS_NAMES[arr.dtype],
+            "dtype": dtype,
             "shape": list(arr.shape),
             "data_offsets": [size, size + len(data)],
         }
