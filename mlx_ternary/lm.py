@@ -84,9 +84,9 @@ def _routed_load_model(mlx_load_model, tool: str):
                 "layers and would not know its ternary ones. Use `mlx-ternary convert` "
                 "(-q BITS for a stock MLX checkpoint, -d for float, --to-gguf for llama.cpp)"
             )
-        overrides = sorted(k for k, v in (model_config or {}).items() if v)
         if get_model_classes is not None:
-            overrides.append("get_model_classes")
+            return _own_classes(mlx_load_model, model_path, lazy, strict, get_model_classes)
+        overrides = sorted(k for k, v in (model_config or {}).items() if v)
         if overrides:
             raise TernaryError(
                 f"{model_path}: {', '.join(overrides)} do not apply to ternary "
@@ -98,6 +98,17 @@ def _routed_load_model(mlx_load_model, tool: str):
         return ternary_load_model(Path(model_path), lazy=lazy)
 
     return load_model
+
+
+def _own_classes(mlx_load_model, model_path, lazy, strict, get_model_classes):
+    """mlx-lm's `load_model` with the caller's classes: they get the checkpoint's tensors as
+    stored (packed trits and scales under the format's names), as mlx-lm hands any model its
+    file's tensors; the format's quantization block is held back (mlx-lm has no layer for it)."""
+    model, config = mlx_load_model(
+        Path(model_path), lazy, strict, {"quantization": None}, get_model_classes=get_model_classes
+    )
+    config.pop("quantization", None)
+    return model, config
 
 
 @contextmanager

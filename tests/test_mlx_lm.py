@@ -101,6 +101,39 @@ def test_non_ternary_models_load_exactly_as_mlx_lm_loads_them(tmp_path):
         assert mx.array_equal(ours(ids), stock(ids)).item()
 
 
+def test_load_model_with_the_callers_classes_hands_them_the_stored_tensors():
+    """mlx-lm's get_model_classes hook (its test_load_model_with_custom_get_classes): the
+    caller's class is built from the config and its load_weights gets the file's tensors."""
+    import mlx_lm.utils
+    from safetensors.numpy import load_file
+
+    class Args:
+        @classmethod
+        def from_dict(cls, config):
+            args = cls()
+            args.model_type = config["model_type"]
+            return args
+
+    class Model(nn.Module):
+        def __init__(self, args):
+            super().__init__()
+            self.args = args
+
+        def load_weights(self, weights, **kwargs):
+            self.stored = dict(weights)
+
+    with routed():
+        model, config = mlx_lm.utils.load_model(
+            EMBEDDED_MODEL, get_model_classes=lambda config: (Model, Args)
+        )
+    assert isinstance(model, Model) and model.args.model_type == "llama"
+    assert "quantization" not in config
+    stored = load_file(str(EMBEDDED_MODEL / "model.safetensors"))
+    assert sorted(model.stored) == sorted(stored)
+    name = "model.layers.0.self_attn.q_proj.packed"
+    assert np.array_equal(np.array(model.stored[name]), stored[name])
+
+
 def test_routing_is_undone_after_the_tool():
     import mlx_lm.fuse
     import mlx_lm.utils

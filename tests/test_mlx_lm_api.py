@@ -199,3 +199,54 @@ def test_mlx_lm_linear_to_lora_layers_wraps_ternary_layers(tmp_path, use_dora):
     if use_dora:
         v = np.array(layer.m, np.float64)[:, None] * v / np.linalg.norm(v, axis=1, keepdims=True)
     assert _rel(layer.fuse(dequantize=True).weight, v) < 1e-5
+
+
+@pytest.mark.native
+def test_batched_decoding_gives_each_prompt_its_single_sequence_logprobs():
+    """mlx-lm's test_many_batches on the embedded model (native backend, float16 table as the
+    tied head): BatchGenerator, prefilling two prompts at a time in chunks of 8 tokens and
+    decoding three at a time, gives each prompt the logprobs stream_generate gives it alone."""
+    from mlx_lm.generate import BatchGenerator, stream_generate
+
+    model, tok = mlx_ternary.load(EMBEDDED, backend="native")
+    texts = ("ROMEO:", "Enter CARDINAL, and DOUGLAS", "What, my lord?", "I'll tell thee, my lord")
+    prompts = [tok.encode(t) for t in texts]
+    gen = BatchGenerator(
+        model,
+        stop_tokens=tok.eos_token_ids,
+        max_tokens=1,
+        prefill_batch_size=2,
+        prefill_step_size=8,
+        completion_batch_size=3,
+    )
+    uids = gen.insert(prompts)
+    batched = {}
+    while responses := gen.next_generated():
+        batched.update({r.uid: np.array(r.logprobs) for r in responses})
+    for uid, prompt in zip(uids, prompts):
+        alone = np.array(next(iter(stream_generate(model, tok, prompt, max_tokens=1))).logprobs)
+        assert np.array_equal(batched[uid], alone)
+    assert not np.array_equal(batched[uids[0]], batched[uids[1]])  # the prompts differ
+
+
+@pytest.mark.native
+def test_stream_generate_takes_input_embeddings_on_the_native_backend():
+    """mlx-lm's test_stream_generate_input_embeddings: the model class the native backend
+    routes its attention through keeps the signature mlx-lm inspects for `input_embeddings`,
+    and the prompt's embeddings generate what the prompt generates."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import does_model_support_input_embeddings
+
+    model, tok = mlx_ternary.load(EMBEDDED, backend="native")
+    assert does_model_support_input_embeddings(model)
+    prompt = tok.encode("ROMEO:")
+    greedy = make_sampler(temp=0.0)
+
+    def text(**kw):
+        steps = stream_generate(model, tok, prompt, max_tokens=5, sampler=greedy, **kw)
+        return "".join(r.text for r in steps)
+
+    embeddings = model.model.embed_tokens(mx.array(prompt))
+    assert text(input_embeddings=embeddings) == text()
+    assert text(input_embeddings=embeddings * 0) != text()  # the embeddings are what it reads

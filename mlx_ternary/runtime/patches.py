@@ -25,7 +25,7 @@ Four callers use the three mechanisms below:
 
 import sys
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Callable, Dict, Iterable, List
 
 
@@ -71,6 +71,7 @@ def swapped(replacements: Dict[Callable, Callable], extra: Iterable[dict] = ()):
 
 @lru_cache(maxsize=None)
 def _wrapped_class(cls, around: Callable):
+    @wraps(cls.__call__)  # its signature stays the class's: mlx-lm inspects it
     def __call__(self, *args, **kwargs):
         with around():
             return cls.__call__(self, *args, **kwargs)

@@ -206,6 +206,22 @@ def test_dense_matmul(wdt):
 
 
 @needs_native
+@pytest.mark.parametrize("wdt", ["f32", "f16", "bf16"])
+def test_dense_matmul_rows_do_not_depend_on_the_batch(wdt):
+    """A token's row of y is the same bits whatever tokens share the call, so batched decoding
+    gives the single sequence's logits (mlx-lm's test_many_batches compares them)."""
+    rng = np.random.default_rng(3)
+    for n, k in [(37, 77), (64, 256), (19, 2050)]:
+        w = mx.array(rng.normal(size=(n, k)).astype(np.float32)).astype(DTYPES[wdt])
+        x = mx.array(rng.normal(size=(9, k)).astype(np.float32))
+        alone = np.concatenate([np.array(cpu.dense_matmul(x[i : i + 1], w)) for i in range(9)])
+        for m in range(2, 10):
+            assert np.array_equal(np.array(cpu.dense_matmul(x[:m], w)), alone[:m]), (m, n, k)
+        shifted = np.array(cpu.dense_matmul(x[1:4], w))  # negative control: other tokens
+        assert not np.array_equal(shifted, alone[:3])
+
+
+@needs_native
 def test_ternary_weight_is_the_dequantized_matrix():
     (x, p, s, b, kw), _ = make_case(1, 10, 333, "compact", "group", 128, mx.float32, False, False)
     w = cpu.ternary_weight(p, s, packing="compact", in_features=333, group_size=128)
@@ -466,6 +482,49 @@ def test_attention_gradient_is_mlx_own_and_arrays_masks_fall_back():
     for a, b in zip(ours, mlxs):
         assert np.allclose(np.array(a), np.array(b), atol=1e-5)
     assert sdpa(q, k, v, scale=0.125, mask=mx.zeros((5, 5))) is None  # array masks: MLX's
+
+
+@needs_native
+def test_attention_bool_masks_drop_keys_and_a_padded_row_is_its_sequence_alone():
+    """mlx-lm's batches mask causal + left padding with a bool array: the kernel matches MLX and
+    float64 on a random mask, gives a left-padded batch row the bits of the sequence run
+    alone (causal), 0 for a row with no key, and MLX's gradient."""
+    from mlx_ternary.runtime.cpu.attention import scaled_dot_product_attention as sdpa
+
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 6, 9, 64
+    q, k, v = _qkv(b, hq, hkv, lq, lk, d, seed=3)
+    mask = mx.array(np.random.default_rng(4).random((b, 1, lq, lk)) < 0.6)
+    mask[:, :, :, 0] = True
+    y = sdpa(q, k, v, scale=0.125, mask=mask)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    kn = np.repeat(np.array(k).astype(np.float64), hq // hkv, axis=1)
+    vn = np.repeat(np.array(v).astype(np.float64), hq // hkv, axis=1)
+    s = np.array(q).astype(np.float64) @ kn.transpose(0, 1, 3, 2) * 0.125
+    p = np.exp(np.where(np.array(mask), s, -np.inf) - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ vn
+    assert np.abs(np.array(y) - want).max() < 1e-5
+    assert np.abs(np.array(y) - np.array(ref)).max() < 1e-5
+    assert np.abs(np.array(y) - np.array(sdpa(q, k, v, scale=0.125))).max() > 1e-3  # it masks
+
+    pad = 3  # batch row 1 = the 6-key sequence of row 0's last keys, left-padded by 3 keys
+    alone = sdpa(q[:1, :, 3:], k[:1, :, pad:], v[:1, :, pad:], scale=0.125, mask="causal")
+    causal = np.arange(lk)[None] <= np.arange(lq)[:, None] + lk - lq
+    padded = mx.array((causal & (np.arange(lk) >= pad))[None, None])
+    rows = sdpa(q[:1], k[:1], v[:1], scale=0.125, mask=padded)
+    assert np.array_equal(np.array(rows[:, :, 3:]), np.array(alone))
+    none = mx.zeros((1, 1, lq, lk), dtype=mx.bool_)
+    assert not np.array(sdpa(q[:1], k[:1], v[:1], scale=0.125, mask=none)).any()
+
+    g = mx.array(np.random.default_rng(5).normal(size=y.shape).astype(np.float32))
+    grads = [
+        mx.grad(lambda q_, k_, v_: (fn(q_, k_, v_) * g).sum(), argnums=(0, 1, 2))(q, k, v)
+        for fn in (
+            lambda *a: sdpa(*a, scale=0.125, mask=mask),
+            lambda *a: mx.fast.scaled_dot_product_attention(*a, scale=0.125, mask=mask),
+        )
+    ]
+    for a, r in zip(*grads):
+        assert np.allclose(np.array(a), np.array(r), atol=1e-5)
 
 
 @needs_native

@@ -5,10 +5,14 @@ mlx[cpu] wheel links: about half of a prefill and a tenth of a decode step of a 
 model (docs/NATIVE.md). mlx-lm's attention modules call `scaled_dot_product_attention` from
 their own module's namespace; `install(model)` puts a pass-through there that, **only while
 this model runs** (a thread-local flag set around the model's `__call__`) and only for what
-the native kernel does exactly (float32 on the CPU, no mask or "causal", no attention sinks,
-no quantized KV cache), calls the native kernel; every other call - other models, masks as
-arrays, GPUs - goes to mlx-lm's own function unchanged. Gradients are the vjp of MLX's own
-attention (`mx.custom_function`), so training through it is unchanged too.
+the native kernel does exactly (float32 on the CPU; no mask, "causal" or a boolean mask; no
+attention sinks, no quantized KV cache), calls the native kernel; every other call - other
+models, additive float masks, GPUs - goes to mlx-lm's own function unchanged. Boolean masks
+are what mlx-lm's batches use (causal plus left padding): the kernel never reads the keys
+they drop, so each row of a batch gets the bits of its sequence run alone (mlx-lm's batch
+tests compare them); were they sent to MLX's attention instead, batched and single decoding
+would differ in the last bits. Gradients are the vjp of MLX's own attention
+(`mx.custom_function`), so training through it is unchanged too.
 """
 
 import threading
@@ -51,14 +55,46 @@ def _attention(scale: float, causal: bool):
     return attention
 
 
+@lru_cache(maxsize=None)
+def _masked_attention(scale: float):
+    @mx.custom_function
+    def attention(q, k, v, mask):
+        return _require().attention(q, k, v, scale, False, mask)
+
+    @attention.vjp
+    def attention_vjp(primals, cotangent, output):
+        q, k, v, mask = primals
+
+        def reference(q, k, v):
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+        return (*mx.vjp(reference, [q, k, v], [cotangent])[1], mx.zeros_like(mask))
+
+    return attention
+
+
+def _native_mask(mask, queries, keys) -> bool:
+    """Whether the native kernel takes `mask`: None, "causal", or a bool array that broadcasts
+    to (B, H, Lq, Lk)."""
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
+        return True
+    if not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim > 4:
+        return False
+    full = (*queries.shape[:3], keys.shape[2])
+    padded = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    return all(m in (1, f) for m, f in zip(padded, full))
+
+
 def scaled_dot_product_attention(queries, keys, values, *, scale: float, mask=None):
     """The native attention, or None where it does not apply (the caller falls back)."""
     if (
-        (mask is not None and not (isinstance(mask, str) and mask == "causal"))
-        or mx.default_device() != mx.cpu
+        mx.default_device() != mx.cpu
         or any(a.dtype != mx.float32 or a.ndim != 4 for a in (queries, keys, values))
+        or not _native_mask(mask, queries, keys)
     ):
         return None
+    if isinstance(mask, mx.array):
+        return _masked_attention(float(scale))(queries, keys, values, mask)
     return _attention(float(scale), mask is not None)(queries, keys, values)
 
 

@@ -4,6 +4,9 @@
 // sees keys j <= i + Lk - Lq. MLX's CPU fallback for this runs matmuls on the reference BLAS
 // the mlx[cpu] wheel links (~3 GFLOP/s) and costs half of a prefill; this is one pass of
 // SIMD dot products per (query, key), a max-subtracted softmax, and a weighted sum of values.
+// A boolean mask (mlx-lm's batches: causal and left padding; sliding windows) drops the keys it
+// marks false: their scores are -inf and their values are never read, so a left-padded row
+// of a batch gets its single sequence's output bit for bit; a row with no key left gets 0.
 #pragma once
 
 #include <algorithm>
@@ -18,6 +21,8 @@ struct AttnShape {
   int64_t qs[3], ks[3], vs[3];  // element strides of dims 0..2 (dim 3 has stride 1)
   float scale;
   bool causal;
+  const bool* mask = nullptr;  // (B, Hq, Lq, Lk) at element strides ms (0 where broadcast)
+  int64_t ms[4] = {0, 0, 0, 0};
 };
 
 // Queries [i0, i1) of head h in batch b; `scores` holds Lk floats.
@@ -31,8 +36,14 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
   for (int64_t i = i0; i < i1; i++) {
     const float* qi = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
     const int64_t n = s.causal ? std::min(s.Lk, i + s.Lk - s.Lq + 1) : s.Lk;
+    const bool* mi = s.mask ? s.mask + b * s.ms[0] + h * s.ms[1] + i * s.ms[2] : nullptr;
+    float* oi = out + ((b * s.Hq + h) * s.Lq + i) * D;
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
+      if (mi && !mi[j * s.ms[3]]) {
+        scores[j] = -INFINITY;
+        continue;
+      }
       const float* kj = kb + j * s.ks[2];
       F8 acc = O::f8zero();
       for (int64_t d = 0; d < d8; d += 8) acc = O::fma8(acc, O::f8load(qi + d), kj + d);
@@ -41,15 +52,19 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
       scores[j] = dot * s.scale;
       mx = std::max(mx, scores[j]);
     }
+    if (mx == -INFINITY) {  // no key to attend to
+      std::fill(oi, oi + D, 0.f);
+      continue;
+    }
     float sum = 0.f;
     for (int64_t j = 0; j < n; j++) sum += (scores[j] = std::exp(scores[j] - mx));
     const float inv = n > 0 ? 1.f / sum : 0.f;
-    float* oi = out + ((b * s.Hq + h) * s.Lq + i) * D;
     for (int64_t d0 = 0; d0 < d8; d0 += 64) {  // 8 accumulators: each value row read once
       const int nu = (int)std::min<int64_t>(8, (d8 - d0) / 8);
       F8 acc[8];
       for (int u = 0; u < 8; u++) acc[u] = O::f8zero();
       for (int64_t j = 0; j < n; j++) {
+        if (mi && scores[j] == 0.f) continue;  // masked (or a weight of exactly 0: acc + 0)
         const F8 p = O::f8set(scores[j]);
         const float* vj = vb + j * s.vs[2] + d0;
         for (int u = 0; u < nu; u++) acc[u] = O::f8fma(acc[u], p, O::f8load(vj + 8 * u));
@@ -58,7 +73,8 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
     }
     for (int64_t d = d8; d < D; d++) {
       float acc = 0.f;
-      for (int64_t j = 0; j < n; j++) acc += scores[j] * vb[j * s.vs[2] + d];
+      for (int64_t j = 0; j < n; j++)
+        if (!mi || scores[j] != 0.f) acc += scores[j] * vb[j * s.vs[2] + d];
       oi[d] = acc * inv;
     }
   }

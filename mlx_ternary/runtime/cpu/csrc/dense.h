@@ -2,7 +2,10 @@
 // checkpoint stores (float16, bfloat16 or float32) and float32 accumulation. This is the
 // embedding-as-output-layer and lm_head matvec: MLX's CPU float16 matmul is many times slower
 // than float32, and a float32 copy would double the memory of those tables.
-// Each group of 8 weights is converted once and used for T tokens.
+// Each group of 8 weights is converted once and used for T tokens. A token's sum runs in the
+// same order whatever T is (DENSE_CHAINS chains, their sum, then the tail), so a row of y
+// does not depend on how many tokens share the call: batched decoding gives the single
+// sequence's logits bit for bit (mlx-lm's batch tests compare them).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +41,15 @@ inline const char* dense_isa() {
 #endif
 }
 
+// DENSE_CHAINS accumulation chains per token hide the FMA latency; the T * DENSE_CHAINS
+// accumulators of a block of T tokens must fit the vector registers (16 AVX2, 32 NEON).
+constexpr int DENSE_CHAINS = 4;
+#if defined(TK_DENSE_NEON)
+constexpr int DENSE_TOKENS = 4;
+#else
+constexpr int DENSE_TOKENS = 3;
+#endif
+
 #if defined(TK_DENSE_AVX2)
 template <int WD>
 inline __m256 load8(const void* w, int64_t i) {
@@ -58,19 +70,18 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Rows [n0, n1), tokens m0 .. m0 + T - 1. NA accumulators per token hide the FMA latency.
+// Rows [n0, n1), tokens m0 .. m0 + T - 1.
 template <int WD, int T>
 void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
-  constexpr int NA = T == 1 ? 4 : 2;
-  const int64_t k = L.k, kv = k / (8 * NA) * (8 * NA);
+  const int64_t k = L.k, kv = k / (8 * DENSE_CHAINS) * (8 * DENSE_CHAINS);
   for (int64_t n = n0; n < n1; n++) {
     const int64_t base = n * k;
-    __m256 acc[T][NA];
+    __m256 acc[T][DENSE_CHAINS];
     for (int t = 0; t < T; t++)
-      for (int j = 0; j < NA; j++) acc[t][j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < kv; i += 8 * NA) {
+      for (int j = 0; j < DENSE_CHAINS; j++) acc[t][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kv; i += 8 * DENSE_CHAINS) {
       __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
-      for (int j = 0; j < NA; j++) {
+      for (int j = 0; j < DENSE_CHAINS; j++) {
         __m256 w = load8<WD>(L.w, base + i + 8 * j);
         for (int t = 0; t < T; t++)
           acc[t][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(L.x + (m0 + t) * k + i + 8 * j),
@@ -79,7 +90,7 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
     }
     for (int t = 0; t < T; t++) {
       __m256 s = acc[t][0];
-      for (int j = 1; j < NA; j++) s = _mm256_add_ps(s, acc[t][j]);
+      for (int j = 1; j < DENSE_CHAINS; j++) s = _mm256_add_ps(s, acc[t][j]);
       float y = hsum8(s);
       for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, base + i) * L.x[(m0 + t) * k + i];
       store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
@@ -100,16 +111,15 @@ inline float32x4_t load4(const void* w, int64_t i) {
 
 template <int WD, int T>
 void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
-  constexpr int NA = T == 1 ? 4 : 2;
-  const int64_t k = L.k, kv = k / (4 * NA) * (4 * NA);
+  const int64_t k = L.k, kv = k / (4 * DENSE_CHAINS) * (4 * DENSE_CHAINS);
   for (int64_t n = n0; n < n1; n++) {
     const int64_t base = n * k;
-    float32x4_t acc[T][NA];
+    float32x4_t acc[T][DENSE_CHAINS];
     for (int t = 0; t < T; t++)
-      for (int j = 0; j < NA; j++) acc[t][j] = vdupq_n_f32(0);
-    for (int64_t i = 0; i < kv; i += 4 * NA) {
+      for (int j = 0; j < DENSE_CHAINS; j++) acc[t][j] = vdupq_n_f32(0);
+    for (int64_t i = 0; i < kv; i += 4 * DENSE_CHAINS) {
       __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
-      for (int j = 0; j < NA; j++) {
+      for (int j = 0; j < DENSE_CHAINS; j++) {
         float32x4_t w = load4<WD>(L.w, base + i + 4 * j);
         for (int t = 0; t < T; t++)
           acc[t][j] = vfmaq_f32(acc[t][j], w, vld1q_f32(L.x + (m0 + t) * k + i + 4 * j));
@@ -117,7 +127,7 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
     }
     for (int t = 0; t < T; t++) {
       float32x4_t s = acc[t][0];
-      for (int j = 1; j < NA; j++) s = vaddq_f32(s, acc[t][j]);
+      for (int j = 1; j < DENSE_CHAINS; j++) s = vaddq_f32(s, acc[t][j]);
       float y = vaddvq_f32(s);
       for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, base + i) * L.x[(m0 + t) * k + i];
       store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
@@ -140,7 +150,7 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
 template <int WD>
 void dense_rows_w(const DenseLayer& L, int64_t M, int64_t n0, int64_t n1) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) dense_rows_t<WD, 4>(L, n0, n1, m);
+  for (; m + DENSE_TOKENS <= M; m += DENSE_TOKENS) dense_rows_t<WD, DENSE_TOKENS>(L, n0, n1, m);
   switch (M - m) {
     case 3: dense_rows_t<WD, 3>(L, n0, n1, m); break;
     case 2: dense_rows_t<WD, 2>(L, n0, n1, m); break;

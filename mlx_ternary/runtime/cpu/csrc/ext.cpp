@@ -379,11 +379,16 @@ class Attention : public CpuPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([q = in[0], k = in[1], v = in[2], outp = out.data<float>(), scale = scale_,
-                  causal = causal_]() {
+    const bool masked = in.size() > 3;
+    enc.dispatch([q = in[0], k = in[1], v = in[2], mask = masked ? in[3] : in[0], masked,
+                  outp = out.data<float>(), scale = scale_, causal = causal_]() {
       std::vector<uint8_t> kq, kk, kv;
       tk::AttnShape sh{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
                        {}, {}, {}, scale, causal};
+      if (masked) {  // a bool (B, Hq, Lq, Lk) view, broadcast dimensions at stride 0
+        sh.mask = mask.data<bool>();
+        for (int d = 0; d < 4; d++) sh.ms[d] = mask.shape(d) == 1 ? 0 : mask.strides()[d];
+      }
       auto view = [](const mx::array& a, std::vector<uint8_t>& keep, int64_t* st) {
         const bool last = a.strides()[3] == 1;
         const float* p = last ? a.data<float>() : (const float*)row_major(a, keep);
@@ -520,7 +525,7 @@ mx::array dense_matmul(const mx::array& x, const mx::array& w) {
 }
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    bool causal) {
+                    bool causal, std::optional<mx::array> mask) {
   for (auto* a : {&q, &k, &v})
     if (a->ndim() != 4 || a->dtype() != mx::float32)
       bad("attention takes float32 (B, H, L, D) arrays, got " + shape_str(*a));
@@ -529,8 +534,16 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
     bad("attention: q " + shape_str(q) + " does not fit k/v " + shape_str(k) + ", " +
         shape_str(v) + " (same batch and head size, query heads a multiple of kv heads)");
   auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs{q, k, v};
+  if (mask) {
+    if (mask->dtype() != mx::bool_ || mask->ndim() > 4)
+      bad("attention: the mask must be a bool array of at most 4 dimensions, got " +
+          shape_str(*mask));
+    mx::Shape full{q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
+    inputs.push_back(mx::broadcast_to(*mask, full, s));  // raises if it does not broadcast
+  }
   return mx::array(q.shape(), mx::float32, std::make_shared<Attention>(s, scale, causal),
-                   std::vector<mx::array>{q, k, v});
+                   std::move(inputs));
 }
 
 mx::array ternary_weight_op(const mx::array& packed, const mx::array& scales, int packing,
@@ -558,9 +571,10 @@ NB_MODULE(_mlx_ternary_native, m) {
         nb::arg("packing"), nb::arg("in_features"), nb::arg("group_size"),
         "The (N, K) float32 weight s * t of a packed ternary layer.");
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
-        nb::arg("causal"),
+        nb::arg("causal"), nb::arg("mask").none() = nb::none(),
         "softmax(scale * q @ k.T [+ causal mask]) @ v for float32 (B, H, L, D) arrays; k/v may "
-        "have fewer heads (grouped-query attention).");
+        "have fewer heads (grouped-query attention); `mask` (bool, broadcast to (B, H, Lq, Lk)) "
+        "drops the keys it marks false.");
   m.def("set_num_threads", [](int n) { pool().resize(n < 1 ? default_threads() : n); },
         nb::arg("n"), "Threads the kernels use (n < 1: all the cores this process may use).");
   m.def("num_threads", []() { return pool().size(); });
