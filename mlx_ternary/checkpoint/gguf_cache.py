@@ -11,8 +11,8 @@ Where: $XDG_CACHE_HOME/mlx_ternary/gguf (default ~/.cache/mlx_ternary/gguf; dire
 content key hashes the conversion's version, the file's (each file's, for a directory)
 size, modification time and its first and last MiB, so an upgrade that converts
 differently, a replaced or re-exported file gets a new key and is converted again; the
-older conversions of the same path are then removed. One process converts a version at a
-time (a lock file beside it): the others wait, then read its copy. Conversion writes beside the destination and renames into
+older conversions of the same path are then removed. One process converts at a time (a
+lock on the cache folder): the others wait, then read its copy. Conversion writes beside the destination and renames into
 place (convert's rule), so a directory in the cache is always complete; one damaged
 afterwards (a file truncated or rewritten, its manifest gone) is found at the next use,
 reported once and converted again.
@@ -21,6 +21,7 @@ reported once and converted again.
 import fcntl
 import hashlib
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -110,11 +111,15 @@ def native_dir(
     path = Path(path).expanduser()
     out = cache_dir(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # One conversion at a time per file version: the ranks of an mlx.launch group on one
-    # host (or two commands started together) wait for the first, then read its copy.
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    # One conversion at a time in the cache folder (a lock on the folder itself): the
+    # ranks of an mlx.launch group on one host, or two commands started together, wait
+    # for the first, then read its copy.
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         return _converted(path, out, notify, progress)
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _converted(path: Path, out: Path, notify, progress) -> Path:
@@ -143,10 +148,6 @@ def _converted(path: Path, out: Path, notify, progress) -> Path:
             raise
     prefix = out.name.rsplit("-", 1)[0] + "-"
     for old in out.parent.glob(prefix + "*"):
-        if old.name in (out.name, f"{out.name}.lock"):
-            continue
-        if old.is_dir():
+        if old != out and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)  # an older version's lock file
     return out
