@@ -1,9 +1,10 @@
 """Running under `mlx.launch`: rank-slice loading and agreement between ranks.
 
 Every rank runs the same command. `sharded_load` builds the model lazily, then reads each
-ternary layer's share straight from the checkpoint (a block of rows is one contiguous read;
-a block of columns a strided one), so no rank ever holds a whole ternary tensor; float
-weights (embeddings, norms, a float lm_head) stay whole on every rank, as in mlx-lm.
+ternary layer's share straight from the native checkpoint, or from another format's
+converted copy in the cache (a block of rows is one contiguous read; a block of columns a
+strided one), so no rank ever holds a whole ternary tensor; float weights (embeddings,
+norms, a float lm_head) stay whole on every rank, as in mlx-lm.
 Rank 0 prints and serves; the other ranks compute in step with it (serve/lockstep.py,
 docs/DISTRIBUTED.md).
 """
@@ -192,11 +193,11 @@ def sharded_load(
 ):
     """`mlx_ternary.load` for one rank of a tensor-parallel group.
 
-    Each rank reads only its share of every ternary weight from a native checkpoint
-    (other formats are loaded, then sliced). A GGUF file is converted into the cache
-    once (the first rank on a host converts, the others wait for it), then read like a
-    native checkpoint. Adapters (`adapter_path`, mlx-lm's format) are sharded with their
-    base layers. Returns what `load` returns.
+    Each rank reads only its share of every ternary weight from a native checkpoint;
+    any other format (a GGUF file, Hugging Face BitNet, an MLX affine pack...) is first
+    converted once into the cache (`native_source`), then read the same way. Adapters
+    (`adapter_path`, mlx-lm's format) are sharded with their base layers. Returns what
+    `load` returns.
 
     Raises:
         TernaryError: as `load`, plus dimensions or head counts that do not divide by

@@ -165,6 +165,47 @@ def load_peak(fn) -> int:
     return mx.get_peak_memory() - base
 
 
+def format_peaks(formats: dict) -> dict:
+    """{case: single-process load peak} and {case-convert: the cache conversion's peak}."""
+    peaks = {}
+    for name, path in formats.items():
+        if name != "format-native":  # the others are converted once, one tensor at a time
+            peaks[name + "-convert"] = load_peak(lambda: _native(path))
+        peaks[name] = load_peak(lambda: mlx_ternary.load(str(path))[0])
+    return peaks
+
+
+def single_process(entries: dict):
+    """({case: (logits, ternary bytes, parameter bytes)}, the worker's case specs) of
+    {case: (checkpoint, adapter directory or None)} loaded in this process."""
+    single, specs = {}, []
+    for name, (path, adapter) in entries.items():
+        acts = ACTIVATIONS.get(name)
+        model, _ = mlx_ternary.load(str(path), activations=acts, adapter_path=adapter)
+        total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+        single[name] = (np.array(model(mx.array([TOKENS]))), ternary_bytes(model), total)
+        spec = {"name": name, "path": str(path), "tokens": TOKENS, "activations": acts}
+        specs.append({**spec, "adapter": adapter})
+    return single, specs
+
+
+def collect(out: Path, names, generate: dict) -> dict:
+    """What the worker wrote: each case's (logits, info) and each generate run's text, per rank."""
+    results = {
+        f"generate-{k}": [(out / k / f"generate.rank{r}.txt").read_text() for r in range(2)]
+        for k in generate
+    }
+    for name in names:
+        results[name] = [
+            (
+                dict(np.load(out / f"{name}.rank{r}.npz")),
+                json.loads((out / f"{name}.rank{r}.json").read_text()),
+            )
+            for r in range(2)
+        ]
+    return results
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """Checkpoints covering both packings, every scale kind, both splits' aligned and
@@ -192,16 +233,7 @@ def cases(tmp_path_factory):
         )[0],  # q/k/v biases
         # large enough that scales and padding are noise: the memory case
         "llama-fast-row-wide": ternary_checkpoint(
-            tmp / "d",
-            "llama",
-            "fast",
-            "row",
-            None,
-            None,
-            hidden_size=512,
-            intermediate_size=1536,
-            num_attention_heads=8,
-            num_key_value_heads=4,
+            tmp / "d", "llama", "fast", "row", None, None, **WIDE
         )[0],
     }
     adapters = {
@@ -213,40 +245,17 @@ def cases(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in CACHES}
     os.environ.update({k: str(tmp / k) for k in CACHES})
     formats = {f"format-{k}": p for k, p in format_checkpoints(tmp / "f").items()}
-    peaks = {}
-    for name, path in formats.items():
-        if name != "format-native":  # the others are converted once, one tensor at a time
-            peaks[name + "-convert"] = load_peak(lambda: _native(path))
-        peaks[name] = load_peak(lambda: mlx_ternary.load(str(path))[0])
+    peaks = format_peaks(formats)
     dirs.update(formats)
-    specs, single = [], {}
-    for name, (path, adapter) in {**{n: (p, None) for n, p in dirs.items()}, **adapters}.items():
-        acts = ACTIVATIONS.get(name)
-        model, _ = mlx_ternary.load(str(path), activations=acts, adapter_path=adapter)
-        total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
-        single[name] = (np.array(model(mx.array([TOKENS]))), ternary_bytes(model), total)
-        spec = {"name": name, "path": str(path), "tokens": TOKENS, "activations": acts}
-        specs.append({**spec, "adapter": adapter})
+    single, specs = single_process({**{n: (p, None) for n, p in dirs.items()}, **adapters})
     out = tmp / "out"
     out.mkdir()
     strong = str(random_adapter(EMBEDDED_MODEL, tmp / "generate-adapter", "lora", std=0.15))
     generate = {"plain": GENERATE, "adapter": [*GENERATE, "--adapter-path", strong]}
     (tmp / "cases.json").write_text(json.dumps({"cases": specs, "generate": generate}))
     run_launch(str(HERE / "dist_worker.py"), str(tmp / "cases.json"), str(out))
-    results = {
-        f"generate-{k}": [(out / k / f"generate.rank{r}.txt").read_text() for r in range(2)]
-        for k in generate
-    }
-    results["adapter-path"] = strong
-    results["load-peaks"] = peaks
-    for name in [*dirs, *adapters]:
-        results[name] = [
-            (
-                dict(np.load(out / f"{name}.rank{r}.npz")),
-                json.loads((out / f"{name}.rank{r}.json").read_text()),
-            )
-            for r in range(2)
-        ]
+    results = collect(out, [*dirs, *adapters], generate)
+    results.update({"adapter-path": strong, "load-peaks": peaks})
     yield single, results
     for k, v in saved.items():
         os.environ.pop(k) if v is None else os.environ.update({k: v})
