@@ -1,9 +1,10 @@
 """Running under `mlx.launch`: rank-slice loading and agreement between ranks.
 
 Every rank runs the same command. `sharded_load` builds the model lazily, then reads each
-ternary layer's share straight from the checkpoint (a block of rows is one contiguous read;
-a block of columns a strided one), so no rank ever holds a whole ternary tensor; float
-weights (embeddings, norms, a float lm_head) stay whole on every rank, as in mlx-lm.
+ternary layer's share straight from the native checkpoint, or from another format's
+converted copy in the cache (a block of rows is one contiguous read; a block of columns a
+strided one), so no rank ever holds a whole ternary tensor; float weights (embeddings,
+norms, a float lm_head) stay whole on every rank, as in mlx-lm.
 Rank 0 prints and serves; the other ranks compute in step with it (serve/lockstep.py,
 docs/DISTRIBUTED.md).
 """
@@ -21,7 +22,7 @@ from .checkpoint.load import load, read_config, resolve_model_path
 from .checkpoint.readers.common import shard_files, tensor_index, tensor_layout
 from .errors import TernaryError
 from .format import QuantizationConfig, is_native_config
-from .runtime.layers import ternary_layers
+from .runtime.layers import TernaryLinear
 from .runtime.shard import TernaryParts
 
 
@@ -119,13 +120,13 @@ class DiskTensor:
 
 def checkpoint_parts(model, model_path: Path, config: dict) -> Dict[str, TernaryParts]:
     """{layer path: TernaryParts reading from disk} for every ternary layer of a native
-    checkpoint (other formats are converted at load, so they are sharded in memory)."""
+    checkpoint (`native_source` gives one for every format)."""
     if not is_native_config(config):
         return {}
     stored = QuantizationConfig.from_dict(config["quantization"], model_path / "config.json")
     index = tensor_index(shard_files(model_path))
     parts = {}
-    for path, layer in ternary_layers(model):
+    for path, layer in _ternary_layers(model):
         if f"{path}.packed" not in index:
             continue
         bias = f"{path}.bias"
@@ -146,6 +147,33 @@ def checkpoint_parts(model, model_path: Path, config: dict) -> Dict[str, Ternary
     return parts
 
 
+def _ternary_layers(model):
+    """(checkpoint path, TernaryLinear) of every ternary layer: an adapted layer's base
+    is stored under the adapter's path (the adapter wraps it as `.linear`)."""
+    from .runtime.shard_lora import adapter_base  # mlx-lm's tuner layers: sharded loads only
+
+    modules = model.named_modules()
+    bases = {path: adapter_base(m) for path, m in modules}
+    wrapped = {id(b) for b in bases.values() if b is not None}
+    for path, m in modules:
+        if bases[path] is not None:
+            yield path, bases[path]
+        elif isinstance(m, TernaryLinear) and id(m) not in wrapped:
+            yield path, m
+
+
+def native_source(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
+    """The native checkpoint directory a rank reads its slices from: the model itself, or
+    its conversion in the cache (a GGUF file, any other format: converted once per host,
+    one tensor at a time, by the first rank there; the others wait for it)."""
+    source = resolve_model_path(path_or_hf_repo, revision)  # a GGUF: its cached conversion
+    if not is_native_config(read_config(source)):
+        from .checkpoint.gguf_cache import native_dir
+
+        source = native_dir(source)
+    return source
+
+
 def barrier(group) -> None:
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
 
@@ -161,20 +189,22 @@ def sharded_load(
     revision: Optional[str] = None,
     return_config: bool = False,
     activations: Optional[str] = None,
+    adapter_path: Optional[str] = None,
 ):
     """`mlx_ternary.load` for one rank of a tensor-parallel group.
 
-    Each rank reads only its share of every ternary weight from a native checkpoint
-    (other formats are loaded, then sliced). Returns what `load` returns.
+    Each rank reads only its share of every ternary weight from a native checkpoint;
+    any other format (a GGUF file, Hugging Face BitNet, an MLX affine pack...) is first
+    converted once into the cache (`native_source`), then read the same way. Adapters
+    (`adapter_path`, mlx-lm's format) are sharded with their base layers. Returns what
+    `load` returns.
 
     Raises:
         TernaryError: as `load`, plus dimensions or head counts that do not divide by
             the group size (naming the layer).
     """
     group = group or world()
-    source = Path(path_or_hf_repo).expanduser()
-    if not source.is_file():  # a directory or hub id; a single file (GGUF) goes to load as is
-        source = resolve_model_path(path_or_hf_repo, revision)
+    source = native_source(path_or_hf_repo, revision)
     model, tokenizer, config = load(
         str(source),
         tokenizer_config=tokenizer_config,
@@ -184,9 +214,10 @@ def sharded_load(
         lazy=True,
         revision=revision,
         return_config=True,
+        adapter_path=adapter_path,
         activations=activations,
     )
-    parts = checkpoint_parts(model, source, read_config(source)) if source.is_dir() else {}
+    parts = checkpoint_parts(model, source, read_config(source))
     from .runtime.shard_plans import shard_model  # the per-model plans, for sharded loads only
 
     shard_model(model, group, sources=parts)

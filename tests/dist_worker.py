@@ -1,7 +1,8 @@
-"""One rank of the tensor-parallel test: run by `mlx.launch` from tests/test_distributed.py.
+"""One rank of the tensor-parallel test: run by `mlx.launch` from tests/test_parallel.py.
 
-It runs `mlx-ternary generate` with the JSON file's (argv[1]) "generate" arguments, keeping
-each rank's stdout in argv[2]/generate.rank<r>.txt; then for each of its "cases" it writes,
+It runs `mlx-ternary generate` with each of the JSON file's (argv[1]) "generate" argument
+lists, keeping each rank's stdout in argv[2]/<name>/generate.rank<r>.txt; then for each of
+its "cases" (a checkpoint, with an adapter directory where the case has one) it writes,
 per rank, into argv[2]:
 `<name>.rank<r>.npz` with the logits of
   disk:    mlx_ternary.parallel.sharded_load (each rank reads its slices from disk),
@@ -11,6 +12,7 @@ and `<name>.rank<r>.json` with the ternary bytes each rank holds and MLX's peak 
 during each load.
 """
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -35,6 +37,7 @@ def per_rank_absmax(model) -> int:
 
 def measured(fn):
     """(model, MLX's peak memory while building it, over what was held before)."""
+    gc.collect()  # a model is a reference cycle (its `shard` attribute): free it now
     mx.clear_cache()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
@@ -53,6 +56,7 @@ def generate(args, out: Path, rank: int) -> None:
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         cli(["generate", *args], standalone_mode=False)
+    out.mkdir(exist_ok=True)
     (out / f"generate.rank{rank}.txt").write_text(text.getvalue())
 
 
@@ -60,17 +64,19 @@ def main(spec_file: str, out_dir: str) -> None:
     group = world()
     rank, out = group.rank(), Path(out_dir)
     spec = json.loads(Path(spec_file).read_text())
-    generate(spec["generate"], out, rank)
+    for name, args in spec["generate"].items():
+        generate(args, out / name, rank)
     for case in spec["cases"]:
         tokens = mx.array([case["tokens"]])
-        acts = case.get("activations")
-        disk, peak_disk = measured(lambda: sharded_load(case["path"], group, activations=acts)[0])
+        acts, adapter = case.get("activations"), case.get("adapter")
+        kw = dict(activations=acts, adapter_path=adapter)
+        disk, peak_disk = measured(lambda: sharded_load(case["path"], group, **kw)[0])
         logits = {"disk": disk(tokens)}
         info = {"ternary_bytes_disk": ternary_bytes(disk), "peak_disk": peak_disk}
         del disk
 
         def in_memory():
-            model = load(case["path"], lazy=True, activations=acts)[0]
+            model = load(case["path"], lazy=True, **kw)[0]
             model.shard(group)
             return model
 

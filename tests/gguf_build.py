@@ -71,6 +71,21 @@ def byte_vocab():
     return tokens, ["\u0120 t", "h e", "\u0120t he", "i n"]
 
 
+def bpe_tokenizer(out: Path) -> None:
+    """Replace a checkpoint's tokenizer with a byte-level BPE that has merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges = byte_vocab()
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges]
+        )
+    )
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+
+
 def add_tokenizer(w, pre: str = "gpt-2") -> None:
     tokens, merges = byte_vocab()
     w.add_tokenizer_model("gpt2")

@@ -6,6 +6,7 @@ lets every rank quantize its K-slice of the activations with its own absmax: tha
 change the logits by far more than the tolerance.
 """
 
+import gc
 import json
 import os
 import signal
@@ -29,8 +30,24 @@ HERE = Path(__file__).parent
 TOKENS = [0, 5, 17, 3, 99, 42, 7, 64, 11, 2, 80, 33]
 TOL = 1e-4
 ACTIVATIONS = {"embedded-q8k": "q8k"}  # the cases loaded with load(activations=...)
-LAUNCH_TIMEOUT = 180
+LAUNCH_TIMEOUT = 600
 GENERATE = ["--prompt", "ROMEO:", "-m", "12"]  # the embedded model, greedy
+# Adapters on every projection, so both splits (and BitNet's plan, biases) carry one.
+ADAPTER_KEYS = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
+ADAPTED = {  # case: (base case, fine_tune_type)
+    "embedded-lora": ("embedded", "lora"),
+    "embedded-dora": ("embedded", "dora"),
+    "bitnet-fast-tensor-lora": ("bitnet-fast-tensor", "lora"),
+    "qwen2-fast-row-bias-dora": ("qwen2-fast-row-bias", "dora"),
+}
 
 
 def run_launch(*command, timeout=LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
@@ -53,6 +70,140 @@ def run_launch(*command, timeout=LAUNCH_TIMEOUT) -> subprocess.CompletedProcess:
 
 def rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def random_adapter(model_path, out: Path, kind: str, seed: int = 0, std: float = 0.05) -> Path:
+    """An adapter in mlx-lm's format (adapter_config.json + adapters.safetensors) with
+    random non-zero lora_b (and, for DoRA, magnitudes off the base's row norms), so it
+    changes the model on every projection."""
+    from mlx_ternary.runtime.adapters import linear_to_lora_layers
+
+    model, _ = mlx_ternary.load(str(model_path))
+    model.freeze()
+    params = {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": ADAPTER_KEYS}
+    mx.random.seed(seed)
+    linear_to_lora_layers(model, -1, params, use_dora=kind == "dora")
+    weights = {
+        k: mx.random.normal(v.shape) * std if k.endswith("lora_b") else v
+        for k, v in tree_flatten(model.trainable_parameters())
+    }
+    weights = {k: v * 1.1 if k.endswith(".m") else v for k, v in weights.items()}
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": kind, "num_layers": -1, "lora_parameters": params}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+WIDE = dict(  # large enough that scales and padding are noise: the memory cases
+    hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4
+)
+FORMATS = ("native", "hf-bitnet-packed", "mlx-2bit", "gguf")  # each read per rank
+CACHES = ("MLX_TERNARY_CONVERTED_CACHE", "MLX_TERNARY_GGUF_CACHE")  # the test's own
+
+
+def hf_bitnet_packed(native: Path, out: Path) -> Path:
+    """Hugging Face BitNet's packed layout of a per-tensor-scaled native checkpoint: uint8
+    (ceil(N/4), K), field i of row r holding output row r + i * ceil(N/4), and one
+    `weight_scale` per tensor (autobitlinear: multiplied)."""
+    from mlx_ternary.runtime.layers import ternary_layers
+
+    model, _ = mlx_ternary.load(str(native))
+    weights = dict(tree_flatten(model.parameters()))
+    for path, layer in ternary_layers(model):
+        t = np.array(layer.trits()).astype(np.uint8) + 1
+        rows = -(-t.shape[0] // 4)
+        padded = np.zeros((4 * rows, t.shape[1]), np.uint8)
+        padded[: t.shape[0]] = t
+        packed = np.zeros((rows, t.shape[1]), np.uint8)
+        for i in range(4):
+            packed |= padded[i * rows : (i + 1) * rows] << (2 * i)
+        del weights[f"{path}.packed"], weights[f"{path}.scales"]
+        weights[f"{path}.weight"] = mx.array(packed)
+        weights[f"{path}.weight_scale"] = layer.scales.reshape(1).astype(mx.float32)
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    config = json.loads((native / "config.json").read_text())
+    del config["quantization"]
+    config["quantization_config"] = {
+        "quant_method": "bitnet",
+        "linear_class": "autobitlinear",
+        "quantization_mode": "offline",
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    for f in native.glob("tokenizer*"):
+        (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def format_checkpoints(tmp: Path) -> dict:
+    """The same wide per-tensor-scaled llama in each format a rank reads sliced."""
+    import gguf_build
+
+    from mlx_ternary.checkpoint.convert import convert
+
+    native = ternary_checkpoint(tmp / "w", "llama", "fast", "tensor", None, None, **WIDE)[0]
+    gguf_build.bpe_tokenizer(native)  # llama.cpp's vocabulary needs BPE merges
+    convert(str(native), tmp / "w-mlx-2bit", q_bits=2)
+    convert(str(native), to_gguf=tmp / "w.gguf")
+    return {
+        "native": native,
+        "hf-bitnet-packed": hf_bitnet_packed(native, tmp / "w-hf"),
+        "mlx-2bit": tmp / "w-mlx-2bit",
+        "gguf": tmp / "w.gguf",
+    }
+
+
+def load_peak(fn) -> int:
+    """MLX's peak memory while `fn` loads a model, over what was held before."""
+    gc.collect()  # a model is a reference cycle (its `shard` attribute): free it now
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    model = fn()
+    mx.eval(model.parameters())
+    return mx.get_peak_memory() - base
+
+
+def format_peaks(formats: dict) -> dict:
+    """{case: single-process load peak} and {case-convert: the cache conversion's peak}."""
+    peaks = {}
+    for name, path in formats.items():
+        if name != "format-native":  # the others are converted once, one tensor at a time
+            peaks[name + "-convert"] = load_peak(lambda: _native(path))
+        peaks[name] = load_peak(lambda: mlx_ternary.load(str(path))[0])
+    return peaks
+
+
+def single_process(entries: dict):
+    """({case: (logits, ternary bytes, parameter bytes)}, the worker's case specs) of
+    {case: (checkpoint, adapter directory or None)} loaded in this process."""
+    single, specs = {}, []
+    for name, (path, adapter) in entries.items():
+        acts = ACTIVATIONS.get(name)
+        model, _ = mlx_ternary.load(str(path), activations=acts, adapter_path=adapter)
+        total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+        single[name] = (np.array(model(mx.array([TOKENS]))), ternary_bytes(model), total)
+        spec = {"name": name, "path": str(path), "tokens": TOKENS, "activations": acts}
+        specs.append({**spec, "adapter": adapter})
+    return single, specs
+
+
+def collect(out: Path, names, generate: dict) -> dict:
+    """What the worker wrote: each case's (logits, info) and each generate run's text, per rank."""
+    results = {
+        f"generate-{k}": [(out / k / f"generate.rank{r}.txt").read_text() for r in range(2)]
+        for k in generate
+    }
+    for name in names:
+        results[name] = [
+            (
+                dict(np.load(out / f"{name}.rank{r}.npz")),
+                json.loads((out / f"{name}.rank{r}.json").read_text()),
+            )
+            for r in range(2)
+        ]
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -82,39 +233,32 @@ def cases(tmp_path_factory):
         )[0],  # q/k/v biases
         # large enough that scales and padding are noise: the memory case
         "llama-fast-row-wide": ternary_checkpoint(
-            tmp / "d",
-            "llama",
-            "fast",
-            "row",
-            None,
-            None,
-            hidden_size=512,
-            intermediate_size=1536,
-            num_attention_heads=8,
-            num_key_value_heads=4,
+            tmp / "d", "llama", "fast", "row", None, None, **WIDE
         )[0],
     }
-    specs, single = [], {}
-    for name, path in dirs.items():
-        acts = ACTIVATIONS.get(name)
-        model, _ = mlx_ternary.load(str(path), activations=acts)
-        total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
-        single[name] = (np.array(model(mx.array([TOKENS]))), ternary_bytes(model), total)
-        specs.append({"name": name, "path": str(path), "tokens": TOKENS, "activations": acts})
+    adapters = {
+        name: (dirs[base], str(random_adapter(dirs[base], tmp / name, kind)))
+        for name, (base, kind) in ADAPTED.items()
+    }
+    # Foreign formats are converted once into the cache (here, for every rank), then
+    # each rank reads its slices of the copy: its peak is what the test measures.
+    saved = {k: os.environ.get(k) for k in CACHES}
+    os.environ.update({k: str(tmp / k) for k in CACHES})
+    formats = {f"format-{k}": p for k, p in format_checkpoints(tmp / "f").items()}
+    peaks = format_peaks(formats)
+    dirs.update(formats)
+    single, specs = single_process({**{n: (p, None) for n, p in dirs.items()}, **adapters})
     out = tmp / "out"
     out.mkdir()
-    (tmp / "cases.json").write_text(json.dumps({"cases": specs, "generate": GENERATE}))
+    strong = str(random_adapter(EMBEDDED_MODEL, tmp / "generate-adapter", "lora", std=0.15))
+    generate = {"plain": GENERATE, "adapter": [*GENERATE, "--adapter-path", strong]}
+    (tmp / "cases.json").write_text(json.dumps({"cases": specs, "generate": generate}))
     run_launch(str(HERE / "dist_worker.py"), str(tmp / "cases.json"), str(out))
-    results = {"generate": [(out / f"generate.rank{r}.txt").read_text() for r in range(2)]}
-    for name in dirs:
-        results[name] = [
-            (
-                dict(np.load(out / f"{name}.rank{r}.npz")),
-                json.loads((out / f"{name}.rank{r}.json").read_text()),
-            )
-            for r in range(2)
-        ]
-    return single, results
+    results = collect(out, [*dirs, *adapters], generate)
+    results.update({"adapter-path": strong, "load-peaks": peaks})
+    yield single, results
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.update({k: v})
 
 
 @pytest.mark.parametrize(
@@ -127,6 +271,8 @@ def cases(tmp_path_factory):
         "qwen3-compact-group",
         "qwen2-fast-row-bias",
         "llama-fast-row-wide",
+        *ADAPTED,
+        *(f"format-{f}" for f in FORMATS),
     ],
 )
 def test_two_ranks_give_the_single_process_logits(cases, name):
@@ -137,6 +283,18 @@ def test_two_ranks_give_the_single_process_logits(cases, name):
             err = rel_err(logits[how], ref)
             assert err <= TOL, f"{name} rank {rank} ({how}): relative error {err:.2e}"
     assert np.array_equal(results[name][0][0]["disk"], results[name][1][0]["disk"])
+
+
+@pytest.mark.parametrize("name", list(ADAPTED))
+def test_sharded_adapters_are_applied(cases, name):
+    """The negative control of the adapted cases: the same ranks' logits are far from the
+    base model's, so the adapters' shares did reach the output."""
+    single, results = cases
+    base = single[ADAPTED[name][0]][0]
+    assert rel_err(single[name][0], base) > 100 * TOL  # the adapter changes the model
+    for rank, (logits, _) in enumerate(results[name]):
+        err = rel_err(logits["disk"], base)
+        assert err > 100 * TOL, f"{name} rank {rank}: {err:.2e} from the base model"
 
 
 @pytest.mark.parametrize(
@@ -188,6 +346,40 @@ def test_rank_slice_loading_never_holds_a_whole_tensor(cases):
         assert info["peak_memory"] >= info["peak_disk"] + 0.10 * full_ternary, info
 
 
+def _native(path):
+    """The cache's native copy of `path`, loaded lazily (its conversion is what is measured)."""
+    from mlx_ternary.parallel import native_source
+
+    class Nothing:  # load_peak evaluates a model's parameters
+        def parameters(self):
+            return {}
+
+    native_source(str(path))
+    return Nothing()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_rank_reads_its_slices_of_every_format(cases, fmt):
+    """Per format, the ternary part of a rank's peak while loading (peak minus the float
+    weights every rank holds whole) is at most 0.6 of the single process's; the control,
+    slicing a whole lazily loaded model, is not."""
+    single, results = cases
+    name = f"format-{fmt}"
+    _, full_ternary, full = single[name]
+    floats = full - full_ternary
+    one = results["load-peaks"][name] - floats
+    assert one >= 0.9 * full_ternary, (one, full_ternary)  # it did hold the ternary bytes
+    for rank, (_, info) in enumerate(results[name]):
+        ratio = (info["peak_disk"] - floats) / one
+        assert ratio <= 0.6, f"{fmt} rank {rank}: {ratio:.2f} of the single process's peak"
+    print(
+        f"{fmt}: 1 process {one / 1e6:.2f} MB, per rank "
+        + ", ".join(f"{(i['peak_disk'] - floats) / 1e6:.2f}" for _, i in results[name])
+        + f" MB, whole-then-sliced {(results[name][0][1]['peak_memory'] - floats) / 1e6:.2f} MB"
+        + f", conversion {results['load-peaks'].get(name + '-convert', 0) / 1e6:.2f} MB"
+    )
+
+
 def test_generate_under_mlx_launch_prints_the_single_process_text_once(cases):
     from click.testing import CliRunner
 
@@ -195,9 +387,22 @@ def test_generate_under_mlx_launch_prints_the_single_process_text_once(cases):
 
     one = CliRunner().invoke(main, ["generate", *GENERATE])
     assert one.exit_code == 0, one.output
-    rank0, rank1 = cases[1]["generate"]
+    rank0, rank1 = cases[1]["generate-plain"]
     assert rank0 == one.output, f"rank 0:\n{rank0}\n1 process:\n{one.output}"
     assert rank1 == "" and len(rank0.strip()) > 20
+
+
+def test_generate_with_adapter_path_under_mlx_launch_prints_the_adapted_text(cases):
+    from click.testing import CliRunner
+
+    from mlx_ternary.cli import main
+
+    adapter = ["--adapter-path", cases[1]["adapter-path"]]
+    one = CliRunner().invoke(main, ["generate", *GENERATE, *adapter])
+    assert one.exit_code == 0, one.output
+    rank0, rank1 = cases[1]["generate-adapter"]
+    assert rank0 == one.output, f"rank 0:\n{rank0}\n1 process:\n{one.output}"
+    assert rank1 == "" and rank0 != cases[1]["generate-plain"][0]  # the adapter changes it
 
 
 def _get(url, body=None, timeout=30):

@@ -2,20 +2,26 @@
 
 `load()`, `generate`, `serve`, `plan` and `perplexity` take a GGUF path; the first time,
 it is converted to the native format into the cache, and later loads read that copy.
+Tensor-parallel loads (parallel.sharded_load) do the same with every other non-native
+checkpoint directory (Hugging Face BitNet, MLX affine packs, TriLM floats), so that each
+rank reads only its slices of the native copy.
 
-Where: $XDG_CACHE_HOME/mlx_ternary/gguf (default ~/.cache/mlx_ternary/gguf), one
-directory per file version, `<name>-<path hash>-<content key>`. The content key hashes
-the conversion's version, the file's size, modification time and its first and last MiB,
-so an upgrade that converts differently, a replaced or
-re-exported file gets a new key and is converted again; the older conversions of the
-same path are then removed. Conversion writes beside the destination and renames into
+Where: $XDG_CACHE_HOME/mlx_ternary/gguf (default ~/.cache/mlx_ternary/gguf; directories:
+.../converted), one directory per file version, `<name>-<path hash>-<content key>`. The
+content key hashes the conversion's version, the file's (each file's, for a directory)
+size, modification time and its first and last MiB, so an upgrade that converts
+differently, a replaced or re-exported file gets a new key and is converted again; the
+older conversions of the same path are then removed. One process converts at a time (a
+lock on the cache folder): the others wait, then read its copy. Conversion writes beside the destination and renames into
 place (convert's rule), so a directory in the cache is always complete; one damaged
 afterwards (a file truncated or rewritten, its manifest gone) is found at the next use,
 reported once and converted again.
 """
 
+import fcntl
 import hashlib
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -30,29 +36,37 @@ SAMPLE = 1 << 20  # bytes hashed at each end of the file
 CONVERSION = 2
 
 
-def cache_root() -> Path:
-    return kind_dir("gguf")
+def cache_root(directory: bool = False) -> Path:
+    """Where GGUF files' (or, with `directory`, checkpoint directories') copies live."""
+    return kind_dir("converted" if directory else "gguf")
 
 
 def _path_key(path: Path) -> str:
     return hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
 
 
-def _content_key(path: Path) -> str:
+def _hash_file(h, path: Path) -> None:
     st = path.stat()
-    h = hashlib.sha256(f"{CONVERSION}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     with open(path, "rb") as f:
         h.update(f.read(SAMPLE))
         if st.st_size > SAMPLE:
             f.seek(max(SAMPLE, st.st_size - SAMPLE))
             h.update(f.read(SAMPLE))
+
+
+def _content_key(path: Path) -> str:
+    h = hashlib.sha256(f"{CONVERSION}".encode())
+    for f in sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]:
+        _hash_file(h, f)
     return h.hexdigest()[:16]
 
 
 def cache_dir(path: Path) -> Path:
-    """Where the conversion of this version of `path` lives."""
+    """Where the conversion of this version of `path` (a file or directory) lives."""
     path = Path(path).expanduser()
-    return cache_root() / f"{path.stem}-{_path_key(path)}-{_content_key(path)}"
+    name = path.resolve().name if path.is_dir() else path.stem
+    return cache_root(path.is_dir()) / f"{name}-{_path_key(path)}-{_content_key(path)}"
 
 
 def entry_problem(out: Path) -> Optional[str]:
@@ -87,16 +101,31 @@ def native_dir(
     notify: Optional[Callable[[str], None]] = None,
     progress: Optional[Callable[[str, int, int], None]] = None,
 ) -> Path:
-    """The native-format directory for a GGUF file, converting it on first use.
+    """The native-format directory for a GGUF file (or a checkpoint directory in another
+    format), converting it on first use.
 
     Args:
         notify: called with one line when a conversion starts (the CLI prints it).
         progress: convert's (tensor name, done, total) callback.
     """
-    from .convert import convert
-
     path = Path(path).expanduser()
     out = cache_dir(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time in the cache folder (a lock on the folder itself): the
+    # ranks of an mlx.launch group on one host, or two commands started together, wait
+    # for the first, then read its copy.
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return _converted(path, out, notify, progress)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _converted(path: Path, out: Path, notify, progress) -> Path:
+    """`out`, the conversion of `path`, converted now unless a whole copy is there."""
+    from .convert import convert
+
     if (out / "config.json").is_file():
         problem = entry_problem(out)
         if problem is None:
@@ -106,11 +135,14 @@ def native_dir(
         shutil.rmtree(out, ignore_errors=True)
     if notify:
         notify(
-            f"{path}: converting the GGUF file to mlx-ternary's format once, into {out} "
+            f"{path}: converting the {'GGUF file' if path.is_file() else 'checkpoint'} to "
+            f"mlx-ternary's format once, into {out} "
             "(later runs load it from there)"
         )
     try:
-        convert(str(path), out, progress=progress)
+        # a directory packed as load() packs its ternary layers (open_source's default)
+        packing = "compact" if path.is_dir() else None
+        convert(str(path), out, packing=packing, progress=progress)
     except TernaryError:
         if not (out / "config.json").is_file():  # else another process just finished it
             raise

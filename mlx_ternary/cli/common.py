@@ -154,12 +154,3 @@ def check_kv_groups(model, kv_bits: int | None, group_size: int) -> None:
             f"--kv-group-size {group_size} does not divide this model's head "
             f"size {dim}; pick {sizes} dividing it"
         )
-
-
-def refuse_adapters_under_launch(adapter_path, detail: str = "") -> None:
-    """Sharded layers take no LoRA: --adapter-path is refused under mlx.launch."""
-    if adapter_path:
-        raise click.BadParameter(
-            f"adapters are not applied under mlx.launch (sharded layers take no LoRA){detail}",
-            param_hint="--adapter-path",
-        )

@@ -12,7 +12,6 @@ from .common import (
     local_model,
     model_option,
     or_embedded,
-    refuse_adapters_under_launch,
 )
 
 
@@ -98,11 +97,9 @@ def _load_for_generate(model, prompt, adapter_path, activations, sampling):
             )
         prompt = sys.stdin.read()
     if group.size() > 1:
-        refuse_adapters_under_launch(
-            adapter_path,
-            "; run without mlx.launch, or fuse with `mlx-ternary lm fuse --dequantize`",
+        lm, tokenizer = dist.sharded_load(
+            local_model(model), group, adapter_path=adapter_path, activations=activations
         )
-        lm, tokenizer = dist.sharded_load(local_model(model), group)
         sampling["seed"] = dist.agree_seed(sampling["seed"], group)
     else:
         lm, tokenizer = load(

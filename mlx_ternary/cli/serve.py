@@ -18,7 +18,6 @@ from .common import (
     or_embedded,
     prefill_option,
     prompt_cache_bytes,
-    refuse_adapters_under_launch,
 )
 
 NETWORK_OPTIONS = ("served_names", "api_key", "cors_origins", "read_timeout", "max_connections")
@@ -180,8 +179,7 @@ def _load_for_serve(path, group, adapter_path, activations):
     from ..serve.http import load_lazily
 
     if group.size() > 1:
-        refuse_adapters_under_launch(adapter_path)
-        return dist.sharded_load(path, group)
+        return dist.sharded_load(path, group, adapter_path=adapter_path, activations=activations)
     return load_lazily(path, adapter_path, activations)
 
 

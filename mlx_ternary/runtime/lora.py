@@ -88,18 +88,28 @@ class TernaryDoRALinear(nn.Module):
         self.linear = linear
         self.dropout = nn.Dropout(p=dropout)
         self.scale = scale
-        k, n = linear.in_features, linear.out_features
+        base = self._ternary()
+        k, n = base.in_features, base.out_features
         bound = 1 / k**0.5
         self.lora_a = mx.random.uniform(low=-bound, high=bound, shape=(k, r))
         self.lora_b = mx.zeros(shape=(r, n))
-        base_sq = mx.square(linear.dequantize(mx.float32)).sum(axis=1)  # (N,)
+        base_sq = mx.square(base.dequantize(mx.float32)).sum(axis=1)  # (N,)
         mx.eval(base_sq)
         self.__dict__["_base_sq"] = base_sq  # a constant, not a parameter
         self.m = mx.sqrt(base_sq)
 
+    def _ternary(self):
+        """The TernaryLinear holding the packed weights the row norms are computed from."""
+        return self.linear
+
+    def _sum_over_ranks(self, sq: mx.array) -> mx.array:
+        """Row sums over the whole K of a term of ||V||^2 (a K-sharded layer all_sums
+        its share; `_base_sq` is whole on every rank)."""
+        return sq
+
     def _weight_times(self, a: mx.array) -> mx.array:
         """W @ a for a (K, r): the ternary matmul of a.T, without activation quantization."""
-        lin = self.linear
+        lin = self._ternary()
         return reference.ternary_matmul(
             a.T,
             lin.packed,
@@ -114,7 +124,7 @@ class TernaryDoRALinear(nn.Module):
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
         cross = (self._weight_times(a) * b.T).sum(axis=1)  # <W_n, (A @ B).T_n>
         low = ((a.T @ a) @ b * b).sum(axis=0)  # ||(A @ B).T_n||^2
-        sq = self._base_sq + 2 * self.scale * cross + self.scale**2 * low
+        sq = self._base_sq + self._sum_over_ranks(2 * self.scale * cross + self.scale**2 * low)
         return mx.sqrt(mx.maximum(sq, 0.0))
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -30,6 +30,7 @@ from .reference import ACT_EPS, ACT_QMAX, ACT_QMIN
 
 SHARDINGS = ("all-to-sharded", "sharded-to-all")
 _FAST_PAD_WORD = 0x55555555  # sixteen zero trits (code 1)
+_REPACK_TRITS = 1 << 14  # trits decoded at once where a column cut is repacked (~0.5 MB)
 Segments = Union[int, Sequence[Union[int, float]]]
 
 
@@ -152,24 +153,27 @@ def _aligned_units(p: TernaryParts, c0: int, c1: int) -> Optional[Tuple[int, int
     return None
 
 
-def _trits_cols(p: TernaryParts, packed: Any, c0: int, c1: int) -> mx.array:
-    """Trits [c0, c1) of every row, decoded from the words or bytes that cover them."""
+def _trits_cols(p: TernaryParts, packed: Any, c0: int, c1: int, rows: slice) -> mx.array:
+    """Trits [c0, c1) of `rows`, decoded from the words or bytes that cover them."""
     if p.packing == "fast":
         per = fmt.CODES_PER_WORD
         u0, u1 = c0 // per, -(-c1 // per)
-        covered = fmt.unpack_fast_mx(packed[:, u0:u1], (u1 - u0) * per)
+        covered = fmt.unpack_fast_mx(packed[rows, u0:u1], (u1 - u0) * per)
         return covered[:, c0 - u0 * per : c1 - u0 * per]
     block = p.group_size or fmt.TRITS_PER_BYTE
     per_block = -(-block // fmt.TRITS_PER_BYTE)
     b0, b1 = c0 // block, -(-c1 // block)
     covered = fmt.unpack_compact_mx(
-        packed[:, b0 * per_block : b1 * per_block], (b1 - b0) * block, p.group_size
+        packed[rows, b0 * per_block : b1 * per_block], (b1 - b0) * block, p.group_size
     )
     return covered[:, c0 - b0 * block : c1 - b0 * block]
 
 
 def _cols(p: TernaryParts, packed: Any, ranges: List[Tuple[int, int]], out: str) -> mx.array:
-    """Columns `ranges` of the packed weight, packed as `out` for k = their total width."""
+    """Columns `ranges` of the packed weight, packed as `out` for k = their total width.
+
+    A cut inside a word or byte is decoded and repacked a block of rows at a time: the
+    decoded digits take 20 bytes a trit, far more than the weight itself."""
     k = sum(c1 - c0 for c0, c1 in ranges)
     g = p.group_size
     width = fmt.packed_shape(out, 1, k, g)[1]
@@ -177,8 +181,14 @@ def _cols(p: TernaryParts, packed: Any, ranges: List[Tuple[int, int]], out: str)
     if units is not None and out == p.packing:
         pad = _FAST_PAD_WORD if out == "fast" else 0
         return _pad_cols(packed[:, units[0] : units[1]], width, pad)
-    trits = _concat([_trits_cols(p, packed, c0, c1) for c0, c1 in ranges], axis=1)
-    return fmt.pack_mx(trits, out, g)
+    step = max(1, _REPACK_TRITS // k)
+    blocks = []
+    for r0 in range(0, p.out_features, step):
+        rows = slice(r0, min(r0 + step, p.out_features))
+        trits = _concat([_trits_cols(p, packed, c0, c1, rows) for c0, c1 in ranges], axis=1)
+        blocks.append(fmt.pack_mx(trits, out, g))
+        mx.eval(blocks[-1])  # before the next block's digits are made
+    return _concat(blocks, axis=0)
 
 
 def local_parts(
@@ -399,14 +409,18 @@ class ShardedToAllTernaryLinear(nn.Module):
     def out_features(self) -> int:
         return self.linear.out_features
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def local_output(self, x: mx.array) -> mx.array:
+        """This rank's share of the output, before the ranks sum it (no bias): a sharded
+        adapter adds its own share here, so one all_sum carries both (shard_lora.py)."""
         if self.activation_bits == fmt.Q8K:
-            y = mx.distributed.all_sum(self.linear(self._q8k_slice(x)), group=self.group)
-        elif self.activation_bits:
+            return self.linear(self._q8k_slice(x))
+        if self.activation_bits:
             xq, x_scale = quantize_shared(x, self.group)
-            y = mx.distributed.all_sum(self.linear(xq), group=self.group) * x_scale
-        else:
-            y = mx.distributed.all_sum(self.linear(x), group=self.group)
+            return self.linear(xq) * x_scale
+        return self.linear(x)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.distributed.all_sum(self.local_output(x), group=self.group)
         return y + self["bias"] if "bias" in self else y
 
     def _extra_repr(self) -> str:

@@ -19,7 +19,8 @@ from mlx.nn.layers import distributed as mlx_distributed
 from ..errors import TernaryError
 from . import patches
 from .layers import TernaryLinear
-from .shard import ShardedRMSNorm, TernaryParts, shard_linear
+from .shard import ShardedRMSNorm, TernaryParts
+from .shard_lora import shard_linear
 
 
 def _named_modules(model: nn.Module) -> Dict[int, str]:

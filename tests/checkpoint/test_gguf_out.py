@@ -2,7 +2,6 @@
 round trip back into mlx-ternary (ternary layers, scales, activation_bits)."""
 
 import json
-from pathlib import Path
 
 import gguf_build as gb
 import mlx.core as mx
@@ -21,21 +20,6 @@ from mlx_ternary.generate import EMBEDDED_MODEL
 
 FIXTURES = FIXTURES / "gguf"
 TOKENS = mx.array([[3, 17, 42, 5, 99, 64, 1, 20]])
-
-
-def _bpe_tokenizer(out: Path) -> None:
-    """Replace a checkpoint's tokenizer with a byte-level BPE that has merges."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tokens, merges = gb.byte_vocab()
-    tok = Tokenizer(
-        models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ")) for m in merges]
-        )
-    )
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(out / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +82,7 @@ def test_narrow_layers_as_q8_0_codes_and_float(tmp_path, arch, monkeypatch):
     either): float32. All read back as the same ternary weights."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     ckpt, _ = ternary_checkpoint(tmp_path, arch, scale="row")
-    _bpe_tokenizer(ckpt)
+    gb.bpe_tokenizer(ckpt)
     out = tmp_path / f"{arch}.gguf"
     convert(str(ckpt), to_gguf=out)
     gf = GGUFFile(out)
@@ -230,7 +214,7 @@ def test_refusals(tmp_path):
 
 def test_corrupt_tokenizer_config_is_named(tmp_path):
     ckpt, _ = ternary_checkpoint(tmp_path, "llama", scale="row")
-    _bpe_tokenizer(ckpt)
+    gb.bpe_tokenizer(ckpt)
     (ckpt / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(TernaryError, match="tokenizer_config.json: not valid JSON"):
         convert(str(ckpt), to_gguf=tmp_path / "m.gguf")

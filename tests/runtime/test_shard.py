@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from tiny import ternary_checkpoint
+from tiny import Ranks, ternary_checkpoint
 
 import mlx_ternary
 from mlx_ternary import format as fmt
@@ -27,19 +27,6 @@ from mlx_ternary.runtime.shard import (
     ternary_bytes,
 )
 from mlx_ternary.ternarize import ternarize
-
-
-class Ranks:
-    """A stand-in for mx.distributed.Group: sharding itself only asks size and rank."""
-
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def parts_of(t, scale, packing, group_size, out=None, bias=True):
