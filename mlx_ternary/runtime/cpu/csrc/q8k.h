@@ -220,17 +220,18 @@ struct HasQ8kTile : std::false_type {};
 template <class O>
 struct HasQ8kTile<O, std::void_t<decltype(O::has_q8k_tile)>> : std::true_type {};
 
-// Rows [n0, n1) (an even count) for tokens m0 .. m0 + 3. `seg4` holds, per segment, the 4
-// tokens' segment sums and `d4` their block scales d.
+// Rows [n0, n1) (an even count) for tokens m0 .. m0 + valid - 1 (valid <= 4; a short tile
+// repeats its last token in the unused lanes and stores nothing from them). `seg4` holds,
+// per segment, the 4 lanes' segment sums and `d4` their block scales d.
 template <class O>
-void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0,
+void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int valid,
                    const int32_t* seg4, const float* d4) {
   constexpr int T = Q8K_TILE_TOKENS;
   const Geometry& g = L.g;
   const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size();
   const bool grouped = L.scale_kind == 2;
   const int8_t* xb[T];
-  for (int t = 0; t < T; t++) xb[t] = a.q.data() + (m0 + t) * xlen;
+  for (int t = 0; t < T; t++) xb[t] = a.q.data() + (m0 + std::min(t, valid - 1)) * xlen;
   for (int64_t n = n0; n + 1 < n1; n += 2) {
     const uint8_t* w0 = L.w + n * g.row_bytes;
     const uint8_t* w1 = w0 + g.row_bytes;
@@ -262,13 +263,14 @@ void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_
     O::fvstore(out, y);
     for (int r = 0; r < Q8K_TILE_ROWS; r++) {
       const float b = L.bias_at(n + r);
-      for (int t = 0; t < T; t++)
+      for (int t = 0; t < valid; t++)
         store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + n + r, out[T * r + t] + b);
     }
   }
 }
 
-// Rows [n0, n1) for all M tokens through the tiles (the remainder: rows_q8k).
+// Rows [n0, n1) for all M tokens through the tiles: whole tiles, then a short one of 2 or 3
+// tokens; a last single token, and the odd row of the range, go through rows_q8k.
 template <class O>
 void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
   constexpr int T = Q8K_TILE_TOKENS;
@@ -277,20 +279,24 @@ void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_
   thread_local std::vector<float> d4;
   seg4.resize(T * g.nseg), d4.resize(T * g.nblocks8);
   const int64_t n2 = n0 + (n1 - n0) / 2 * 2;
-  int64_t m = 0;
-  for (; m + T <= M; m += T) {
-    for (int t = 0; t < T; t++) {
-      for (int64_t j = 0; j < g.nseg; j++) seg4[T * j + t] = a.ssum[(m + t) * g.nseg + j];
-      for (int64_t j = 0; j < g.nblocks8; j++) d4[T * j + t] = a.d8[(m + t) * g.nblocks8 + j];
+  for (int64_t m = 0; m < M; m += T) {
+    const int valid = (int)std::min<int64_t>(T, M - m);
+    if (valid == 1) {
+      rows_q8k<O, 4, 1>(L, a, n0, n1, m);
+      break;
     }
-    rows_q8k_tile<O>(L, a, n0, n2, m, seg4.data(), d4.data());
-    if (n2 < n1) rows_q8k<O, 4, T>(L, a, n2, n1, m);
-  }
-  switch (M - m) {
-    case 3: rows_q8k<O, 4, 3>(L, a, n0, n1, m); break;
-    case 2: rows_q8k<O, 4, 2>(L, a, n0, n1, m); break;
-    case 1: rows_q8k<O, 4, 1>(L, a, n0, n1, m); break;
-    default: break;
+    for (int t = 0; t < T; t++) {
+      const int64_t mt = m + std::min(t, valid - 1);
+      for (int64_t j = 0; j < g.nseg; j++) seg4[T * j + t] = a.ssum[mt * g.nseg + j];
+      for (int64_t j = 0; j < g.nblocks8; j++) d4[T * j + t] = a.d8[mt * g.nblocks8 + j];
+    }
+    rows_q8k_tile<O>(L, a, n0, n2, m, valid, seg4.data(), d4.data());
+    if (n2 == n1) continue;
+    switch (valid) {
+      case 4: rows_q8k<O, 4, 4>(L, a, n2, n1, m); break;
+      case 3: rows_q8k<O, 4, 3>(L, a, n2, n1, m); break;
+      default: rows_q8k<O, 4, 2>(L, a, n2, n1, m); break;
+    }
   }
 }
 
