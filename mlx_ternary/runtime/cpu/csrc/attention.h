@@ -35,7 +35,23 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
     const float* qi = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
     const int64_t n = s.causal ? std::min(s.Lk, i + s.Lk - s.Lq + 1) : s.Lk;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
+    int64_t j0 = 0;
+    for (; j0 + 4 <= n; j0 += 4) {  // 4 keys at once: independent FMA chains, same sums
+      const float* kj[4];
+      F8 acc[4];
+      for (int u = 0; u < 4; u++) kj[u] = kb + (j0 + u) * s.ks[2], acc[u] = O::f8zero();
+      for (int64_t d = 0; d < d8; d += 8) {
+        const F8 qv = O::f8load(qi + d);
+        for (int u = 0; u < 4; u++) acc[u] = O::fma8(acc[u], qv, kj[u] + d);
+      }
+      for (int u = 0; u < 4; u++) {
+        float dot = O::f8sum(acc[u]);
+        for (int64_t d = d8; d < D; d++) dot += qi[d] * kj[u][d];
+        scores[j0 + u] = dot * s.scale;
+        mx = std::max(mx, scores[j0 + u]);
+      }
+    }
+    for (int64_t j = j0; j < n; j++) {
       const float* kj = kb + j * s.ks[2];
       F8 acc = O::f8zero();
       for (int64_t d = 0; d < d8; d += 8) acc = O::fma8(acc, O::f8load(qi + d), kj + d);
