@@ -2,7 +2,7 @@
 
 mlx-lm picks its functions by name at call time from the namespace of the module that
 imported them (`from .utils import load_model`), so a replacement must reach every copy.
-Four callers use the three mechanisms below:
+Five callers use the three mechanisms below:
 
 - `swapped` (for the length of a block, then restored):
   - `lm.routed`: mlx-lm's `load_model`, `linear_to_lora_layers` and `dequantize_model`,
@@ -17,10 +17,12 @@ Four callers use the three mechanisms below:
     mlx-lm's callers (`load_adapters`, the lora trainer) and any later
     `from mlx_lm.tuner.utils import linear_to_lora_layers`; a name bound before the first
     `load()` keeps mlx-lm's function.
-- `route_attention` (for the life of the process, inert for other models):
-  - `runtime.cpu.attention`: mlx-lm's `scaled_dot_product_attention` in the modules of one
-    model's classes, and that model's class `__call__`, so the native CPU attention runs
-    inside that model only.
+- `route_function` (for the life of the process, inert for other models):
+  - `runtime.cpu.attention` (`route_attention`): mlx-lm's `scaled_dot_product_attention` in
+    the modules of one model's classes, and that model's class `__call__`, so the native CPU
+    attention runs inside that model only;
+  - `runtime.cpu.activation` (`route_swiglu`): mlx-lm's `swiglu` the same way, so the
+    native SwiGLU runs inside that model only.
 """
 
 import sys
@@ -80,28 +82,26 @@ def _wrapped_class(cls, around: Callable):
     return type(cls.__name__, (cls,), attrs)
 
 
-def route_attention(model, dispatcher: Callable[[Callable], Callable], around: Callable) -> bool:
-    """Replace mlx-lm's `scaled_dot_product_attention` with `dispatcher(original)` in the
-    modules that define `model`'s classes, and run `model`'s calls inside `around()` (a
-    context manager the dispatcher checks, so other models keep mlx-lm's attention).
+def route_function(
+    model, name: str, original: Callable, dispatcher: Callable[[Callable], Callable], around
+) -> bool:
+    """Replace mlx-lm's function `original`, bound as `name`, with `dispatcher(original)` in
+    the modules that define `model`'s classes, and run `model`'s calls inside `around()` (a
+    context manager the dispatcher checks, so other models keep mlx-lm's function).
 
     The model's class is swapped for a subclass of the same name whose `__call__` adds only
     `around()`. Returns False (and changes nothing) when no module of the model calls
-    mlx-lm's attention.
+    `original` by that name.
     """
-    from mlx_lm.models import base
-
-    original = getattr(
-        base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention
-    )
+    original = getattr(original, "__wrapped__", original)
     found = False
-    for name in {type(m).__module__ for m in model.modules()}:
-        module = sys.modules.get(name)
-        fn = getattr(module, "scaled_dot_product_attention", None)
+    for module_name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(module_name)
+        fn = getattr(module, name, None)
         if fn is original:
             replacement = dispatcher(original)
             replacement.__wrapped__ = original
-            module.scaled_dot_product_attention = replacement
+            setattr(module, name, replacement)
             found = True
         elif getattr(fn, "__wrapped__", None) is original:
             found = True
@@ -109,3 +109,19 @@ def route_attention(model, dispatcher: Callable[[Callable], Callable], around: C
         model.__class__ = _wrapped_class(type(model), around)
         model.__class__._routed_around = around
     return found
+
+
+def route_attention(model, dispatcher: Callable[[Callable], Callable], around: Callable) -> bool:
+    """`route_function` for mlx-lm's `scaled_dot_product_attention`."""
+    from mlx_lm.models import base
+
+    return route_function(
+        model, "scaled_dot_product_attention", base.scaled_dot_product_attention, dispatcher, around
+    )
+
+
+def route_swiglu(model, dispatcher: Callable[[Callable], Callable], around: Callable) -> bool:
+    """`route_function` for mlx-lm's `swiglu` (the gate of llama-style MLPs)."""
+    from mlx_lm.models import activations
+
+    return route_function(model, "swiglu", activations.swiglu, dispatcher, around)

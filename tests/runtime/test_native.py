@@ -552,3 +552,63 @@ def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cp
     q, k, v = _qkv(1, 4, 2, 3, 3, 16)
     llama.scaled_dot_product_attention(q, k, v, cache=None, scale=0.25, mask="causal")
     assert calls == [True, True]  # not routed outside the model's call
+
+
+# --------------------------------------------------------------------------- SwiGLU
+
+
+@needs_native
+def test_swiglu_matches_float64_and_mlx():
+    """The native silu(g) * x: within 2 ulp of float64 over the float range (big, tiny, zero
+    and odd-length inputs), close to MLX's own; the gradient is MLX's."""
+    import mlx.nn as nn
+
+    from mlx_ternary.runtime.cpu import activation
+
+    rng = np.random.default_rng(3)
+    g = np.concatenate([rng.normal(0, 4, 4099), np.linspace(-90, 90, 2001), [0.0, -0.0, 1e-30]])
+    g = g.astype(np.float32)
+    x = rng.normal(size=g.shape).astype(np.float32)
+    y = np.array(cpu.swiglu(mx.array(g), mx.array(x)))
+    g64, x64 = g.astype(np.float64), x.astype(np.float64)
+    want = g64 / (1 + np.exp(-g64)) * x64
+    big = np.abs(want) > 1e-30
+    assert (np.abs(y - want)[big] / np.abs(want)[big]).max() < 4e-7
+    assert np.abs(y - want)[~big].max() < 1e-30
+    mlx = np.array(nn.silu(mx.array(g)) * mx.array(x))
+    assert np.abs(y - mlx).max() <= 4e-7 * np.abs(mlx).max()
+    assert np.abs(y - g * x).max() > 1.0  # negative control: the gate matters
+    gm, xm = mx.array(g[:64].reshape(8, 8)), mx.array(x[:64].reshape(8, 8))
+    ours = mx.grad(lambda a, b: activation._native()(a, b).sum(), argnums=(0, 1))(gm, xm)
+    mlxs = mx.grad(lambda a, b: (nn.silu(a) * b).sum(), argnums=(0, 1))(gm, xm)
+    for a, b in zip(ours, mlxs):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    with pytest.raises(ValueError, match="swiglu takes two float32 arrays of one shape"):
+        cpu.swiglu(mx.array(g), mx.array(x[:-1]))
+
+
+@needs_native
+def test_swiglu_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cpu_default):
+    """install(): the model's MLPs call the native SwiGLU; mlx-lm's `swiglu` called outside
+    the model stays MLX's."""
+    import mlx_lm.models.llama as llama
+    from tiny import ternary_checkpoint
+
+    from mlx_ternary.checkpoint.load import load_model
+    from mlx_ternary.runtime import cpu as cpu_pkg
+    from mlx_ternary.runtime.cpu import activation
+
+    path, _ = ternary_checkpoint(tmp_path, "llama", "fast", "row", activation_bits=8)
+    model, _ = load_model(path)
+    ref, _ = load_model(path, backend="reference")
+    calls = []
+    real = cpu_pkg.swiglu
+    monkeypatch.setattr(activation, "swiglu", lambda g, x: calls.append(g.shape) or real(g, x))
+    ids = mx.array([[1, 5, 9, 33, 70, 2, 4]])
+    a, r = np.array(model(ids)), np.array(ref(ids))
+    assert len(calls) == 2  # two layers
+    assert np.abs(a - r).max() < 1e-4 * np.abs(r).max()
+    g = mx.array(np.linspace(-3, 3, 12, dtype=np.float32))
+    out = llama.swiglu(g, g)
+    assert len(calls) == 2  # not routed outside the model's call
+    np.testing.assert_allclose(np.array(out), np.array(g * mx.sigmoid(g) * g), rtol=1e-6)

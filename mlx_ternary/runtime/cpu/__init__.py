@@ -13,6 +13,7 @@ package runs the pure-MLX path, and one NativeBackendWarning says why.
 
 import threading
 import warnings
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -27,6 +28,25 @@ class NativeBackendWarning(UserWarning):
 
 _lock = threading.Lock()
 _state = {"tried": False, "module": None, "reason": None}
+
+
+_scope = threading.local()
+
+
+@contextmanager
+def enabled():
+    """Within the block (this thread), the mlx-lm functions routed to native kernels for a
+    model (attention.py, activation.py) use them: a routed model runs its calls in here."""
+    _scope.depth = getattr(_scope, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _scope.depth -= 1
+
+
+def active() -> bool:
+    """Whether this thread is inside an `enabled()` block (a routed model's call)."""
+    return getattr(_scope, "depth", 0) > 0
 
 
 def _module(progress: Optional[Callable[[str], None]] = None):
@@ -148,3 +168,9 @@ def ternary_weight(
     return _require().ternary_weight(
         packed, scales, packing_code(packing), in_features, group_size or 0
     )
+
+
+def swiglu(g: mx.array, x: mx.array) -> mx.array:
+    """silu(g) * x for float32 arrays of one shape (a vectorized exp, within 2 ulp of float64;
+    no gradient: activation.py gives it mlx-lm's)."""
+    return _require().swiglu(g, x)

@@ -15,26 +15,12 @@ would differ in the last bits. Gradients are the vjp of MLX's own attention
 (`mx.custom_function`), so training through it is unchanged too.
 """
 
-import threading
-from contextlib import contextmanager
 from functools import lru_cache
 
 import mlx.core as mx
 
 from .. import patches
-from . import _require
-
-_local = threading.local()
-
-
-@contextmanager
-def enabled():
-    """Use the native attention for mlx-lm attention calls made in this block (this thread)."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
+from . import _require, active, enabled
 
 
 @lru_cache(maxsize=None)
@@ -102,11 +88,7 @@ def _dispatcher(original):
     def scaled_dot_product_attention_(queries, keys, values, cache, scale, mask, **kwargs):
         # Keywords are passed on as given (mlx-lm versions differ in them, e.g. `sinks`);
         # any that is set, attention sinks included, keeps mlx-lm's own attention.
-        if (
-            getattr(_local, "depth", 0)
-            and all(v is None for v in kwargs.values())
-            and not hasattr(cache, "bits")
-        ):
+        if active() and all(v is None for v in kwargs.values()) and not hasattr(cache, "bits"):
             out = scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
             if out is not None:
                 return out

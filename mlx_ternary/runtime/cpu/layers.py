@@ -13,8 +13,8 @@ kernel; activations stay float32:
 Both are subclasses of the stock classes, so mlx-lm's isinstance checks, `quantize_model`,
 LoRA/DoRA and `save_model` treat them as the layers they replace.
 
-`adopt(model, weights, dtype)` is what `load()` does on the native backend: these tables, and
-the native attention (attention.py).
+`adopt(model, weights, dtype)` is what `load()` does on the native backend: these tables, the
+native attention (attention.py) and SwiGLU (activation.py).
 """
 
 from typing import Dict, Optional, Set
@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import attention, dense_matmul
+from . import activation, attention, dense_matmul
 
 HALF = (mx.float16, mx.bfloat16)
 
@@ -104,10 +104,11 @@ def adopt(
     model: nn.Module, weights: Dict[str, mx.array], dtype=None, backend: str = "native"
 ) -> Set[str]:
     """Prepare a freshly built model for `backend` (resolved): on the native one, native
-    attention and (unless the caller asked for a float dtype) its float16/bfloat16 tables as
+    attention and SwiGLU and (unless the caller asked for a float dtype) its float16/bfloat16 tables as
     stored; other backends change nothing. Returns the weight names that keep their stored
     dtype."""
     if backend != "native":
         return set()
     attention.install(model)
+    activation.install(model)
     return keep_half_tables(model, weights) if dtype is None else set()

@@ -154,7 +154,7 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
   L.act_quant = L.q8k = true;
   Acts a;
   a.q.assign(M * g.xlen(), 0), a.d8.assign(M * g.nblocks8, 0.f), a.ssum.assign(M * g.nseg, 0);
-  std::vector<float> tmp(K), y_native(M * N), y_scalar(M * N);
+  std::vector<float> tmp(q8k_tmp_floats(K)), y_native(M * N), y_scalar(M * N);
   for (int64_t m = 0; m < M; m++) quantize_token_q8k(g, x.data(), F32, m, a, tmp.data());
   L.out = y_native.data();
   run_rows<NativeOps>(L, a, M);

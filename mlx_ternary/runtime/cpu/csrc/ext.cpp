@@ -5,6 +5,7 @@
 //   DenseMatmul     y = x @ W.T, W float16/bfloat16/float32 (dense.h)
 //   TernaryWeight   W = s * t as float32 (N, K)            (the backward pass)
 //   Attention       softmax(scale q k^T [causal]) v        (attention.h)
+//   SwiGLU          silu(g) * x, float32                   (activation.h)
 //
 // eval_cpu allocates the output and enqueues the work on the stream's CPU command encoder, as
 // MLX's own CPU primitives do; MLX keeps the inputs alive until the task has run. Inside the task
@@ -32,6 +33,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 
+#include "activation.h"
 #include "attention.h"
 #include "check.h"
 #include "dense.h"
@@ -174,7 +176,7 @@ class TernaryMatmul : public CpuPrimitive {
       if (p.q8k) {
         a.q.resize(M * xlen), a.d8.resize(M * g->nblocks8), a.ssum.resize(M * g->nseg);
         parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
-          std::vector<float> tmp(p.k);
+          std::vector<float> tmp(tk::q8k_tmp_floats(p.k));
           for (int64_t m = m0; m < m1; m++) tk::quantize_token_q8k(*g, xp, xd, m, a, tmp.data());
         });
       } else if (p.act_quant) {
@@ -427,6 +429,35 @@ class Attention : public CpuPrimitive {
 };
 
 // ---------------------------------------------------------------------------------------------
+// SwiGLU: silu(g) * x for float32 arrays of one shape; gradients from the Python wrapper
+// ---------------------------------------------------------------------------------------------
+
+class SwiGLU : public CpuPrimitive {
+ public:
+  using CpuPrimitive::CpuPrimitive;
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([g = in[0], x = in[1], outp = out.data<float>()]() {
+      std::vector<uint8_t> kg, kx;
+      const float* gp = (const float*)row_major(g, kg);
+      const float* xp = (const float*)row_major(x, kx);
+      parallel_rows((int64_t)g.size(), 1 << 14, [&](int64_t i0, int64_t i1) {
+        tk::silu_mul(gp, xp, outp, i0, i1);
+      });
+    });
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+  const char* name() const override { return "NativeSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+// ---------------------------------------------------------------------------------------------
 // Ops (validation happens here, once per call, where errors can name the argument)
 // ---------------------------------------------------------------------------------------------
 
@@ -546,6 +577,14 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
                    std::move(inputs));
 }
 
+mx::array swiglu(const mx::array& g, const mx::array& x) {
+  if (g.dtype() != mx::float32 || x.dtype() != mx::float32 || g.shape() != x.shape())
+    bad("swiglu takes two float32 arrays of one shape, got " + shape_str(g) + " and " +
+        shape_str(x));
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(g.shape(), mx::float32, std::make_shared<SwiGLU>(s), std::vector<mx::array>{g, x});
+}
+
 mx::array ternary_weight_op(const mx::array& packed, const mx::array& scales, int packing,
                             int in_features, int group_size) {
   TernaryParams p = check_layer(packed, scales, packing, in_features, group_size);
@@ -575,6 +614,8 @@ NB_MODULE(_mlx_ternary_native, m) {
         "softmax(scale * q @ k.T [+ causal mask]) @ v for float32 (B, H, L, D) arrays; k/v may "
         "have fewer heads (grouped-query attention); `mask` (bool, broadcast to (B, H, Lq, Lk)) "
         "drops the keys it marks false.");
+  m.def("swiglu", &swiglu, nb::arg("g"), nb::arg("x"),
+        "silu(g) * x for float32 arrays of one shape (a vectorized exp, within 2 ulp).");
   m.def("set_num_threads", [](int n) { pool().resize(n < 1 ? default_threads() : n); },
         nb::arg("n"), "Threads the kernels use (n < 1: all the cores this process may use).");
   m.def("num_threads", []() { return pool().size(); });

@@ -14,13 +14,36 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "tkernels.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace tk {
 
 constexpr int Q8K_BLOCK = 256;  // ggml's QK_K
 constexpr float Q8K_QMAX = 127.f;
+
+constexpr int Q8K_TILE_ROWS = 2, Q8K_TILE_TOKENS = 4;
+// int16 terms a lane may add up within one segment: each |term| <= 2 * 2 * 128
+constexpr int Q8K_TILE_I16_TERMS = 32767 / 512;
+
+// Whether rows_q8k_tile (below) applies: fast packing, every segment at most
+// Q8K_TILE_I16_TERMS code vectors long.
+inline bool q8k_tile_ok(const Geometry& g) {
+  if (g.packing != FAST || !g.q8k_ok) return false;
+  int64_t run = 0;
+  for (const Step& st : g.steps) {
+    run += g.nv;
+    if (run > Q8K_TILE_I16_TERMS) return false;
+    if (st.seg >= 0) run = 0;
+  }
+  return true;
+}
 
 // Segments of the row and the step that ends each. A step whose columns span two segments
 // (compact rows longer than 320 columns with one scale, fast packing with groups of 64)
@@ -49,37 +72,103 @@ inline void plan_q8k(Geometry& g) {
   }
   for (int64_t s = 0; s < nsteps; s++)
     g.steps[s].seg = (s + 1 == nsteps || seg_of[s + 1] != seg_of[s]) ? (int32_t)seg_of[s] : -1;
+  g.q8k_tile = q8k_tile_ok(g);
 }
 
+// One block of n <= 256 floats as ggml's Q8_K, in place (x becomes q, integer-valued floats);
+// returns d. The AVX2 loops compute the same values as the scalar ones: max |x| is exact in
+// any order, the product is one float32 multiply, and vroundps rounds half to even as
+// nearbyint does.
+inline float q8k_block(float* x, int64_t n) {
+  float amax = 0.f;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  __m256 vm = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vm);
+  for (float v : lanes) amax = std::max(amax, v);
+#endif
+  for (; i < n; i++) amax = std::max(amax, std::fabs(x[i]));
+  if (!(amax > 0.f)) {
+    std::fill(x, x + n, 0.f);
+    return 0.f;
+  }
+  float top = 0.f;
+  for (i = 0; i < n; i++)
+    if (std::fabs(x[i]) == amax) {
+      top = x[i];
+      break;
+    }
+  const float iscale = -Q8K_QMAX / top;
+  i = 0;
+#if defined(__AVX2__)
+  const __m256 vs = _mm256_set1_ps(iscale), vmax = _mm256_set1_ps(Q8K_QMAX);
+  for (; i + 8 <= n; i += 8) {
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + i)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_ps(x + i, _mm256_min_ps(r, vmax));
+  }
+#endif
+  for (; i < n; i++) x[i] = std::min(Q8K_QMAX, std::nearbyint(iscale * x[i]));
+  return 1.f / iscale;
+}
+
+// Fast packing's activation order (tkernels.h column_of) for the whole 128-column steps of
+// codes c: position 32 v + b of a step holds column 4 b + v. Returns the positions written.
+inline int64_t fast_order(const int8_t* c, int64_t k, int8_t* q) {
+  int64_t s = 0;
+#if defined(__AVX2__)
+  // per 16 columns: bytes grouped by v (4 each), then a 4 x 4 transpose of those dwords
+  const __m128i by_v = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (; 128 * (s + 1) <= k; s++) {
+    for (int half = 0; half < 2; half++) {
+      __m128i y[4];
+      for (int i = 0; i < 4; i++)
+        y[i] = _mm_shuffle_epi8(
+            _mm_loadu_si128((const __m128i*)(c + 128 * s + 64 * half + 16 * i)), by_v);
+      __m128i a0 = _mm_unpacklo_epi32(y[0], y[1]), a1 = _mm_unpackhi_epi32(y[0], y[1]);
+      __m128i a2 = _mm_unpacklo_epi32(y[2], y[3]), a3 = _mm_unpackhi_epi32(y[2], y[3]);
+      __m128i t[4] = {_mm_unpacklo_epi64(a0, a2), _mm_unpackhi_epi64(a0, a2),
+                      _mm_unpacklo_epi64(a1, a3), _mm_unpackhi_epi64(a1, a3)};
+      for (int v = 0; v < 4; v++)
+        _mm_storeu_si128((__m128i*)(q + 128 * s + 32 * v + 16 * half), t[v]);
+    }
+  }
+#endif
+  return 128 * s;
+}
+
+// Floats of quantize_token_q8k's scratch: K floats, then K + 1 bytes.
+inline int64_t q8k_tmp_floats(int64_t k) { return k + (k + 4) / 4; }
+
 // Token m of x -> ggml's Q8_K codes at a.q[m] (permuted), d at a.d8[m], segment sums at
-// a.ssum[m]; tmp holds K floats.
+// a.ssum[m]; tmp holds q8k_tmp_floats(K).
 inline void quantize_token_q8k(const Geometry& g, const void* x, int dtype, int64_t m, Acts& a,
                                float* tmp) {
   const int64_t k = g.k;
-  for (int64_t i = 0; i < k; i++) tmp[i] = load_as_f32(x, dtype, m * k + i);
+  if (dtype == F32) std::memcpy(tmp, (const float*)x + m * k, k * sizeof(float));
+  else
+    for (int64_t i = 0; i < k; i++) tmp[i] = load_as_f32(x, dtype, m * k + i);
   float* d = a.d8.data() + m * g.nblocks8;
   for (int64_t b = 0; b < g.nblocks8; b++) {
     const int64_t i0 = b * Q8K_BLOCK, i1 = std::min<int64_t>(k, i0 + Q8K_BLOCK);
-    float amax = 0.f, top = 0.f;
-    for (int64_t i = i0; i < i1; i++)
-      if (std::fabs(tmp[i]) > amax) amax = std::fabs(tmp[i]), top = tmp[i];
-    if (amax == 0.f) {
-      d[b] = 0.f;
-      std::fill(tmp + i0, tmp + i1, 0.f);
-      continue;
-    }
-    const float iscale = -Q8K_QMAX / top;
-    for (int64_t i = i0; i < i1; i++) tmp[i] = std::min(Q8K_QMAX, std::nearbyint(iscale * tmp[i]));
-    d[b] = 1.f / iscale;
-  }
-  int8_t* q = a.q.data() + m * g.xlen();
-  for (int64_t p = 0; p < g.xlen(); p++) {
-    const int64_t c = g.perm[p];
-    q[p] = c < 0 ? 0 : (int8_t)tmp[c];
+    d[b] = q8k_block(tmp + i0, i1 - i0);
   }
   int32_t* ss = a.ssum.data() + m * g.nseg;
-  std::fill(ss, ss + g.nseg, 0);
-  for (int64_t i = 0; i < k; i++) ss[i / g.seg_len] += (int32_t)tmp[i];
+  int8_t* qc = (int8_t*)(tmp + k);  // the codes in column order, a zero after them
+  for (int64_t j = 0; j < g.nseg; j++) {
+    int32_t sum = 0;
+    for (int64_t i = j * g.seg_len; i < std::min<int64_t>(k, (j + 1) * g.seg_len); i++)
+      sum += (int32_t)(qc[i] = (int8_t)tmp[i]);
+    ss[j] = sum;
+  }
+  qc[k] = 0;
+  int8_t* q = a.q.data() + m * g.xlen();
+  int64_t p = g.packing == FAST ? fast_order(qc, k, q) : 0;
+  const int64_t* perm = g.perm.data();
+  for (; p < g.xlen(); p++) q[p] = qc[perm[p] < 0 ? k : perm[p]];
 }
 
 // Rows [n0, n1) for tokens m0 .. m0 + T - 1 with q8k activations.
@@ -112,6 +201,102 @@ void rows_q8k(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0)
     }
     const float b = L.bias_at(n);
     for (int t = 0; t < T; t++) store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + n, y[t] + b);
+  }
+}
+
+
+// ----------------------------------------------------------------------------------------------
+// Many tokens, fast packing: tiles of 2 rows x 4 tokens (ISAs with has_q8k_tile)
+// ----------------------------------------------------------------------------------------------
+//
+// The same sums as rows_q8k, computed as a small integer GEMM: per 32-byte step the two rows'
+// code vectors are decoded once and each activation vector is loaded once for both rows; the
+// 8 (row, token) accumulators are reduced together at a segment's end (one vector, lane =
+// pair) and the float32 epilogue y + float(sumi - ssum) * (d * s) runs lane by lane - the
+// order and rounding of the scalar epilogue, so results are bit-identical to rows_q8k.
+
+template <class O, class = void>
+struct HasQ8kTile : std::false_type {};
+template <class O>
+struct HasQ8kTile<O, std::void_t<decltype(O::has_q8k_tile)>> : std::true_type {};
+
+// Rows [n0, n1) (an even count) for tokens m0 .. m0 + valid - 1 (valid <= 4; a short tile
+// repeats its last token in the unused lanes and stores nothing from them). `seg4` holds,
+// per segment, the 4 lanes' segment sums and `d4` their block scales d.
+template <class O>
+void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int valid,
+                   const int32_t* seg4, const float* d4) {
+  constexpr int T = Q8K_TILE_TOKENS;
+  const Geometry& g = L.g;
+  const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size();
+  const bool grouped = L.scale_kind == 2;
+  const int8_t* xb[T];
+  for (int t = 0; t < T; t++) xb[t] = a.q.data() + (m0 + std::min(t, valid - 1)) * xlen;
+  for (int64_t n = n0; n + 1 < n1; n += 2) {
+    const uint8_t* w0 = L.w + n * g.row_bytes;
+    const uint8_t* w1 = w0 + g.row_bytes;
+    typename O::TA acc[8];
+    for (auto& v : acc) v = O::tzero();
+    typename O::FV y = O::fvzero();
+    float s0 = grouped ? 0.f : L.scale(n, 0), s1 = grouped ? 0.f : L.scale(n + 1, 0);
+    for (int64_t s = 0; s < nsteps; s++) {
+      const Step& st = g.steps[s];
+      __builtin_prefetch(w0 + st.off + PREFETCH_BYTES);
+      __builtin_prefetch(w1 + st.off + PREFETCH_BYTES);
+      const typename O::V r0 = st.valid == 32 ? O::load(w0 + st.off) : O::load_tail(w0 + st.off, st.valid);
+      const typename O::V r1 = st.valid == 32 ? O::load(w1 + st.off) : O::load_tail(w1 + st.off, st.valid);
+      const int64_t off = s * 4 * 32;
+      for (int v = 0; v < 4; v++) {
+        const typename O::V c0 = O::code(r0, v), c1 = O::code(r1, v);
+        for (int t = 0; t < T; t++) {
+          const typename O::V x = O::xload(xb[t] + off + 32 * v);
+          O::tdot(acc[t], c0, x);
+          O::tdot(acc[T + t], c1, x);
+        }
+      }
+      if (st.seg < 0) continue;
+      const int64_t seg = st.seg, col = seg * g.seg_len;
+      if (grouped) s0 = L.scale(n, col / g.group), s1 = L.scale(n + 1, col / g.group);
+      y = O::tstep(y, O::tsum8(acc), seg4 + T * seg, d4 + T * (col / Q8K_BLOCK), s0, s1);
+    }
+    alignas(32) float out[8];
+    O::fvstore(out, y);
+    for (int r = 0; r < Q8K_TILE_ROWS; r++) {
+      const float b = L.bias_at(n + r);
+      for (int t = 0; t < valid; t++)
+        store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + n + r, out[T * r + t] + b);
+    }
+  }
+}
+
+// Rows [n0, n1) for all M tokens through the tiles: whole tiles, then a short one of 2 or 3
+// tokens; a last single token, and the odd row of the range, go through rows_q8k.
+template <class O>
+void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
+  constexpr int T = Q8K_TILE_TOKENS;
+  const Geometry& g = L.g;
+  thread_local std::vector<int32_t> seg4;
+  thread_local std::vector<float> d4;
+  seg4.resize(T * g.nseg), d4.resize(T * g.nblocks8);
+  const int64_t n2 = n0 + (n1 - n0) / 2 * 2;
+  for (int64_t m = 0; m < M; m += T) {
+    const int valid = (int)std::min<int64_t>(T, M - m);
+    if (valid == 1) {
+      rows_q8k<O, 4, 1>(L, a, n0, n1, m);
+      break;
+    }
+    for (int t = 0; t < T; t++) {
+      const int64_t mt = m + std::min(t, valid - 1);
+      for (int64_t j = 0; j < g.nseg; j++) seg4[T * j + t] = a.ssum[mt * g.nseg + j];
+      for (int64_t j = 0; j < g.nblocks8; j++) d4[T * j + t] = a.d8[mt * g.nblocks8 + j];
+    }
+    rows_q8k_tile<O>(L, a, n0, n2, m, valid, seg4.data(), d4.data());
+    if (n2 == n1) continue;
+    switch (valid) {
+      case 4: rows_q8k<O, 4, 4>(L, a, n2, n1, m); break;
+      case 3: rows_q8k<O, 4, 3>(L, a, n2, n1, m); break;
+      default: rows_q8k<O, 4, 2>(L, a, n2, n1, m); break;
+    }
   }
 }
 

@@ -93,6 +93,56 @@ struct Avx2Ops {
     return _mm_cvtss_f32(s);
   }
 
+  // q8k tiles (q8k.h rows_q8k_tile): 2 rows x 4 tokens = 8 accumulators, one per lane of the
+  // per-segment results. Without VNNI the pmaddubsw pairs add up in int16 within a segment
+  // (at most Q8K_TILE_I16_TERMS of them per lane: no overflow) and widen
+  // to int32 once per segment.
+  static constexpr bool has_q8k_tile = true;
+  using TA = __m256i;
+  static TA tzero() { return _mm256_setzero_si256(); }
+  static V code(V w, int v) {
+    return _mm256_and_si256(_mm256_srli_epi16(w, 2 * v), _mm256_set1_epi8(3));
+  }
+  static V xload(const int8_t* x) { return _mm256_loadu_si256((const __m256i*)x); }
+  static void tdot(TA& a, V c, V x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    a = _mm256_dpbusd_epi32(a, c, x);
+#elif defined(__AVXVNNI__)
+    a = _mm256_dpbusd_avx_epi32(a, c, x);
+#else
+    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c, x));
+#endif
+    __asm__("" : "+x"(a));  // keeps the compiler from reassociating the sums into spills
+  }
+  // lane i = the sum of all lanes of a[i] (as int32); a[] is reset to zero
+  static __m256i tsum8(TA a[8]) {
+    __m256i w[8];
+    for (int i = 0; i < 8; i++) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+      w[i] = a[i];
+#else
+      w[i] = _mm256_madd_epi16(a[i], _mm256_set1_epi16(1));
+#endif
+      a[i] = _mm256_setzero_si256();
+    }
+    __m256i h01 = _mm256_hadd_epi32(w[0], w[1]), h23 = _mm256_hadd_epi32(w[2], w[3]);
+    __m256i h45 = _mm256_hadd_epi32(w[4], w[5]), h67 = _mm256_hadd_epi32(w[6], w[7]);
+    __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                            _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+  // y + float(sumi - ssum) * (d * s), lane by lane: ssum, d for tokens 0-3 (both rows),
+  // s0 / s1 the scales of rows 0 / 1
+  static FV tstep(FV y, __m256i sumi, const int32_t* ssum4, const float* d4, float s0,
+                  float s1) {
+    __m256i ss = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)ssum4));
+    __m256 d = _mm256_broadcast_ps((const __m128*)d4);
+    __m256 s = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+    __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, ss));
+    return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(d, s)));
+  }
+  static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
+
   // float path: F8 = 8 float lanes
   using F8 = __m256;
   static F8 f8zero() { return _mm256_setzero_ps(); }

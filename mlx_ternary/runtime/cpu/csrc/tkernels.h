@@ -124,6 +124,7 @@ struct Geometry {
   int seg_len = 0;
   int64_t nseg = 0, nblocks8 = 0;
   bool q8k_ok = false;
+  bool q8k_tile = false;  // q8k.h rows_q8k_tile applies
 
   int64_t xlen() const { return (int64_t)steps.size() * nv * 32; }
 };
@@ -483,6 +484,8 @@ constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 24;
 template <class O, int NV, bool GROUPED>
 void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
   if (!L.act_quant && M >= FLOAT_GEMM_MIN_TOKENS) return rows_float_gemm<O, NV, GROUPED>(L, a, M, n0, n1);
+  if constexpr (NV == 4 && HasQ8kTile<O>::value)
+    if (L.q8k && L.g.q8k_tile && M >= Q8K_TILE_TOKENS) return rows_q8k_tiled<O>(L, a, M, n0, n1);
   int64_t m = 0;
   auto run = [&](auto tile) {
     constexpr int T = decltype(tile)::value;
