@@ -79,6 +79,9 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
     }
     float sum = 0.f;
     int64_t j = 0;
+    // Sum from the first key kept: a left-padded row then groups its keys into lanes as the
+    // sequence alone does, and gets the same sum bit for bit.
+    for (; mi && j < n && scores[j] == -INFINITY; j++) scores[j] = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 acc8 = _mm256_setzero_ps();
     for (; j + 8 <= n; j += 8) {
