@@ -17,9 +17,10 @@ import mlx.nn as nn
 from mlx.nn.layers import distributed as mlx_distributed
 
 from ..errors import TernaryError
-from . import patches
+from . import host, patches
 from .layers import TernaryLinear
 from .shard import ShardedRMSNorm, TernaryParts, shard_linear
+from .shard_head import shard_output
 
 
 def _named_modules(model: nn.Module) -> Dict[int, str]:
@@ -119,6 +120,7 @@ def shard_model(
             that do not divide, or a layer the model shards in place.
     """
     group = group or mx.distributed.init()
+    host.share_host(group)  # ranks sharing this machine: no polling, a core block each
     names, sources = _named_modules(model), sources or {}
     _check_heads(getattr(model, "model", model), group.size())
     plan = PLANS.get(model_type(model))
@@ -129,6 +131,7 @@ def shard_model(
             return shard_linear(module, sharding, group=group, parts=sources.get(name), name=name)
 
         plan(model, group, shard)
+        shard_output(model, group)
         return model
     method = getattr(type(model), "shard", None)
     if method is None:
@@ -138,6 +141,7 @@ def shard_model(
         )
     with _ternary_aware(method.__globals__, names, sources):
         method(model, group)
+    shard_output(model, group)
     return model
 
 
