@@ -3,7 +3,8 @@
 Every rank runs the same command. `sharded_load` builds the model lazily, then reads each
 ternary layer's share straight from the checkpoint (a block of rows is one contiguous read;
 a block of columns a strided one), so no rank ever holds a whole ternary tensor; float
-weights (embeddings, norms, a float lm_head) stay whole on every rank, as in mlx-lm.
+weights (embeddings, norms) stay whole on every rank, as in mlx-lm, except the output layer,
+split by vocabulary once loaded (runtime/shard_head.py).
 Rank 0 prints and serves; the other ranks compute in step with it (serve/lockstep.py,
 docs/DISTRIBUTED.md).
 """

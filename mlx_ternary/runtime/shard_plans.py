@@ -107,7 +107,9 @@ def shard_model(
     sources: Optional[Dict[str, TernaryParts]] = None,
 ) -> nn.Module:
     """Shard `model` in place across `group` for tensor parallelism, as mlx-lm's
-    `model.shard(group)` does, with TernaryLinear layers split by this module.
+    `model.shard(group)` does, with TernaryLinear layers split by this module, the output
+    layer by vocabulary (shard_head.py), and ranks that share this machine tuned for it
+    (host.py).
 
     Args:
         model: an mlx-lm model (as `mlx_ternary.load` returns it).

@@ -1,10 +1,13 @@
 """Where a tensor-parallel decode step's time goes on one host: compute, collectives, the rest.
 
     python scripts/bench/tp_cost.py --model DIR --compare     # both settings and the ratio
+    python scripts/bench/tp_cost.py --llama /tmp/tq2 --compare   # on the 0.53 G llama
     MLX_TERNARY_NUM_THREADS=2 python scripts/bench/tp_cost.py --model DIR          # 1 process
     MLX_TERNARY_NUM_THREADS=1 mlx.launch -n 2 --backend ring -- \\
         python scripts/bench/tp_cost.py --model DIR                               # 2 ranks
 
+`--llama DIR` writes the 0.53 G random TQ2_0 llama of bench_llamacpp.py into DIR/model.gguf
+and its fast-packed conversion into DIR/fast (once; minutes) and measures that.
 `--compare` runs one process with `--threads 2` threads and `--ranks 2` ranks of one thread
 each (`mlx.launch --backend ring`), alternating `--repeats` times, and prints ms per token
 for both and the ratio of their decode speeds (2 ranks / 1 process: 0.5 means the ranks
@@ -96,6 +99,13 @@ def patched(replacement):
     return lambda: [setattr(mx.distributed, k, f) for k, f in real.items()]
 
 
+def identity(name: str, world: int):
+    """A collective's stand-in with the right shape and no communication."""
+    if name == "all_gather":
+        return lambda x, *a, **kw: mx.concatenate([x] * world)
+    return lambda x, *a, **kw: x
+
+
 def collectives_per_step(model) -> int:
     count = {"n": 0}
 
@@ -129,7 +139,11 @@ def measure(args) -> dict:
     """This process's row (one rank, or the single process)."""
     from mlx_ternary.checkpoint.load import load
     from mlx_ternary.parallel import world
-    from mlx_ternary.runtime.host import share_host
+
+    try:
+        from mlx_ternary.runtime.host import share_host
+    except ImportError:  # a checkout from before it (the "before" measurement)
+        share_host = None
 
     before = thread_ids()
     group = world()
@@ -143,7 +157,7 @@ def measure(args) -> dict:
     total = decode_ms(model, args.gen_tokens, ring, threads)
     compute, one = total, 0.0
     if group.size() > 1:
-        undo = patched(lambda _, f: lambda x, *a, **kw: x)
+        undo = patched(lambda name, _: identity(name, group.size()))
         compute = decode_ms(model, args.gen_tokens)
         undo()
         one = one_all_sum_ms(model, group)
@@ -157,7 +171,7 @@ def measure(args) -> dict:
         collectives_ms=round(one * per_step, 3),
         rest_ms=round(total - compute - one * per_step, 3),
         threads=threads,
-        host=share_host(group),
+        host=share_host(group) if share_host else None,
     )
 
 
@@ -172,6 +186,8 @@ def run_setting(args, ranks: int, threads: int) -> list:
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if len(rows) != ranks:  # mlx.launch exits 0 when a rank fails
+        raise SystemExit(f"{' '.join(cmd)}: {len(rows)} of {ranks} rows:\n{done.stderr}")
     return sorted(rows, key=lambda r: r["rank"])
 
 
@@ -192,6 +208,19 @@ def compare(args) -> None:
     print(f"ratio (decode speed, {args.ranks} ranks / 1 process): {med1 / medn:.3f}")
 
 
+def make_llama(d: Path) -> str:
+    """bench_llamacpp.py's random TQ2_0 llama, converted with fast packing (once)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_llamacpp import make_variants, write_gguf
+
+    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "model.gguf").exists():
+        write_gguf(d / "model.gguf.tmp")
+        (d / "model.gguf.tmp").rename(d / "model.gguf")
+    make_variants(d, ["fast"])
+    return str(d / "fast")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mlx_ternary/assets/tiny-shakespeare")
@@ -200,7 +229,10 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="threads of the single process")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--llama", type=Path, help="make (once) and measure the 0.53 G llama here")
     args = ap.parse_args()
+    if args.llama:
+        args.model = make_llama(args.llama)
     if args.compare:
         compare(args)
     else:
