@@ -11,13 +11,15 @@ Untied heads (`model.lm_head`, any layer whose parameters are per output row: nn
 the native HalfLinear, QuantizedLinear) are replaced by a `VocabShardedHead` holding a copy
 of the rank's rows; a tied head (`embed_tokens.as_linear`) is given an `as_linear` over a
 view of the rank's rows of the embedding, which every rank still holds whole for lookups.
-A vocabulary that does not divide by the ranks stays replicated.
+A vocabulary that does not divide by the ranks, a ternary head and one wrapped by an adapter
+stay replicated.
 """
 
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
 
 from .layers import TernaryLinear
 
@@ -32,6 +34,9 @@ def _rows(module: nn.Module, vocab: int, a: int, b: int, copy: bool) -> nn.Modul
         if isinstance(value, mx.array) and value.ndim and value.shape[0] == vocab:
             value = mx.contiguous(value[a:b]) if copy else value[a:b]
         part[key] = value
+    # now, on this thread's stream: a lazy slice would run on the first call's thread, which
+    # (the server's engine thread) may not have this thread's stream
+    mx.eval(part.parameters())
     return part
 
 
@@ -50,9 +55,11 @@ class VocabShardedHead(nn.Module):
         super().__init__()
         self.local = local
         self.vocab, self.group = vocab, group
+        # x is whole on every rank: its gradient is the sum over the ranks (mlx's convention)
+        self._summed = sum_gradients(group)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return gather_vocab(self.local(x), self.vocab, self.group)
+        return gather_vocab(self.local(self._summed(x)), self.vocab, self.group)
 
 
 def _block(vocab: int, group) -> Optional[tuple]:
@@ -83,9 +90,9 @@ def shard_output(model: nn.Module, group) -> Optional[str]:
         block = _block(vocab, group)
         if block is None:
             return None
-        part = _rows(embed, vocab, *block, False)
+        part, summed = _rows(embed, vocab, *block, False), sum_gradients(group)
         object.__setattr__(
-            embed, "as_linear", lambda x: gather_vocab(part.as_linear(x), vocab, group)
+            embed, "as_linear", lambda x: gather_vocab(part.as_linear(summed(x)), vocab, group)
         )
         return "embed_tokens"
     return None
