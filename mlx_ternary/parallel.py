@@ -4,7 +4,8 @@ Every rank runs the same command. `sharded_load` builds the model lazily, then r
 ternary layer's share straight from the native checkpoint, or from another format's
 converted copy in the cache (a block of rows is one contiguous read; a block of columns a
 strided one), so no rank ever holds a whole ternary tensor; float weights (embeddings,
-norms, a float lm_head) stay whole on every rank, as in mlx-lm.
+norms) stay whole on every rank, as in mlx-lm, except the output layer, split by vocabulary
+once loaded (runtime/shard_head.py).
 Rank 0 prints and serves; the other ranks compute in step with it (serve/lockstep.py,
 docs/DISTRIBUTED.md).
 """

@@ -8,8 +8,10 @@ per rank, into argv[2]:
   disk:    mlx_ternary.parallel.sharded_load (each rank reads its slices from disk),
   memory:  mlx_ternary.load, then model.shard(group) (mlx-lm's call, slicing in memory),
   control: the memory model with per-rank activation absmax (the negative control),
-and `<name>.rank<r>.json` with the ternary bytes each rank holds and MLX's peak memory
-during each load.
+and `<name>.rank<r>.json` with the ternary bytes each rank holds, MLX's peak memory
+during each load and how the output layer was split; then `collectives.rank<r>.npz` (large
+collectives over the ring's sockets as runtime/host.py left them) and `host.rank<r>.json`
+(what it did).
 """
 
 import gc
@@ -60,6 +62,25 @@ def generate(args, out: Path, rank: int) -> None:
     (out / f"generate.rank{rank}.txt").write_text(text.getvalue())
 
 
+def head_kind(model) -> str:
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        return type(head).__name__
+    return "tied-split" if "as_linear" in vars(model.model.embed_tokens) else "tied"
+
+
+def collectives(group, out: Path, rank: int) -> None:
+    """4 MB all_sum / all_gather: the ring runs both directions of both sockets, the case
+    where a receive sleeping in front of a send on the same socket would hang."""
+    from mlx_ternary.runtime.host import share_host
+
+    x = mx.arange(1 << 20, dtype=mx.float32) * (rank + 1)
+    total = mx.distributed.all_sum(x, group=group)
+    every = mx.distributed.all_gather(x.reshape(2, -1), group=group)
+    np.savez(out / f"collectives.rank{rank}.npz", sum=np.array(total), gather=np.array(every))
+    (out / f"host.rank{rank}.json").write_text(json.dumps(share_host(group)))
+
+
 def main(spec_file: str, out_dir: str) -> None:
     group = world()
     rank, out = group.rank(), Path(out_dir)
@@ -85,6 +106,7 @@ def main(spec_file: str, out_dir: str) -> None:
         info.update(
             ternary_bytes_memory=ternary_bytes(memory),
             peak_memory=peak_memory,
+            head=head_kind(memory),
             sharded_to_all=per_rank_absmax(memory),
         )
         if info["sharded_to_all"]:
@@ -95,6 +117,7 @@ def main(spec_file: str, out_dir: str) -> None:
         )
         (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(info))
         del memory, logits
+    collectives(group, out, rank)
     print(f"rank {rank} of {group.size()}: {len(spec['cases'])} cases done", flush=True)
 
 

@@ -256,6 +256,8 @@ def cases(tmp_path_factory):
     run_launch(str(HERE / "dist_worker.py"), str(tmp / "cases.json"), str(out))
     results = collect(out, [*dirs, *adapters], generate)
     results.update({"adapter-path": strong, "load-peaks": peaks})
+    results["collectives"] = [dict(np.load(out / f"collectives.rank{r}.npz")) for r in range(2)]
+    results["host"] = [json.loads((out / f"host.rank{r}.json").read_text()) for r in range(2)]
     yield single, results
     for k, v in saved.items():
         os.environ.pop(k) if v is None else os.environ.update({k: v})
@@ -295,6 +297,29 @@ def test_sharded_adapters_are_applied(cases, name):
     for rank, (logits, _) in enumerate(results[name]):
         err = rel_err(logits["disk"], base)
         assert err > 100 * TOL, f"{name} rank {rank}: {err:.2e} from the base model"
+
+
+@pytest.mark.parametrize("name", ["embedded", "llama-compact-row", "llama-fast-row-wide"])
+def test_each_rank_computes_its_block_of_the_vocabulary(cases, name):
+    # tied (embedded), untied (llama): the logits above are the gathered blocks
+    want = "tied-split" if name == "embedded" else "VocabShardedHead"
+    assert [info["head"] for _, info in cases[1][name]] == [want, want]
+
+
+def test_ranks_sharing_the_machine_sleep_on_the_ring_and_hold_a_core_each(cases):
+    host = cases[1]["host"]
+    assert [h["local_ranks"] for h in host] == [2, 2]
+    assert [h["ring_sockets_blocking"] for h in host] == [2, 2]  # left and right
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert host[0]["cpus"] and host[1]["cpus"]
+        assert not set(host[0]["cpus"]) & set(host[1]["cpus"])
+
+
+def test_large_collectives_complete_over_the_sleeping_sockets(cases):
+    x = np.arange(1 << 20, dtype=np.float32)
+    for got in cases[1]["collectives"]:
+        np.testing.assert_array_equal(got["sum"], 3 * x)
+        np.testing.assert_array_equal(got["gather"], np.concatenate([x, 2 * x]).reshape(4, -1))
 
 
 @pytest.mark.parametrize(

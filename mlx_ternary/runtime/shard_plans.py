@@ -17,9 +17,10 @@ import mlx.nn as nn
 from mlx.nn.layers import distributed as mlx_distributed
 
 from ..errors import TernaryError
-from . import patches
+from . import host, patches
 from .layers import TernaryLinear
 from .shard import ShardedRMSNorm, TernaryParts
+from .shard_head import shard_output
 from .shard_lora import shard_linear
 
 
@@ -107,7 +108,9 @@ def shard_model(
     sources: Optional[Dict[str, TernaryParts]] = None,
 ) -> nn.Module:
     """Shard `model` in place across `group` for tensor parallelism, as mlx-lm's
-    `model.shard(group)` does, with TernaryLinear layers split by this module.
+    `model.shard(group)` does, with TernaryLinear layers split by this module, the output
+    layer by vocabulary (shard_head.py), and ranks that share this machine tuned for it
+    (host.py).
 
     Args:
         model: an mlx-lm model (as `mlx_ternary.load` returns it).
@@ -120,6 +123,7 @@ def shard_model(
             that do not divide, or a layer the model shards in place.
     """
     group = group or mx.distributed.init()
+    host.share_host(group)  # ranks sharing this machine: no polling, a core block each
     names, sources = _named_modules(model), sources or {}
     _check_heads(getattr(model, "model", model), group.size())
     plan = PLANS.get(model_type(model))
@@ -130,6 +134,7 @@ def shard_model(
             return shard_linear(module, sharding, group=group, parts=sources.get(name), name=name)
 
         plan(model, group, shard)
+        shard_output(model, group)
         return model
     method = getattr(type(model), "shard", None)
     if method is None:
@@ -139,6 +144,7 @@ def shard_model(
         )
     with _ternary_aware(method.__globals__, names, sources):
         method(model, group)
+    shard_output(model, group)
     return model
 
 

@@ -280,3 +280,45 @@ def test_ternary_subclasses_are_refused_not_split_as_plain_layers():
     layer = AllToShardedTernaryLinear(64, 32)  # already sharded; a rotation subclass alike
     with pytest.raises(TernaryError, match="q_proj: AllToShardedTernaryLinear layers cannot"):
         shard_linear(layer, "all-to-sharded", group=Ranks(2), name="q_proj")
+
+
+def _head(model):
+    """The model's output layer as a function of the final hidden state."""
+    return getattr(model, "lm_head", None) or model.model.embed_tokens.as_linear
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # an untied lm_head, a tied embedding
+def test_vocab_split_head_gathers_the_whole_heads_logits(models, arch, monkeypatch):
+    from mlx_ternary.runtime.shard_head import shard_output
+
+    whole, _ = mlx_ternary.load(str(models[arch]))
+    vocab, hidden = whole.model.embed_tokens.weight.shape
+    h = mx.random.normal((1, 5, hidden), key=mx.random.key(1))
+    ref = np.array(_head(whole)(h))
+    local, ranks = [], []
+    monkeypatch.setattr(
+        mx.distributed, "all_gather", lambda x, group: local.append(x) or mx.concatenate([x, x])
+    )
+    for rank in range(2):
+        model, _ = mlx_ternary.load(str(models[arch]))
+        assert shard_output(model, Ranks(2, rank)) == (
+            "lm_head" if arch == "llama" else "embed_tokens"
+        )
+        _head(model)(h)
+        ranks.append(model)
+    assert [a.shape for a in local] == [(5, vocab // 2)] * 2
+    if arch == "llama":
+        assert ranks[1].lm_head.local.weight.shape == (vocab // 2, hidden)
+    for order, same in ((local, True), (local[::-1], False)):  # the control: ranks swapped
+        monkeypatch.setattr(mx.distributed, "all_gather", lambda x, group: mx.concatenate(order))
+        got = np.array(_head(ranks[0])(h))
+        assert got.shape == ref.shape
+        assert np.allclose(got, ref, rtol=1e-6, atol=1e-6) == same
+
+
+def test_a_vocabulary_that_does_not_divide_stays_whole(models):
+    from mlx_ternary.runtime.shard_head import shard_output
+
+    model, _ = mlx_ternary.load(str(models["llama"]))  # 128 tokens
+    head = model.lm_head
+    assert shard_output(model, Ranks(3)) is None and model.lm_head is head
