@@ -19,7 +19,7 @@ from typing import Tuple
 
 import mlx.core as mx
 
-from ..format import GGML_TABLES, check_ggml_type
+from ..format import check_ggml_type
 from . import q8k
 
 
@@ -173,7 +173,3 @@ def matmul(x: mx.array, blocks: mx.array, type_name: str, k: int, llama: bool = 
         f = fields(_split(blocks, type_name, k), type_name)
         y = _llama_q8_0(x2, f) if type_name == "Q8_0" else _llama_k(x2, f)
     return y.reshape(*lead, blocks.shape[0])
-
-
-def block_size(type_name: str) -> int:
-    return GGML_TABLES[type_name].block

@@ -55,24 +55,17 @@ SUFFIXES = {
 TABLE_TYPES = ("F16", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
-def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0, tables=("F16", "F16")) -> None:
-    """A random TQ2_0 llama: trits uniform, one float16 scale per row (exact in TQ2_0);
-    `tables` = the (embedding, output layer) types: F16, or llama.cpp blocks written by
-    mlx-ternary's own encoder (checkpoint/writers/gguf_kquants.py)."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFWriter, LlamaFileType, quants
+def _header(w, shape: dict) -> None:
+    """The llama metadata and a stub byte-level vocabulary llama.cpp accepts."""
+    from gguf import LlamaFileType
 
-    from mlx_ternary.checkpoint.writers.gguf_kquants import encode
-
-    rng = np.random.default_rng(seed)
-    h, inter, v = shape["hidden"], shape["intermediate"], shape["vocab"]
+    h, v = shape["hidden"], shape["vocab"]
     head_dim = h // shape["heads"]
-    w = GGUFWriter(str(path), "llama")
     w.add_name("random ternary llama (mlx-ternary benchmark)")
     w.add_context_length(shape["context"])
     w.add_embedding_length(h)
     w.add_block_count(shape["layers"])
-    w.add_feed_forward_length(inter)
+    w.add_feed_forward_length(shape["intermediate"])
     w.add_head_count(shape["heads"])
     w.add_head_count_kv(shape["kv_heads"])
     w.add_layer_norm_rms_eps(shape["eps"])
@@ -89,6 +82,22 @@ def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0, tables=("F16", "F
     w.add_token_merges(["a b"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+
+
+def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0, tables=("F16", "F16")) -> None:
+    """A random TQ2_0 llama: trits uniform, one float16 scale per row (exact in TQ2_0);
+    `tables` = the (embedding, output layer) types: F16, or llama.cpp blocks written by
+    mlx-ternary's own encoder (checkpoint/writers/gguf_kquants.py)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, quants
+
+    from mlx_ternary.checkpoint.writers.gguf_kquants import encode
+
+    rng = np.random.default_rng(seed)
+    h, inter, v = shape["hidden"], shape["intermediate"], shape["vocab"]
+    head_dim = h // shape["heads"]
+    w = GGUFWriter(str(path), "llama")
+    _header(w, shape)
 
     def half(shape_, scale=0.02):
         return (scale * rng.standard_normal(shape_)).astype(np.float16)

@@ -20,6 +20,7 @@ from mlx_ternary import format as fmt
 from mlx_ternary.checkpoint.convert import convert
 from mlx_ternary.checkpoint.writers.gguf_kquants import encode
 from mlx_ternary.errors import FormatError
+from mlx_ternary.memory import activation_dtype
 from mlx_ternary.runtime import cpu, ggml
 from mlx_ternary.runtime.cpu.layers import GGMLEmbedding, GGMLLinear
 
@@ -248,6 +249,7 @@ def test_tables_stay_as_stored(tmp_path):
     model, _ = mlx_ternary.load(str(tmp_path / "out"), activations="float", backend="native")
     emb, head = model.model.embed_tokens, model.lm_head
     assert type(emb) is GGMLEmbedding and type(head) is GGMLLinear and not emb.llama
+    assert activation_dtype(model) == mx.float32  # the KV cache too, not the scales' float16
     raw = _table_bytes(path)
     assert np.array_equal(np.array(emb.weight), raw["token_embd.weight"])
     rows = np.array(raw["output.weight"])  # llama: no rotary rows in the output layer

@@ -234,6 +234,14 @@ def _float(raw, info, qtype):
     return gq.dequantize(raw, qtype, info.shape)
 
 
+def _blocks(raw, kind: str, rows: int, cols: int, n_head) -> GGMLTensor:
+    """A llama.cpp table kept as its blocks (rows in Hugging Face order)."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1)
+    if n_head:
+        blocks = blocks[rotary_unpermute(np.arange(rows), n_head)]
+    return GGMLTensor(mx.array(blocks), kind, cols)
+
+
 def _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names):
     """One GGUF tensor -> (name, PackedTernary | AffineTensor | mx.array)."""
     from gguf import GGMLQuantizationType
@@ -260,10 +268,7 @@ def _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names):
             if pt is not None:
                 return module, pt
     if kind in GGML_TABLES and matrix and keep_affine and keep == (None, None):
-        blocks = np.ascontiguousarray(raw).reshape(rows, -1)
-        if n_head:
-            blocks = blocks[rotary_unpermute(np.arange(rows), n_head)]
-        return module, GGMLTensor(mx.array(blocks), kind, cols)
+        return module, _blocks(raw, kind, rows, cols, n_head)
     if kind in gq.AFFINE_TYPES and matrix and keep_affine and keep == (None, None):
         at = gq.affine(raw, kind, rows, cols)
         if n_head:

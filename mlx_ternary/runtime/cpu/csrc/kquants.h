@@ -23,11 +23,12 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tkernels.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TK_KQ_AVX2 1
 #endif
@@ -141,8 +142,22 @@ inline void dequantize_row(int type, const uint8_t* row, int64_t k, float* out) 
 // Activations quantized as ggml's reference quantizers do it
 // ---------------------------------------------------------------------------------------------
 
+// The byte order the AVX2 k-quant kernel keeps each 32 columns in (codes and activations
+// alike), so that pmaddubsw pairs two columns of one lane (c = l mod 8) and its int16
+// results come out as (sub-block 2g lane l, sub-block 2g + 1 lane l) for pmaddwd:
+// position 16 h + p holds column 4 KQ_DWORD[(16 h + KQ_BYTE[p]) / 4] + KQ_BYTE[p] % 4
+// (a dword permute, then a byte shuffle within each 128-bit half).
+constexpr int KQ_DWORD[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+constexpr int KQ_BYTE[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+inline int kq_source(int pos) {
+  const int h = pos / 16, b = KQ_BYTE[pos % 16];
+  return 4 * KQ_DWORD[(16 * h + b) / 4] + b % 4;
+}
+
 struct KActs {
   std::vector<int8_t> q;     // (M, K)
+  std::vector<int8_t> qp;    // (M, K): q with each 32 columns in the kq_source order
   std::vector<float> d;      // (M, nb): Q8_K d, or the float16-rounded Q8_0 d
   std::vector<int32_t> bsum; // (M, K / 16): Q8_K sums of 16 codes (the k-quant mins)
 };
@@ -355,11 +370,234 @@ void ggml_rows_float(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int
   }
 }
 
+#if defined(TK_KQ_AVX2)
+// The AVX2 llama numerics: the same integer lanes as KqScalar's definition, computed on codes
+// decoded straight into the kq_source order (qp) against the permuted activations.
+namespace kqx {
+
+inline __m256i permute32(__m256i v) {
+  const __m256i dw = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i by = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4,
+                                      8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(v, dw), by);
+}
+
+inline int32_t pair(int32_t s0, int32_t s1) {
+  return (int32_t)(((uint32_t)(uint16_t)(int16_t)s1 << 16) | (uint16_t)(int16_t)s0);
+}
+
+// One block -> its codes (in the kq_source order when PERM, else column order), scales,
+// mins, d, dmin, and the int16 scale pairs of each 32 columns (PERM only).
+template <int TYPE, bool PERM>
+inline void decode(const uint8_t* b, KBlock& k, int32_t* pairs) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  auto put = [&](int at, __m256i v) {
+    _mm256_store_si256((__m256i*)(k.q + at), PERM ? permute32(v) : v);
+  };
+  if constexpr (TYPE == GQ6_K) {
+    const __m256i m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+      const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
+          _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30))};
+      for (int p = 0; p < 4; p++) put(128 * h + 32 * p, _mm256_sub_epi8(v[p], off));
+    }
+    const int8_t* sc = (const int8_t*)(b + 192);
+    for (int j = 0; j < 16; j++) k.sc[j] = sc[j];
+    if (PERM)
+      for (int g = 0; g < 8; g++) pairs[g] = pair(sc[2 * g], sc[2 * g + 1]);
+    k.d = _cvtsh_ss(*(const uint16_t*)(b + 208));
+    return;
+  }
+  k4_scales(b + 4, k.sc, k.mn);
+  if (PERM)
+    for (int g = 0; g < 8; g++) pairs[g] = pair(k.sc[g], k.sc[g]);
+  k.d = _cvtsh_ss(*(const uint16_t*)b), k.dmin = _cvtsh_ss(*(const uint16_t*)(b + 2));
+  const uint8_t* qs = b + (TYPE == GQ5_K ? 48 : 16);
+  __m256i hb = _mm256_setzero_si256();
+  if constexpr (TYPE == GQ5_K) hb = _mm256_loadu_si256((const __m256i*)(b + 16));
+  for (int c = 0; c < 4; c++) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if constexpr (TYPE == GQ5_K) {
+      const __m256i one = _mm256_set1_epi8(1);
+      const __m128i s0 = _mm_cvtsi32_si128(2 * c), s1 = _mm_cvtsi32_si128(2 * c + 1);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, s0), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, s1), one), 4));
+    }
+    put(64 * c, lo);
+    put(64 * c + 32, hi);
+  }
+}
+
+// dequantize_block's float32 numbers from decoded codes: (d * sc) * q [- dmin * m].
+template <int TYPE>
+inline void dequantize(const KBlock& k, float* out) {
+  constexpr int SUB = TYPE == GQ6_K ? 16 : 32;
+  for (int j = 0; j < 256 / SUB; j++) {
+    const __m256 dd = _mm256_set1_ps(k.d * (float)k.sc[j]);
+    const __m256 dm = _mm256_set1_ps(TYPE == GQ6_K ? 0.f : k.dmin * (float)k.mn[j]);
+    for (int i = SUB * j; i < SUB * j + SUB; i += 8) {
+      __m256 w = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(k.q + i)))));
+      if constexpr (TYPE != GQ6_K) w = _mm256_sub_ps(w, dm);
+      _mm256_store_ps(out + i, w);
+    }
+  }
+}
+
+template <int TYPE>
+void rows_float(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t nb = L.k / 256, rb = L.row_bytes();
+  KBlock kb;
+  alignas(32) float wf[256];
+  const int T = (int)(m1 - m0);
+  for (int64_t n = n0; n < n1; n++) {
+    __m256 acc[KQ_TILE];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* blk = L.w + n * rb + b * ggml_geom(TYPE).bytes;
+      __builtin_prefetch(blk + PREFETCH_BYTES);
+      decode<TYPE, false>(blk, kb, nullptr);
+      dequantize<TYPE>(kb, wf);
+      for (int t = 0; t < T; t++)
+        acc[t] = KqAvx2::fdot(acc[t], wf, L.x + (m0 + t) * L.k + b * 256, 256);
+    }
+    for (int t = 0; t < T; t++) {
+      float ln[8], y = 0.f;
+      _mm256_storeu_ps(ln, acc[t]);
+      for (int l = 0; l < 8; l++) y += ln[l];
+      L.out[(m0 + t) * L.n + n] = y;
+    }
+  }
+}
+
+// The 8 integer lanes of one block against one token's permuted activations.
+template <int TYPE>
+inline __m256i lanes(const int8_t* qp, const int32_t* pairs, const int8_t* xp) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int g = 0; g < 8; g++) {
+    const __m256i w = _mm256_load_si256((const __m256i*)(qp + 32 * g));
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(xp + 32 * g));
+    __m256i p;
+    if constexpr (TYPE == GQ6_K)  // |w| <= 32: pairs <= 2 * 32 * 127, no saturation
+      p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    else
+      p = _mm256_maddubs_epi16(w, x);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi32(pairs[g])));
+  }
+  return acc;
+}
+
+template <int TYPE>
+void rows(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const GgmlGeom g = ggml_geom(TYPE);
+  const int64_t nb = L.k / 256, rb = L.row_bytes();
+  const KActs& A = *L.acts;
+  KBlock kb;
+  int32_t pairs[8];
+  const int T = (int)(m1 - m0);
+  for (int64_t n = n0; n < n1; n++) {
+    __m256 sums[KQ_TILE];
+    float sumf[KQ_TILE];
+    for (int t = 0; t < T; t++) sums[t] = _mm256_setzero_ps(), sumf[t] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* blk = L.w + n * rb + b * g.bytes;
+      __builtin_prefetch(blk + PREFETCH_BYTES);
+      __builtin_prefetch(blk + PREFETCH_BYTES + 64);
+      decode<TYPE, true>(blk, kb, pairs);
+      const float d = kb.d, dmin = kb.dmin;
+      const int32_t* mn = kb.mn;
+      const int8_t* qp = kb.q;
+      for (int t = 0; t < T; t++) {
+        const int64_t m = m0 + t;
+        const __m256i aux = lanes<TYPE>(qp, pairs, A.qp.data() + m * L.k + b * 256);
+        const float dx = A.d[m * nb + b];
+        sums[t] = KqAvx2::scale_add(sums[t], aux, d * dx);
+        if constexpr (TYPE != GQ6_K) {
+          const int32_t* bs = A.bsum.data() + m * (L.k / 16) + b * 16;
+          int32_t sumi = 0;
+          for (int j = 0; j < 16; j++) sumi += bs[j] * mn[j / 2];
+          sumf[t] -= (dmin * dx) * (float)sumi;
+        }
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      float ln[8], y = sumf[t];
+      _mm256_storeu_ps(ln, sums[t]);
+      for (int l = 0; l < 8; l++) y += ln[l];
+      L.out[(m0 + t) * L.n + n] = y;
+    }
+  }
+}
+
+// Q8_0 x Q8_0: one integer sum per 32-column block, then ggml's scalar float sum.
+inline void rows_q8_0(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t nb = L.k / 32, rb = L.row_bytes();
+  const KActs& A = *L.acts;
+  const int T = (int)(m1 - m0);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n++) {
+    float sumf[KQ_TILE];
+    for (int t = 0; t < T; t++) sumf[t] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* blk = L.w + n * rb + b * 34;
+      __builtin_prefetch(blk + PREFETCH_BYTES);
+      const float d = _cvtsh_ss(*(const uint16_t*)blk);
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int t = 0; t < T; t++) {
+        const int64_t m = m0 + t;
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(A.q.data() + m * L.k + 32 * b));
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
+        sumf[t] += (float)_mm_cvtsi128_si32(h) * (d * A.d[m * nb + b]);
+      }
+    }
+    for (int t = 0; t < T; t++) L.out[(m0 + t) * L.n + n] = sumf[t];
+  }
+}
+
+inline bool rows_float_k(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  switch (L.type) {
+    case GQ4_K: rows_float<GQ4_K>(L, m0, m1, n0, n1); return true;
+    case GQ5_K: rows_float<GQ5_K>(L, m0, m1, n0, n1); return true;
+    case GQ6_K: rows_float<GQ6_K>(L, m0, m1, n0, n1); return true;
+    default: return false;  // Q8_0: the generic loop (its decode is a copy)
+  }
+}
+
+inline void rows_llama(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  switch (L.type) {
+    case GQ8_0: rows_q8_0(L, m0, m1, n0, n1); break;
+    case GQ4_K: rows<GQ4_K>(L, m0, m1, n0, n1); break;
+    case GQ5_K: rows<GQ5_K>(L, m0, m1, n0, n1); break;
+    default: rows<GQ6_K>(L, m0, m1, n0, n1);
+  }
+}
+
+}  // namespace kqx
+#endif
+
 // All M tokens, rows [n0, n1), in tiles of KQ_TILE tokens.
 template <class O>
 void ggml_rows(const GgmlLayer& L, bool llama, int64_t M, int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < M; m0 += KQ_TILE) {
     const int64_t m1 = std::min(M, m0 + KQ_TILE);
+#if defined(TK_KQ_AVX2)
+    if (llama && std::is_same_v<O, KqAvx2>) {
+      kqx::rows_llama(L, m0, m1, n0, n1);
+      continue;
+    }
+    if (!llama && std::is_same_v<O, KqAvx2> && kqx::rows_float_k(L, m0, m1, n0, n1)) continue;
+#endif
     if (llama)
       ggml_rows_llama<O>(L, m0, m1, n0, n1);
     else
@@ -375,10 +613,15 @@ inline void quantize_token_ggml(int type, const float* x, int64_t k, int64_t m, 
   else
     quantize_q8k_row(x + m * k, k, a.q.data() + m * k, a.d.data() + m * nb,
                      a.bsum.data() + m * (k / 16));
+  const int8_t* q = a.q.data() + m * k;
+  int8_t* qp = a.qp.data() + m * k;
+  for (int64_t c = 0; c < k; c += 32)
+    for (int p = 0; p < 32; p++) qp[c + p] = q[c + kq_source(p)];
 }
 
 inline void size_acts(int type, int64_t M, int64_t k, KActs& a) {
-  a.q.resize(M * k), a.d.resize(M * (k / ggml_geom(type).block)), a.bsum.resize(M * (k / 16));
+  a.q.resize(M * k), a.qp.resize(M * k);
+  a.d.resize(M * (k / ggml_geom(type).block)), a.bsum.resize(M * (k / 16));
 }
 
 // ---------------------------------------------------------------------------------------------
