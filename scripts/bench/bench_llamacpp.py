@@ -158,6 +158,17 @@ def make_variants(d: Path, variants) -> None:
             (act / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def prepare(d: Path, tables: tuple, variants) -> None:
+    """DIR/model.gguf (with `tables`) and the converted variants, where missing."""
+    gguf = d / "model.gguf"
+    if not gguf.exists():
+        print(f"writing {gguf}", file=sys.stderr)
+        write_gguf(gguf.with_suffix(".tmp"), tables=tables)
+        shutil.move(gguf.with_suffix(".tmp"), gguf)
+        (d / "tables.txt").write_text(",".join(tables))
+    make_variants(d, variants)
+
+
 def gguf_bytes_per_token(path: Path) -> int:
     """What llama.cpp reads per decoded token: every tensor once, one token_embd row."""
     from gguf import GGUFReader
@@ -249,9 +260,13 @@ def main(argv=None):
     )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         print(json.dumps(worker(a.worker, a.prompt_tokens, a.gen_tokens, a.seed)))
+        return
+    if a.prepare:
+        prepare(a.dir, tuple(a.tables.split(",")), [v for v in a.variants.split(",") if v])
         return
 
     from mlx_ternary.bench import llamacpp
@@ -271,12 +286,10 @@ def main(argv=None):
     gguf, stamp = a.dir / "model.gguf", a.dir / "tables.txt"
     if gguf.exists() and stamp.exists() and stamp.read_text() != a.tables:
         ap.error(f"{gguf} has tables {stamp.read_text()}; use another --dir for {a.tables}")
-    if not gguf.exists():
-        print(f"writing {gguf}", file=sys.stderr)
-        write_gguf(gguf.with_suffix(".tmp"), tables=tables)
-        shutil.move(gguf.with_suffix(".tmp"), gguf)
-        stamp.write_text(a.tables)
-    make_variants(a.dir, variants)
+    # Written and converted in a child: Linux carries a process's peak RSS into the children
+    # it forks and execs, so a conversion here would inflate every engine's peak RSS.
+    prep = [sys.executable, __file__, "--prepare", "--dir", str(a.dir), "--tables", a.tables]
+    subprocess.run(prep + ["--variants", a.variants], check=True)
 
     engines = [("llama.cpp TQ2_0", t) for t in threads] + [
         (f"mlx-ternary {v}", t) for v in variants for t in threads
