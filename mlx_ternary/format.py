@@ -34,7 +34,8 @@ from .errors import FormatError
 FORMAT_NAME = "mlx-ternary"
 FORMAT_VERSION = 1  # written when every non-ternary weight is float
 AFFINE_FORMAT_VERSION = 2  # written when some weight stays MLX affine-quantized
-KNOWN_VERSIONS = (1, 2)
+GGML_FORMAT_VERSION = 3  # written when some table keeps llama.cpp's GGUF blocks
+KNOWN_VERSIONS = (1, 2, 3)
 # MLX affine quantization (mx.quantize): the bits and group sizes of a kept affine layer,
 # of --q-bits / --q-group-size, and of a quantized KV cache (--kv-bits / --kv-group-size).
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
@@ -42,6 +43,25 @@ AFFINE_GROUP_SIZES = (32, 64, 128)
 KV_BITS = AFFINE_BITS
 KV_GROUP_SIZES = AFFINE_GROUP_SIZES
 KV_GROUP_SIZE = 64  # the default, as mlx-lm's
+
+
+@dataclass(frozen=True)
+class GGMLTable:
+    """One llama.cpp block type a table can keep as stored (docs/FORMAT.md "ggml tables")."""
+
+    block: int  # weights per block, along a row
+    bytes: int  # bytes per block
+    code: int  # the native kernel's code (runtime/cpu/csrc/kquants.h GgmlType)
+
+
+# llama.cpp's quantized tables kept as their GGUF blocks (per-layer mode "ggml").
+GGML_MODE = "ggml"
+GGML_TABLES = {
+    "Q8_0": GGMLTable(32, 34, 0),
+    "Q4_K": GGMLTable(256, 144, 1),
+    "Q5_K": GGMLTable(256, 176, 2),
+    "Q6_K": GGMLTable(256, 210, 3),
+}
 # The integer code of each packing, the one table both kernel families read: the Metal
 # kernels' PACKING template constant and the native CPU backend's `Packing` enum
 # (runtime/cpu/csrc/tkernels.h).
@@ -548,6 +568,65 @@ class AffineTensor:
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
 
 
+def check_ggml_type(type_name, what: str = "ggml table type") -> GGMLTable:
+    """The GGMLTable of `type_name`, or a FormatError naming it and the types kept."""
+    if type_name not in GGML_TABLES:
+        raise FormatError(
+            f"{what} is {type_name!r}; mlx-ternary keeps the llama.cpp tables "
+            f"{', '.join(GGML_TABLES)} as stored (re-convert the model with this version)"
+        )
+    return GGML_TABLES[type_name]
+
+
+@dataclass
+class GGMLTensor:
+    """A non-ternary weight (an embedding, an output layer) kept as llama.cpp's GGUF blocks:
+    row r of the (N, K) weight is bytes [r * row_bytes, (r + 1) * row_bytes) of `blocks`,
+    K / block blocks of GGML_TABLES[type] in column order, exactly as the GGUF file stores
+    them. Native checkpoints store `blocks` as `<path>.weight`.
+
+    blocks: (N, row_bytes) uint8 (MLX or numpy).
+    """
+
+    blocks: mx.array
+    type: str
+    in_features: int
+
+    def __post_init__(self):
+        t = check_ggml_type(self.type)
+        if self.in_features % t.block:
+            raise FormatError(
+                f"a {self.type} table has rows of whole {t.block}-column blocks; "
+                f"{self.in_features} columns are not"
+            )
+        dt = self.blocks.dtype
+        is_u8 = dt == mx.uint8 if isinstance(self.blocks, mx.array) else dt == np.uint8
+        if not is_u8 or self.blocks.ndim != 2 or self.blocks.shape[1] != self.row_bytes:
+            raise FormatError(
+                f"{self.type} blocks of shape {tuple(self.blocks.shape)} ({dt}) are not uint8 "
+                f"rows of {self.in_features} columns ({self.row_bytes} bytes each)"
+            )
+
+    @property
+    def row_bytes(self) -> int:
+        t = GGML_TABLES[self.type]
+        return self.in_features // t.block * t.bytes
+
+    @property
+    def shape(self) -> tuple:
+        """(N, K) of the float weight."""
+        return (self.blocks.shape[0], self.in_features)
+
+    @property
+    def entry(self) -> dict:
+        """How the `quantization` section records this layer."""
+        return {"mode": GGML_MODE, "type": self.type}
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.shape[0] * self.row_bytes
+
+
 # --------------------------------------------------------------------------- #
 # config.json "quantization" section
 # --------------------------------------------------------------------------- #
@@ -561,7 +640,8 @@ def affine_entry(entry, where: str) -> dict:
     if mode != "affine":
         raise FormatError(
             f"{where}: quantization mode {mode!r} is not kept by mlx-ternary "
-            "(it keeps MLX affine layers only); dequantize that layer first"
+            f"(it keeps MLX affine layers and llama.cpp {GGML_MODE!r} tables only); dequantize "
+            "that layer first"
         )
     bits, gs = entry.get("bits"), entry.get("group_size")
     if bits not in AFFINE_BITS or gs not in AFFINE_GROUP_SIZES:
@@ -570,6 +650,15 @@ def affine_entry(entry, where: str) -> dict:
             f"bits in {AFFINE_BITS} and group_size in {AFFINE_GROUP_SIZES}"
         )
     return {"group_size": gs, "bits": bits, "mode": "affine"}
+
+
+def layer_entry(entry, where: str) -> dict:
+    """A checked per-layer entry: MLX affine ({group_size, bits, mode}) or a llama.cpp table
+    kept as stored ({"mode": "ggml", "type": T}); other modes are refused by name."""
+    if isinstance(entry, dict) and entry.get("mode") == GGML_MODE:
+        check_ggml_type(entry.get("type"), f"{where}: type")
+        return {"mode": GGML_MODE, "type": entry["type"]}
+    return affine_entry(entry, where)
 
 
 @dataclass
@@ -622,7 +711,7 @@ class QuantizationConfig:
         # Per-layer entries: written by convert (version 2) or added by mlx-lm's
         # quantize_model to a loaded model's config (then saved under version 1).
         layers = {
-            k: affine_entry(v, f"{source}: quantization.{k}")
+            k: layer_entry(v, f"{source}: quantization.{k}")
             for k, v in d.items()
             if isinstance(v, dict)
         }
@@ -631,10 +720,17 @@ class QuantizationConfig:
         except FormatError as e:
             raise FormatError(f"{source}: {e}") from None
 
+    @property
+    def version(self) -> int:
+        """The oldest format version that holds these layers (older readers refuse newer)."""
+        if any(e.get("mode") == GGML_MODE for e in self.layers.values()):
+            return GGML_FORMAT_VERSION
+        return AFFINE_FORMAT_VERSION if self.layers else FORMAT_VERSION
+
     def to_dict(self) -> dict:
         return {
             "format": self.format,
-            "format_version": AFFINE_FORMAT_VERSION if self.layers else FORMAT_VERSION,
+            "format_version": self.version,
             "packing": self.packing,
             "scale": self.scale,
             "group_size": self.group_size,

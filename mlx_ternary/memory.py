@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .format import KV_GROUP_SIZE
-from .runtime.cpu.layers import HalfEmbedding, HalfLinear
+from .runtime.cpu.layers import GGMLEmbedding, GGMLLinear, HalfEmbedding, HalfLinear
 from .runtime.layers import TernaryLinear, ternary_layers
 
 GiB = 1024**3
@@ -230,9 +230,10 @@ def weight_bytes(model: nn.Module) -> Dict[str, int]:
 
 def activation_dtype(model: nn.Module):
     """The float dtype activations (and the KV cache) run in: the embedding's (float32
-    where the native backend keeps a float16 table and widens what it looks up)."""
+    where the native backend keeps a float16 table or llama.cpp's blocks and widens what it
+    looks up)."""
     for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
-        if isinstance(m, (HalfEmbedding, HalfLinear)):
+        if isinstance(m, (HalfEmbedding, HalfLinear, GGMLEmbedding, GGMLLinear)):
             return mx.float32
         for _, a in tree_flatten(m.parameters()):
             if mx.issubdtype(a.dtype, mx.floating) and a.ndim == 2:

@@ -19,12 +19,13 @@ import numpy as np
 from ..errors import FormatError, TernaryError, read_json
 from ..format import (
     AffineTensor,
+    GGMLTensor,
     PackedTernary,
     QuantizationConfig,
     check_activations,
     check_packing,
 )
-from ..runtime import dispatch
+from ..runtime import dispatch, ggml
 from .hub import model_dir
 from .publish import clear_stale, destination, disk_full, is_disk_full, partial, publish, remove
 from .readers import open_source, with_model
@@ -175,6 +176,17 @@ def _affine_tensors(
     ]
 
 
+def _ggml_tensors(name: str, gt: GGMLTensor, report: ConvertReport, written: dict, *, dequantize):
+    """A llama.cpp table keeps its blocks (recorded for the quantization block), or becomes
+    float32 with -d (exact: what the blocks encode)."""
+    if dequantize:
+        report.tensors.append(TensorReport(name, f"float (from {gt.type})", 0.0))
+        return [(f"{name}.weight", ggml.dequantize(mx.array(gt.blocks), gt.type, gt.in_features))]
+    written.setdefault("affine", {})[name] = gt.entry
+    report.tensors.append(TensorReport(name, f"{gt.type} blocks (kept)"))
+    return [(f"{name}.weight", gt.blocks)]
+
+
 def _write_tensors(
     source: Source,
     out: Path,
@@ -212,6 +224,11 @@ def _write_tensors(
         elif isinstance(item, AffineTensor):
             tensors = _affine_tensors(
                 name, item, report, written, dequantize=dequantize, dtype=dtype
+            )
+        elif isinstance(item, GGMLTensor):
+            # a stock MLX checkpoint (q_bits) has no place for the blocks: floats
+            tensors = _ggml_tensors(
+                name, item, report, written, dequantize=dequantize or bool(q_bits)
             )
         else:
             arr = _float(item, dtype)
@@ -440,6 +457,9 @@ def _write_gguf(
                 report.ternary_weights += item.out_features * item.in_features
             elif isinstance(item, AffineTensor):  # the GGUF writer takes floats
                 name, item = f"{name}.weight", _float(item.dequantize(), dtype)
+            elif isinstance(item, GGMLTensor):
+                w = ggml.dequantize(mx.array(item.blocks), item.type, item.in_features)
+                name, item = f"{name}.weight", _float(w, dtype)
             else:
                 item = _float(item, dtype)
             yield name, item

@@ -32,8 +32,8 @@ from ..paths import cache_dir as kind_dir
 
 SAMPLE = 1 << 20  # bytes hashed at each end of the file
 # Bumped when a conversion's meaning changes, so older cached copies are converted again:
-# 2 = llama.cpp's files record `activations: q8k`.
-CONVERSION = 2
+# 2 = llama.cpp's files record `activations: q8k`; 3 = Q8_0 / k-quant tables kept as blocks.
+CONVERSION = 3
 
 
 def cache_root(directory: bool = False) -> Path:

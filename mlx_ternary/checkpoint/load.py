@@ -5,11 +5,19 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_unflatten
 
 from ..errors import FormatError
-from ..format import Q8K, AffineTensor, PackedTernary, check_packing, layer_activation_bits
-from ..runtime import cpu, dispatch
+from ..format import (
+    Q8K,
+    AffineTensor,
+    GGMLTensor,
+    PackedTernary,
+    check_packing,
+    layer_activation_bits,
+)
+from ..runtime import cpu, dispatch, ggml
 from ..runtime.cpu import layers as native_layers
 from ..runtime.layers import (
     HadamardTernaryLinear,
@@ -21,7 +29,7 @@ from ..runtime.layers import (
     ternary_layers,
 )
 from .hub import model_dir
-from .readers import gguf, open_source
+from .readers import gguf, gguf_quants, open_source
 from .readers.arch import Checker, get_classes, hadamard_paths, normalize_config, read_config  # noqa: F401 (re-exported)
 from .readers.common import Source
 
@@ -60,7 +68,8 @@ def read_layers(
     """Consume the source's stream: (float tensors {name: array}, layers {path: module}).
 
     Ternary items become TernaryLinear (HadamardTernaryLinear where the config rotates),
-    affine items nn.QuantizedLinear / nn.QuantizedEmbedding; each item is checked
+    affine items nn.QuantizedLinear / nn.QuantizedEmbedding, llama.cpp tables (GGMLTensor)
+    the native backend's GGMLEmbedding / GGMLLinear (`_table`); each item is checked
     against the model its config describes as it arrives. Ternary layers run with
     `activations` (format.ACTIVATION_MODES; None: what the source records).
     """
@@ -80,10 +89,29 @@ def read_layers(
             layers[name] = replacement(modules[name], layers[name])
         elif isinstance(item, AffineTensor):
             layers[name] = affine_layer(modules[name], item, f"{source.path}: {name}")
+        elif isinstance(item, GGMLTensor):
+            table = _table(modules[name], item, backend, bits == Q8K, f"{source.path}: {name}")
+            if isinstance(table, nn.Module):
+                layers[name] = table
+            else:
+                weights[f"{name}.weight"] = table
         else:
             weights[name] = item
     check.finish()
     return weights, layers
+
+
+def _table(module: nn.Module, gt: GGMLTensor, backend: Optional[str], llama: bool, name: str):
+    """A llama.cpp table: kept as its blocks where the native kernels run (llama.cpp's
+    numerics when the model runs q8k), else what runs fast there and is exact - MLX affine
+    for Q8_0 / Q4_K / Q5_K, float32 for Q6_K."""
+    if dispatch.resolve_backend(backend) == "native":
+        return native_layers.ggml_layer(module, gt, llama, name)
+    if gt.type in gguf_quants.AFFINE_TYPES:
+        n, k = gt.shape
+        at = gguf_quants.affine(np.asarray(gt.blocks), gt.type, n, k)
+        return affine_layer(module, at, name)
+    return ggml.dequantize(mx.array(gt.blocks), gt.type, gt.in_features)
 
 
 def load_model(

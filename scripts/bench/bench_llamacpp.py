@@ -4,7 +4,8 @@
         --threads 1,2 --prompt-tokens 128 --gen-tokens 64 --repeats 3
 
 1. DIR/model.gguf: a random TQ2_0 llama of the shape below (written once; F16 embedding and
-   output layer, F32 norms, a stub byte-level vocabulary llama.cpp accepts).
+   output layer, or --tables Q4_K,Q6_K (llama-quantize's choice for TQ models) and the other
+   llama.cpp table types; F32 norms, a stub byte-level vocabulary llama.cpp accepts).
 2. DIR/<variant>: the same GGUF converted by `mlx_ternary.convert` (fast / compact packing),
    run as written: llama.cpp's own activations (q8k: int8 per 256 columns, ggml's Q8_K, what
    its TQ2_0 dot product computes); "-act8" variants are the same checkpoint run with BitNet
@@ -12,7 +13,9 @@
 3. Every engine runs in a fresh process per measurement (peak RSS is the process's), in an
    order rotated each repeat; prefill = prompt tokens / time to the first token, decode =
    further tokens / their time (greedy). The table gives medians (min-max) and each
-   mlx-ternary row's ratio to llama.cpp at the same number of threads.
+   mlx-ternary row's ratio to llama.cpp at the same number of threads, and the megabytes a
+   decode step reads (llama.cpp: the GGUF's tensors, one embedding row; mlx-ternary: the
+   loaded model's parameters the same way).
 
 NODE_MODULES is the node_modules directory of `npm install node-llama-cpp@3.21.1` (or set
 $MLX_TERNARY_LLAMA_CPP); `node` must be on PATH.
@@ -49,20 +52,20 @@ SUFFIXES = {
 }
 
 
-def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0) -> None:
-    """A random TQ2_0 llama: trits uniform, one float16 scale per row (exact in TQ2_0)."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFWriter, LlamaFileType, quants
+TABLE_TYPES = ("F16", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
-    rng = np.random.default_rng(seed)
-    h, inter, v = shape["hidden"], shape["intermediate"], shape["vocab"]
+
+def _header(w, shape: dict) -> None:
+    """The llama metadata and a stub byte-level vocabulary llama.cpp accepts."""
+    from gguf import LlamaFileType
+
+    h, v = shape["hidden"], shape["vocab"]
     head_dim = h // shape["heads"]
-    w = GGUFWriter(str(path), "llama")
     w.add_name("random ternary llama (mlx-ternary benchmark)")
     w.add_context_length(shape["context"])
     w.add_embedding_length(h)
     w.add_block_count(shape["layers"])
-    w.add_feed_forward_length(inter)
+    w.add_feed_forward_length(shape["intermediate"])
     w.add_head_count(shape["heads"])
     w.add_head_count_kv(shape["kv_heads"])
     w.add_layer_norm_rms_eps(shape["eps"])
@@ -80,15 +83,38 @@ def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
+
+def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0, tables=("F16", "F16")) -> None:
+    """A random TQ2_0 llama: trits uniform, one float16 scale per row (exact in TQ2_0);
+    `tables` = the (embedding, output layer) types: F16, or llama.cpp blocks written by
+    mlx-ternary's own encoder (checkpoint/writers/gguf_kquants.py)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter, quants
+
+    from mlx_ternary.checkpoint.writers.gguf_kquants import encode
+
+    rng = np.random.default_rng(seed)
+    h, inter, v = shape["hidden"], shape["intermediate"], shape["vocab"]
+    head_dim = h // shape["heads"]
+    w = GGUFWriter(str(path), "llama")
+    _header(w, shape)
+
     def half(shape_, scale=0.02):
         return (scale * rng.standard_normal(shape_)).astype(np.float16)
+
+    def table(name, type_name):
+        values = half((v, h))
+        if type_name == "F16":
+            w.add_tensor(name, values)
+        else:
+            w.add_tensor(name, encode(values.astype(np.float32), type_name), raw_dtype=Q[type_name])
 
     def ternary(n, k):
         t = rng.integers(-1, 2, (n, k)).astype(np.float32)
         d = rng.uniform(0.01, 0.05, (n, 1)).astype(np.float16).astype(np.float32)
         return quants.quantize(t * d, Q.TQ2_0), Q.TQ2_0
 
-    w.add_tensor("token_embd.weight", half((v, h)))
+    table("token_embd.weight", tables[0])
     kv = head_dim * shape["kv_heads"]
     for i in range(shape["layers"]):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
@@ -105,7 +131,7 @@ def write_gguf(path: Path, shape: dict = SHAPE, seed: int = 0) -> None:
             w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=q)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
     w.add_tensor("output_norm.weight", np.ones(h, np.float32))
-    w.add_tensor("output.weight", half((v, h)))
+    table("output.weight", tables[1])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -132,6 +158,29 @@ def make_variants(d: Path, variants) -> None:
             (act / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def prepare(d: Path, tables: tuple, variants) -> None:
+    """DIR/model.gguf (with `tables`) and the converted variants, where missing."""
+    gguf = d / "model.gguf"
+    if not gguf.exists():
+        print(f"writing {gguf}", file=sys.stderr)
+        write_gguf(gguf.with_suffix(".tmp"), tables=tables)
+        shutil.move(gguf.with_suffix(".tmp"), gguf)
+        (d / "tables.txt").write_text(",".join(tables))
+    make_variants(d, variants)
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """What llama.cpp reads per decoded token: every tensor once, one token_embd row."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    emb = tensors["token_embd.weight"]
+    if "output.weight" in tensors:  # untied: the embedding is gathered, not read whole
+        total -= int(emb.n_bytes) - int(emb.n_bytes) // int(emb.shape[-1])
+    return total
+
+
 def worker(model_dir: str, prompt_tokens: int, gen_tokens: int, seed: int) -> dict:
     """One mlx-ternary measurement in this (fresh) process."""
     import mlx.core as mx
@@ -145,12 +194,21 @@ def worker(model_dir: str, prompt_tokens: int, gen_tokens: int, seed: int) -> di
     prompt = mx.array(rng.integers(3, config["vocab_size"], prompt_tokens), dtype=mx.uint32)
     time_generation(model, prompt[:1], 2)  # warm-up
     run, _, _ = time_generation(model, prompt, gen_tokens)
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    emb = params["model.embed_tokens.weight"]
+    tied = "lm_head.weight" not in params
+    # what a decode step reads: every weight once, one embedding row (all of it when tied)
+    per_token = sum(p.nbytes for p in params.values()) - (0 if tied else emb.nbytes)
+    per_token += 0 if tied else emb.nbytes // emb.shape[0]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss *= 1 if sys.platform == "darwin" else 1024
     return {
         "prefill_tps": run.prefill_tps,
         "decode_tps": run.decode_tps,
         "peak_rss": rss,
+        "bytes_per_token": per_token,
         "backend": dispatch.resolve_backend(),
         "isa": cpu.info().get("isa", ""),
     }
@@ -195,11 +253,20 @@ def main(argv=None):
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tables",
+        default="F16,F16",
+        help=f"embedding,output types of the GGUF written ({', '.join(TABLE_TYPES)})",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         print(json.dumps(worker(a.worker, a.prompt_tokens, a.gen_tokens, a.seed)))
+        return
+    if a.prepare:
+        prepare(a.dir, tuple(a.tables.split(",")), [v for v in a.variants.split(",") if v])
         return
 
     from mlx_ternary.bench import llamacpp
@@ -213,12 +280,16 @@ def main(argv=None):
     if bad:
         ap.error(f"unknown variant(s) {bad}; choose from {VARIANTS}")
     a.dir.mkdir(parents=True, exist_ok=True)
-    gguf = a.dir / "model.gguf"
-    if not gguf.exists():
-        print(f"writing {gguf}", file=sys.stderr)
-        write_gguf(gguf.with_suffix(".tmp"))
-        shutil.move(gguf.with_suffix(".tmp"), gguf)
-    make_variants(a.dir, variants)
+    tables = tuple(a.tables.split(","))
+    if len(tables) != 2 or not set(tables) <= set(TABLE_TYPES):
+        ap.error(f"--tables takes two of {TABLE_TYPES}, got {a.tables!r}")
+    gguf, stamp = a.dir / "model.gguf", a.dir / "tables.txt"
+    if gguf.exists() and stamp.exists() and stamp.read_text() != a.tables:
+        ap.error(f"{gguf} has tables {stamp.read_text()}; use another --dir for {a.tables}")
+    # Written and converted in a child: Linux carries a process's peak RSS into the children
+    # it forks and execs, so a conversion here would inflate every engine's peak RSS.
+    prep = [sys.executable, __file__, "--prepare", "--dir", str(a.dir), "--tables", a.tables]
+    subprocess.run(prep + ["--variants", a.variants], check=True)
 
     engines = [("llama.cpp TQ2_0", t) for t in threads] + [
         (f"mlx-ternary {v}", t) for v in variants for t in threads
@@ -243,10 +314,11 @@ def main(argv=None):
             results[(name, t)].append(run)
 
     rows = [
-        "| engine | threads | prefill tok/s | decode tok/s | peak RSS MB | prefill × | "
-        "decode × | memory × |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | threads | prefill tok/s | decode tok/s | peak RSS MB | MB read / token | "
+        "prefill × | decode × | memory × |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    file_bytes = gguf_bytes_per_token(gguf)
     base = {t: results[("llama.cpp TQ2_0", t)] for t in threads}
     med = lambda runs, k: statistics.median(x[k] for x in runs)  # noqa: E731
     for (name, t), runs in results.items():
@@ -259,7 +331,8 @@ def main(argv=None):
         rows.append(
             f"| {name} | {t} | {fmt([x['prefill_tps'] for x in runs])} | "
             f"{fmt([x['decode_tps'] for x in runs])} | "
-            f"{fmt([x['peak_rss'] / 1e6 for x in runs], 0)} | " + " | ".join(ratio) + " |"
+            f"{fmt([x['peak_rss'] / 1e6 for x in runs], 0)} | "
+            f"{runs[0].get('bytes_per_token', file_bytes) / 1e6:.1f} | " + " | ".join(ratio) + " |"
         )
     print("\n".join(rows))
     if a.json:

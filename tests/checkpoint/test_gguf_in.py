@@ -12,10 +12,11 @@ import mlx_ternary
 from mlx_ternary import format as fmt
 from mlx_ternary.checkpoint.convert import convert, convert_source
 from mlx_ternary.checkpoint.readers import gguf as reader
+from mlx_ternary.checkpoint.readers import gguf_quants as gq
 from mlx_ternary.checkpoint.readers.gguf_file import GGUFFile
 from mlx_ternary.checkpoint.readers.gguf_tokenizer import tokenizer_files
 from mlx_ternary.errors import FormatError
-from mlx_ternary.format import AffineTensor, PackedTernary
+from mlx_ternary.format import AffineTensor, GGMLTensor, PackedTernary
 from mlx_ternary.runtime.layers import ternary_layers
 
 FIXTURES = FIXTURES / "gguf"
@@ -48,7 +49,6 @@ def test_quantizer_layout_loads_exactly(tmp_path, arch, embd, output):
     if output:  # Q6_K has no exact MLX form: float16 of gguf-py's values
         lm = np.array(items["lm_head.weight"].astype(mx.float32))
         np.testing.assert_array_equal(lm, weights["lm_head.weight"].astype(np.float16))
-        weights["lm_head.weight"] = lm
     report = convert(str(path), tmp_path / "out")
     assert report.max_error == 0.0
     # llama.cpp's files run with its Q8_K activations unless they record their own definition
@@ -68,13 +68,15 @@ def test_quantizer_layout_loads_exactly(tmp_path, arch, embd, output):
 
 @pytest.mark.parametrize("embd", ["Q4_0", "Q4_K"])
 def test_quantized_embedding_and_head_stay_quantized(tmp_path, embd):
-    """llama.cpp's quantizer output end to end: the Q4 embedding and a Q8_0 head become
-    4-/8-bit MLX layers (never dequantized), and the logits are the file's exact numbers."""
+    """llama.cpp's quantizer output end to end on the reference backend: the Q4 embedding and
+    a Q8_0 head become 4-/8-bit MLX layers (never dequantized), and the logits are the
+    file's exact numbers. (The native backend keeps Q4_K / Q8_0 as their GGUF blocks:
+    tests/runtime/test_ggml_tables.py.)"""
     import mlx.nn as nn
 
     path, config, weights = gb.write(tmp_path / "m.gguf", "llama", embd=embd, output="Q8_0")
     convert(str(path), tmp_path / "out")
-    model, _ = mlx_ternary.load(str(tmp_path / "out"), activations="float")
+    model, _ = mlx_ternary.load(str(tmp_path / "out"), activations="float", backend="reference")
     emb, head = model.model.embed_tokens, model.lm_head
     assert isinstance(emb, nn.QuantizedEmbedding) and (emb.bits, emb.group_size) == (4, 32)
     assert isinstance(head, nn.QuantizedLinear) and (head.bits, head.group_size) == (8, 32)
@@ -96,7 +98,8 @@ def test_llama_rotary_rows_negative_control(tmp_path):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K"])
 def test_affine_types_map_exactly(tmp_path, qtype):
-    """Q8_0/Q4_0/Q4_1/Q4_K/Q5_K -> AffineTensor: the same numbers as gguf-py decodes."""
+    """Q8_0/Q4_0/Q4_1/Q4_K/Q5_K -> AffineTensor (Q4_0/Q4_1 from the reader; the tables kept
+    as blocks through the reference backends' conversion): the numbers gguf-py decodes."""
     path, _, weights = gb.write(tmp_path / "m.gguf", "llama", embd=qtype, output="Q5_K", seed=3)
     items = _items(path)
     for module, want in (
@@ -104,6 +107,9 @@ def test_affine_types_map_exactly(tmp_path, qtype):
         ("lm_head", weights["lm_head.weight"]),
     ):
         at = items[module]
+        if isinstance(at, GGMLTensor):
+            assert at.type == (qtype if module == "model.embed_tokens" else "Q5_K")
+            at = gq.affine(np.array(at.blocks), at.type, *at.shape)
         assert isinstance(at, AffineTensor) and at.group_size == 32
         as_f32 = mx.dequantize(
             at.weight,
@@ -134,9 +140,10 @@ def test_q8_0_ternary_codes_read_as_ternary(tmp_path):
 
     path, _, weights = gb.write(tmp_path / "m.gguf", "llama", ternary=("Q8_0",), output=None)
     # gguf-py's Q8_0 quantizer gives codes +-127 (d = s / 127): not ternary codes, so they
-    # stay affine; rewrite them as our writer does (codes t, d = s) and they are ternary
+    # stay quantized (their blocks); rewrite them as our writer does (codes t, d = s) and
+    # they are ternary
     items = _items(path)
-    assert isinstance(items["model.layers.0.mlp.up_proj"], AffineTensor)
+    assert isinstance(items["model.layers.0.mlp.up_proj"], GGMLTensor)
     from mlx_ternary.checkpoint.writers.gguf_tensors import _q8_0_codes
 
     t = np.sign(weights["model.layers.0.mlp.up_proj.weight"]).astype(np.int8)

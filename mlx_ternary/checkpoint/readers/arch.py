@@ -19,7 +19,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ...errors import FormatError, TernaryError, read_json
-from ...format import AffineTensor, PackedTernary, affine_entry, row_blocks
+from ...format import AffineTensor, GGMLTensor, PackedTernary, affine_entry, row_blocks
 from ...runtime.linears import linear_paths
 from .common import read_sanitized, sanitized_index, shard_files
 from .config_check import check_args, check_scale
@@ -418,7 +418,7 @@ class Checker:
         module = self.modules.get(path)
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             raise FormatError(
-                f"{self.where}: affine-quantized tensor {path}.weight is not a "
+                f"{self.where}: quantized tensor {path}.weight is not a "
                 "Linear or Embedding layer of the model its config describes"
             )
         if tuple(at.shape) != tuple(module.weight.shape):
@@ -445,7 +445,7 @@ class Checker:
     def item(self, name: str, item) -> None:
         if isinstance(item, PackedTernary):
             self.ternary(name, item)
-        elif isinstance(item, AffineTensor):
+        elif isinstance(item, (AffineTensor, GGMLTensor)):
             self.affine(name, item)
         else:
             self.tensor(name, item)

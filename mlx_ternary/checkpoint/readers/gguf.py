@@ -4,9 +4,10 @@ Architectures: llama, qwen2, qwen3, bitnet (mainline llama.cpp) and bitnet.cpp's
 bitnet-b1.58 / bitnet-25 (gguf_tables.ARCHITECTURES). Tensors, by type:
 - TQ1_0 / TQ2_0, I2_S (bitnet.cpp), and Q8_0 whose codes are all in {-1, 0, 1}:
   ternary, read exactly as s * t (PackedTernary).
-- Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K: kept quantized as MLX affine codes, exactly
-  (module path, AffineTensor); with keep_affine=False they become float32 (exact too).
-- every other type gguf-py dequantizes (Q6_K, Q2_K, Q3_K, Q5_x, IQ*, ...): float16.
+- Q8_0 / Q4_K / Q5_K / Q6_K (llama-quantize's tables): kept as their GGUF blocks
+  (module path, GGMLTensor); Q4_0 / Q4_1: MLX affine codes, exactly (AffineTensor); with
+  keep_affine=False all of them become floats.
+- every other type gguf-py dequantizes (Q2_K, Q3_K, Q5_x, IQ*, ...): float16.
 - F32 / F16 / BF16: as stored; ternary when our own writer listed them as such.
 llama.cpp stores llama's Q and K rows in its rotary pair order; reading undoes it.
 The tokenizer is rebuilt from the metadata (readers/gguf_tokenizer.py).
@@ -21,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import PackedTernary, expand_scales
+from ...format import GGML_TABLES, GGMLTensor, PackedTernary, expand_scales
 from ..gguf_tables import (
     ARCHITECTURES,
     IGNORED_TENSORS,
@@ -233,6 +234,14 @@ def _float(raw, info, qtype):
     return gq.dequantize(raw, qtype, info.shape)
 
 
+def _blocks(raw, kind: str, rows: int, cols: int, n_head) -> GGMLTensor:
+    """A llama.cpp table kept as its blocks (rows in Hugging Face order)."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1)
+    if n_head:
+        blocks = blocks[rotary_unpermute(np.arange(rows), n_head)]
+    return GGMLTensor(mx.array(blocks), kind, cols)
+
+
 def _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names):
     """One GGUF tensor -> (name, PackedTernary | AffineTensor | mx.array)."""
     from gguf import GGMLQuantizationType
@@ -258,6 +267,8 @@ def _tensor(gf, info, hf, config, packing, keep_affine, n_head, ternary_names):
             pt = _ternary(*found, Q_BLOCK, n_head, packing, label, exact, keep)
             if pt is not None:
                 return module, pt
+    if kind in GGML_TABLES and matrix and keep_affine and keep == (None, None):
+        return module, _blocks(raw, kind, rows, cols, n_head)
     if kind in gq.AFFINE_TYPES and matrix and keep_affine and keep == (None, None):
         at = gq.affine(raw, kind, rows, cols)
         if n_head:
@@ -326,8 +337,8 @@ def source(path: Path, packing: str, *, keep_affine: bool = True, unpermute: boo
     """A convert Source for a .gguf file.
 
     Args:
-        keep_affine: yield Q8_0/Q4_0/Q4_1/Q4_K/Q5_K tensors as AffineTensor (else exact
-            float32).
+        keep_affine: yield Q8_0/Q4_K/Q5_K/Q6_K tensors as GGMLTensor (their blocks) and
+            Q4_0/Q4_1 as AffineTensor (else floats).
         unpermute: undo llama.cpp's Q/K row order (False only for negative controls).
     """
     path = Path(path)
@@ -347,7 +358,10 @@ def source(path: Path, packing: str, *, keep_affine: bool = True, unpermute: boo
     arch = gf.field("general.architecture")
     notes = []
     lossy = sorted(
-        {t.type_name for t in kept} - set(TERNARY_TYPES + FLOAT_TYPES) - set(gq.AFFINE_TYPES)
+        {t.type_name for t in kept}
+        - set(TERNARY_TYPES + FLOAT_TYPES)
+        - set(gq.AFFINE_TYPES)
+        - set(GGML_TABLES)
     )
     if lossy:
         notes.append(

@@ -3,13 +3,16 @@
 Tensors are named as the model's parameters already. `P.packed` + `P.scales` is a
 ternary layer; `P.weight` + `P.scales` + `P.biases` of a layer the quantization section
 lists is an MLX affine layer (format_version 2, or a v1 model that mlx-lm's
-quantize_model added such layers to). Arrays stay lazy: nothing is read until used.
+quantize_model added such layers to); `P.weight` of a layer listed with mode "ggml" holds
+llama.cpp's blocks as stored (format_version 3). Arrays stay lazy: nothing is read until used.
 """
 
 from pathlib import Path
 
 from ...errors import FormatError
 from ...format import (
+    GGML_MODE,
+    GGMLTensor,
     PackedTernary,
     QuantizationConfig,
     is_native_config,
@@ -33,7 +36,8 @@ def source(path: Path, packing: str = "compact") -> Source:
     targets = arch.ternary_targets(model, config)
     index = tensor_index(shard_files(path))
     triples, companions = arch.affine_triples(set(index))
-    affine = {n: p for n, p in triples.items() if p in quant.layers}
+    ggml = {p: e["type"] for p, e in quant.layers.items() if e["mode"] == GGML_MODE}
+    affine = {n: p for n, p in triples.items() if p in quant.layers and p not in ggml}
     dims = {p: m.weight.shape[-1] for p, m in model.named_modules() if p in quant.layers}
     skip = {n for n in index if n.endswith(".scales") and n[:-7] + ".packed" in index}
     skip |= {n for n in companions if n.rpartition(".")[0] in quant.layers}
@@ -63,6 +67,8 @@ def source(path: Path, packing: str = "compact") -> Source:
                         path.name,
                     ),
                 )
+            elif leaf == "weight" and p in ggml:
+                yield p, _blocks(p, read(name), ggml[p], dims[p], path)
             elif leaf == "packed" and p in targets:
                 yield p, _packed(p, read(name), read(f"{p}.scales"), targets[p], quant, path)
             else:
@@ -105,3 +111,12 @@ def _packed(
                 "belong together"
             )
     return PackedTernary(quant.packing, packed, scales, n, k, gs)
+
+
+def _blocks(path: str, blocks, type_name: str, in_features: int, where: Path) -> GGMLTensor:
+    try:
+        return GGMLTensor(blocks, type_name, in_features)
+    except FormatError as e:
+        raise FormatError(
+            f"{where}: tensor {path}.weight: {e}; the config and the weights do not belong together"
+        ) from None

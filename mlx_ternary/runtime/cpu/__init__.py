@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ...format import Q8K, packing_code
+from ...format import GGML_TABLES, Q8K, packing_code
 from . import build
 
 
@@ -154,6 +154,21 @@ def q8k_supported(scales: mx.array, *, packing: str, in_features: int, group_siz
 def dense_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x @ w.T in float32 for w (N, K) float16, bfloat16 or float32 as stored."""
     return _require().dense_matmul(x, w)
+
+
+def ggml_dequantize(blocks: mx.array, type_name: str, in_features: int) -> mx.array:
+    """(..., row_bytes) uint8 llama.cpp blocks (format.GGML_TABLES) -> (..., K) float32,
+    exactly as ggml dequantizes them (runtime/ggml.py `dequantize` is the twin)."""
+    return _require().ggml_dequantize(blocks, GGML_TABLES[type_name].code, in_features)
+
+
+def ggml_matmul(
+    x: mx.array, blocks: mx.array, type_name: str, in_features: int, *, llama: bool
+) -> mx.array:
+    """x @ W.T in float32 for W (N, row_bytes) llama.cpp blocks kept as stored; `llama`:
+    ggml's numerics (activations quantized per token, its integer dot products), else float
+    (runtime/ggml.py `matmul` is the twin of both)."""
+    return _require().ggml_matmul(x, blocks, GGML_TABLES[type_name].code, in_features, llama)
 
 
 def ternary_weight(

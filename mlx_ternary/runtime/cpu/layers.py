@@ -9,6 +9,8 @@ kernel; activations stay float32:
     HalfEmbedding  an nn.Embedding: rows gathered then widened to float32; `as_linear`
                    (tied output layer) is the native x @ W.T
     HalfLinear     an nn.Linear (the untied output layer, other float linears) the same way
+    GGMLEmbedding, GGMLLinear  llama.cpp's Q8_0 / Q4_K / Q5_K / Q6_K tables kept as their
+                   GGUF blocks, run by the native kernels (runtime/ggml.py the twin)
 
 Both are subclasses of the stock classes, so mlx-lm's isinstance checks, `quantize_model`,
 LoRA/DoRA and `save_model` treat them as the layers they replace.
@@ -23,7 +25,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import activation, attention, dense_matmul
+from ...format import GGML_MODE, GGMLTensor, check_ggml_type
+from .. import ggml
+from . import activation, attention, dense_matmul, ggml_dequantize, ggml_matmul
+from . import available as native_available
 
 HALF = (mx.float16, mx.bfloat16)
 
@@ -112,3 +117,103 @@ def adopt(
     attention.install(model)
     activation.install(model)
     return keep_half_tables(model, weights) if dtype is None else set()
+
+
+# --------------------------------------------------------------------------- #
+# llama.cpp's quantized tables, kept as their GGUF blocks
+# --------------------------------------------------------------------------- #
+
+
+def _dequantize(blocks: mx.array, type_name: str, k: int) -> mx.array:
+    if native_available():
+        return ggml_dequantize(blocks, type_name, k)
+    return ggml.dequantize(blocks, type_name, k)
+
+
+def _matmul(x: mx.array, blocks: mx.array, type_name: str, k: int, llama: bool) -> mx.array:
+    if native_available():
+        return ggml_matmul(x, blocks, type_name, k, llama=llama)
+    return ggml.matmul(x, blocks, type_name, k, llama)
+
+
+class _GGMLTable:
+    """What GGMLEmbedding and GGMLLinear share: `weight` holds the blocks (N, row_bytes)
+    uint8 exactly as the GGUF file stores them (format.GGMLTensor); `ggml_type` names the
+    block type, `llama` picks llama.cpp's numerics for the matvec (its activation
+    quantization and integer dot products) over float ones."""
+
+    def _init_table(self, n: int, k: int, type_name: str, llama: bool):
+        t = check_ggml_type(type_name)
+        self.weight = mx.zeros((n, k // t.block * t.bytes), dtype=mx.uint8)
+        self.ggml_type, self.in_features, self.llama = type_name, k, llama
+
+    @property
+    def entry(self) -> dict:
+        return {"mode": GGML_MODE, "type": self.ggml_type}
+
+    def dequantize(self) -> mx.array:
+        """The (N, K) float32 weight, exactly what the blocks encode."""
+        return _dequantize(self.weight, self.ggml_type, self.in_features)
+
+    def _product(self, x: mx.array) -> mx.array:
+        return _matmul(x, self.weight, self.ggml_type, self.in_features, self.llama)
+
+
+class GGMLEmbedding(_GGMLTable, nn.Embedding):
+    """An nn.Embedding over llama.cpp blocks: a lookup dequantizes the gathered rows (float32,
+    exact); `as_linear` (a tied output layer) multiplies by the blocks as stored."""
+
+    def __init__(self, num_embeddings: int, dims: int, type_name: str, llama: bool = True):
+        nn.Module.__init__(self)
+        self._init_table(num_embeddings, dims, type_name, llama)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _dequantize(self.weight[x], self.ggml_type, self.in_features)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._product(x)
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", quantize_input=False):
+        wide = _stock(nn.Embedding, self.dequantize())
+        return wide.to_quantized(group_size, bits, mode=mode, quantize_input=quantize_input)
+
+
+class GGMLLinear(_GGMLTable, nn.Linear):
+    """An nn.Linear (an untied output layer) over llama.cpp blocks kept as stored."""
+
+    def __init__(self, input_dims: int, output_dims: int, bias: bool, type_name: str, llama=True):
+        nn.Module.__init__(self)
+        self._init_table(output_dims, input_dims, type_name, llama)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._product(x)
+        return y + self.bias if "bias" in self else y
+
+    def to_quantized(self, group_size=None, bits=None, mode="affine", quantize_input=False):
+        extra = {"bias": self.bias} if "bias" in self else {}
+        wide = _stock(nn.Linear, self.dequantize(), **extra)
+        return wide.to_quantized(group_size, bits, mode=mode, quantize_input=quantize_input)
+
+
+def ggml_layer(module: nn.Module, gt: GGMLTensor, llama: bool, name: str = "layer") -> nn.Module:
+    """GGMLEmbedding / GGMLLinear holding `gt` in place of `module` (an Embedding / Linear).
+
+    Raises:
+        ValueError: `module` is neither.
+    """
+    n, k = gt.shape
+    if isinstance(module, nn.Embedding):
+        layer = GGMLEmbedding(n, k, gt.type, llama)
+    elif isinstance(module, nn.Linear):
+        layer = GGMLLinear(k, n, "bias" in module, gt.type, llama)
+        if "bias" in module:
+            layer.bias = module.bias
+    else:
+        raise ValueError(
+            f"{name}: a {type(module).__name__} cannot hold a {gt.type} table (only Linear "
+            "and Embedding layers can)"
+        )
+    layer.weight = gt.blocks if isinstance(gt.blocks, mx.array) else mx.array(gt.blocks)
+    return layer

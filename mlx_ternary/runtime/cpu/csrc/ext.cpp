@@ -6,6 +6,7 @@
 //   TernaryWeight   W = s * t as float32 (N, K)            (the backward pass)
 //   Attention       softmax(scale q k^T [causal]) v        (attention.h)
 //   SwiGLU          silu(g) * x, float32                   (activation.h)
+//   GgmlDequantize, GgmlMatmul  llama.cpp's quantized tables (ggml_ops.h, kquants.h)
 //
 // eval_cpu allocates the output and enqueues the work on the stream's CPU command encoder, as
 // MLX's own CPU primitives do; MLX keeps the inputs alive until the task has run. Inside the task
@@ -37,6 +38,7 @@
 #include "attention.h"
 #include "check.h"
 #include "dense.h"
+#include "kquants.h"
 #include "threadpool.h"
 #include "tkernels.h"
 
@@ -591,6 +593,8 @@ mx::array ternary_weight_op(const mx::array& packed, const mx::array& scales, in
   return ternary_weight(packed, scales, p, false, mx::default_stream(mx::Device::cpu));
 }
 
+#include "ggml_ops.h"  // llama.cpp's quantized tables (kquants.h)
+
 }  // namespace
 
 NB_MODULE(_mlx_ternary_native, m) {
@@ -620,7 +624,11 @@ NB_MODULE(_mlx_ternary_native, m) {
         nb::arg("n"), "Threads the kernels use (n < 1: all the cores this process may use).");
   m.def("num_threads", []() { return pool().size(); });
   m.def("isa", []() { return std::string(tk::NativeOps::name) + " / " + tk::dense_isa(); });
-  m.def("selfcheck", []() { return tk::selfcheck(); },
+  register_ggml(m);
+  m.def("selfcheck", []() {
+          std::string e = tk::selfcheck();
+          return e.empty() ? tk::kq_selfcheck() : e;
+        },
         "Compare this build's SIMD kernels with the portable ones; '' when they agree.");
   m.attr("PACKING_COMPACT") = int(tk::COMPACT);
   m.attr("PACKING_FAST") = int(tk::FAST);

@@ -3,9 +3,11 @@
 #include <cstdio>
 
 #include "check.h"
+#include "kquants.h"
 
 int main() {
   std::string e = tk::selfcheck();
+  if (e.empty()) e = tk::kq_selfcheck();
   std::printf("%s / %s: %s\n", tk::NativeOps::name, tk::dense_isa(), e.empty() ? "ok" : e.c_str());
   return e.empty() ? 0 : 1;
 }
