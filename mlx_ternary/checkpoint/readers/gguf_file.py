@@ -230,3 +230,21 @@ class GGUFFile:
                 "which mlx-ternary cannot size or read"
             )
         return self._map[info.offset : info.offset + info.nbytes]
+
+    def release(self, info: TensorInfo) -> None:
+        """Drop the tensor's pages from this process's resident set (a conversion reads each
+        tensor once: without this, every page of the file it has read stays resident - and
+        counts in its peak RSS - until the map goes). The map is read-only and shared, so
+        a later read faults the same bytes back in from the page cache or the file."""
+        import mmap
+
+        m = getattr(self._map, "_mmap", None)
+        if m is None or info.nbytes is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = info.offset // page * page  # madvise wants a page-aligned start
+        end = min(info.offset + info.nbytes, len(self._map))
+        try:
+            m.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):  # advice only: a platform that refuses it keeps the pages
+            pass
