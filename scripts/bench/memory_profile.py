@@ -5,7 +5,7 @@
 
 Prints one JSON line per stage: the process's resident set now (VmRSS) and its peak so far
 (VmHWM), MLX's active and cached bytes, for: the imports, the GGUF's conversion into the
-cache (a first load only), the model's load, the tokenizer, a prefill of --prompt-tokens
+cache (a first load only), the tokenizer and the model's load (load()'s order), a prefill of --prompt-tokens
 seeded random ids and --gen-tokens of greedy decode. Run it twice on a .gguf: the first
 run converts, the second reads the cache (what every later load costs). Run it as the
 child of a small process (a shell), not of a benchmark that holds a model: a child's peak
@@ -45,17 +45,17 @@ def main(argv=None):
     import mlx.core as mx
     import numpy as np
 
-    from mlx_ternary.checkpoint.load import _tokenizer, load_model, resolve_model_path
+    from mlx_ternary.checkpoint.load import _tokenizer, load_model, read_config, resolve_model_path
     from mlx_ternary.runtime import cpu
 
     cpu.info()
     stage("imports + native extension", t0)
     path = resolve_model_path(a.model)
     stage("resolved (a .gguf: converted into the cache if it was not)", t0)
+    _tokenizer(path, None, read_config(path))  # load()'s order: the tokenizer first
+    stage("tokenizer", t0)
     model, config = load_model(path)
     stage("load_model", t0)
-    _tokenizer(path, None, config)
-    stage("tokenizer", t0)
     from mlx_lm.generate import generate_step
 
     rng = np.random.default_rng(0)

@@ -70,10 +70,12 @@ MANIFEST_FORMAT = "mlx-ternary-manifest"
 _COPY_CHUNK = 64 << 20
 
 
-def _tensor_bytes(arr: mx.array) -> bytes:
+def _tensor_bytes(arr: mx.array) -> memoryview:
+    """The array's bytes, read in place (np.asarray shares an evaluated MLX array's memory;
+    np.array would hold a second copy of the largest table while it is written)."""
     if arr.dtype == mx.bfloat16:  # numpy has no bfloat16: move the raw bits
         arr = arr.view(mx.uint16)
-    return memoryview(np.ascontiguousarray(np.array(arr)).reshape(-1)).cast("B")
+    return memoryview(np.ascontiguousarray(np.asarray(arr)).reshape(-1)).cast("B")
 
 
 def sha256_file(path: Path) -> str:
