@@ -128,10 +128,8 @@ def run_bench(
             when found, llama.cpp on `gguf` (the same weights) is one more row.
         gguf: the GGUF file llama.cpp runs.
         llama_threads: llama.cpp's threads (default: as many as the native kernels use).
-        peer_benches: (label, llama-bench binary, GGUF) for each source-built engine to add
-            as a row (llama.cpp, ik_llama.cpp, bitnet.cpp), run with `llama_threads`.
-        measure_bandwidth: measure this machine's streaming-read bandwidth (bandwidth.py)
-            at `llama_threads` threads when `bandwidth_gbs` is not given.
+        peer_benches: (label, llama-bench binary, GGUF): one more row each (peers.py).
+        measure_bandwidth: measure the bandwidth (bandwidth.py) if not given nor Apple's.
 
     Returns:
         A BenchResult; `.to_dict()` for JSON.
@@ -149,16 +147,14 @@ def run_bench(
     live = [f for f in formats if variants[f][0] is not None]
     _warm_up(variants, live, prompt, progress)
     run_llama = partial(_run_llama, node, gguf, llama, llama_threads, prompt_tokens, gen_tokens)
-    external, peer_rows = _external(
-        llama, run_llama, peer_benches, llama_threads, prompt_tokens, gen_tokens, seed, vocab
-    )
+    runs = (llama_threads, prompt_tokens, gen_tokens, seed, vocab)
+    external, peer_rows = _external(llama, run_llama, peer_benches, *runs)
     _timed_runs(variants, live + list(external), prompt, gen_tokens, repeats, external, progress)
     settings = dict(formats=list(formats), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens)
     settings.update(repeats=repeats, seed=seed, ceiling_context=context or len(prompt) + gen_tokens)
     device = device_description(backend)
     bandwidth_gbs, source = _bandwidth(device, bandwidth_gbs, measure_bandwidth, llama_threads)
-    results = [variants[f][1] for f in formats] + ([llama] if llama is not None else [])
-    results += peer_rows
+    results = [variants[f][1] for f in formats] + ([llama] if llama else []) + peer_rows
     apple = _apple(variants, live, shapes, float_elements, settings)
     return BenchResult(str(model), device, settings, results, bandwidth_gbs, source, apple)
 

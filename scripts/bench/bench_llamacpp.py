@@ -312,7 +312,8 @@ def engines(a, shape: dict, threads: list) -> tuple:
             continue
         nbytes = peers.decode_bytes(peers.tensor_sizes(path), rows=v)
         for t in threads:
-            out.append((name, t, _bench_run(binary, path, t, a), nbytes, 0))
+            extra = a.ik_args.split() if name.startswith("ik_") else ()
+            out.append((name, t, _bench_run(binary, path, t, a, extra), nbytes, 0))
     return out, skipped
 
 
@@ -348,10 +349,9 @@ def _node_run(node, gguf, t, a, vocab):
     return run
 
 
-def _bench_run(binary, path, t, a):
+def _bench_run(binary, path, t, a, extra):
     from mlx_ternary.bench import peers
 
-    extra = a.ik_args.split() if "ik" in str(binary) and a.ik_args else ()
     return lambda: peers.llama_bench(
         Path(binary),
         path,
