@@ -13,7 +13,7 @@ import platform
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,7 +23,7 @@ from ..checkpoint.load import load_model, resolve_model_path
 from ..errors import TernaryError
 from ..memory import kv_layout
 from ..runtime import dispatch
-from . import ceiling, llamacpp
+from . import bandwidth, ceiling, llamacpp, peers
 from .report import BenchResult, FormatResult, Run, apple_rows, plot, render, table_rows
 from .variants import DEFAULT_FORMATS, FORMATS, build_variants, make_layer, model_shapes
 
@@ -108,6 +108,8 @@ def run_bench(
     llama_cpp: Optional[str] = None,
     gguf: Optional[str] = None,
     llama_threads: Optional[int] = None,
+    peer_benches: Sequence[Tuple[str, str, str]] = (),
+    measure_bandwidth: bool = False,
 ) -> BenchResult:
     """Build each format of `model`, time interleaved generations, and compute ceilings.
 
@@ -126,6 +128,8 @@ def run_bench(
             when found, llama.cpp on `gguf` (the same weights) is one more row.
         gguf: the GGUF file llama.cpp runs.
         llama_threads: llama.cpp's threads (default: as many as the native kernels use).
+        peer_benches: (label, llama-bench binary, GGUF): one more row each (peers.py).
+        measure_bandwidth: measure the bandwidth (bandwidth.py) if not given nor Apple's.
 
     Returns:
         A BenchResult; `.to_dict()` for JSON.
@@ -142,16 +146,15 @@ def run_bench(
     prompt = mx.array(np.random.default_rng(seed).integers(0, vocab, prompt_tokens), mx.uint32)
     live = [f for f in formats if variants[f][0] is not None]
     _warm_up(variants, live, prompt, progress)
-    order = live + ([LLAMA] if llama is not None and llama.loads else [])
-    run_llama = partial(
-        _run_llama, node, gguf, llama, llama_threads, prompt_tokens, gen_tokens, seed, vocab
-    )
-    _timed_runs(variants, order, prompt, gen_tokens, repeats, run_llama, progress)
+    run_llama = partial(_run_llama, node, gguf, llama, llama_threads, prompt_tokens, gen_tokens)
+    runs = (llama_threads, prompt_tokens, gen_tokens, seed, vocab)
+    external, peer_rows = _external(llama, run_llama, peer_benches, *runs)
+    _timed_runs(variants, live + list(external), prompt, gen_tokens, repeats, external, progress)
     settings = dict(formats=list(formats), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens)
     settings.update(repeats=repeats, seed=seed, ceiling_context=context or len(prompt) + gen_tokens)
     device = device_description(backend)
-    bandwidth_gbs, source = _bandwidth(device, bandwidth_gbs)
-    results = [variants[f][1] for f in formats] + ([llama] if llama is not None else [])
+    bandwidth_gbs, source = _bandwidth(device, bandwidth_gbs, measure_bandwidth, llama_threads)
+    results = [variants[f][1] for f in formats] + ([llama] if llama else []) + peer_rows
     apple = _apple(variants, live, shapes, float_elements, settings)
     return BenchResult(str(model), device, settings, results, bandwidth_gbs, source, apple)
 
@@ -172,20 +175,32 @@ def _check_bench_args(formats, prompt_tokens: int, gen_tokens: int, repeats: int
         raise TernaryError("bench needs --prompt-tokens >= 1, --gen-tokens >= 2 and --repeats >= 1")
 
 
-def _timed_runs(variants, order, prompt, gen_tokens, repeats, run_llama, progress) -> None:
-    """`repeats` rounds over the formats, each round starting one format further on."""
+def _timed_runs(variants, order, prompt, gen_tokens, repeats, external, progress) -> None:
+    """`repeats` rounds over the formats, each round starting one format further on;
+    `external` {row: run()} are the other engines' rows (each run in its own process)."""
     for r in range(repeats):
         k = r % max(len(order), 1)
         for f in order[k:] + order[:k]:
             progress(f"repeat {r + 1}/{repeats}: {f}")
-            if f == LLAMA:
-                run_llama()
+            if f in external:
+                external[f]()
                 continue
             model_, res = variants[f]
             run, kv, state = time_generation(model_, prompt, gen_tokens)
             run.peak_bytes += res.weight_bytes
             res.runs.append(run)
             res.kv_bytes_per_token, res.state_bytes = kv, state
+
+
+def _external(llama, run_llama, peer_benches, threads, prompt_tokens, gen_tokens, seed, vocab):
+    """({row name: run()} for the other engines, the source-built peers' rows)."""
+    external = {}
+    if llama is not None and llama.loads:
+        external[LLAMA] = partial(run_llama, seed, vocab)
+    rows = [_peer_row(label, g, vocab, threads) for label, _, g in peer_benches]
+    for row, (_, binary, g) in zip(rows, peer_benches):
+        external[row.name] = partial(_run_peer, row, binary, g, threads, prompt_tokens, gen_tokens)
+    return external, rows
 
 
 def _run_llama(node, gguf, llama, threads, prompt_tokens, gen_tokens, seed, vocab) -> None:
@@ -202,13 +217,18 @@ def _run_llama(node, gguf, llama, threads, prompt_tokens, gen_tokens, seed, voca
     llama.runs += [Run(x["prefill_tps"], x["decode_tps"], out["peak_rss"]) for x in out["runs"]]
 
 
-def _bandwidth(device: Dict[str, str], given: Optional[float]) -> tuple:
-    """(GB/s, where it comes from): --bandwidth, else the Apple chip's, else unknown."""
+def _bandwidth(device: Dict[str, str], given, measure: bool, threads) -> tuple:
+    """(GB/s, where it comes from): --bandwidth, else the Apple chip's, else measured
+    (--measure-bandwidth), else unknown."""
     if given:
         return given, "--bandwidth"
     if device["mlx_device"] == "gpu":
         return ceiling.device_bandwidth(device["device"])
-    return None, "unknown for a CPU; pass --bandwidth GB/S"
+    if measure:
+        t = threads or _threads()
+        got = bandwidth.measure((t,))
+        return got["gbs"][t], f"measured: {got['method']}, {t} threads"
+    return None, "unknown for a CPU; pass --bandwidth GB/S or --measure-bandwidth"
 
 
 def _apple(variants, live, shapes, float_elements, settings) -> list:
@@ -251,6 +271,27 @@ def _llama_row(gguf: Optional[str], threads: Optional[int]) -> FormatResult:
     res.weight_bytes = res.read_bytes = total
     res.linear_bytes, res.linear_weights = tern_bytes, tern_weights
     return res
+
+
+def _peer_row(label: str, gguf: str, vocab: int, threads: Optional[int]) -> FormatResult:
+    """A source-built engine's row before it runs: bytes per token from its GGUF's tensors."""
+    sizes = peers.tensor_sizes(Path(gguf))
+    res = FormatResult(label, loads=True, dtype="float32")
+    res.runs_as = f"llama-bench, {threads or _threads()} threads (peak: process RSS)"
+    res.weight_bytes = sum(sizes.values())
+    res.read_bytes = peers.decode_bytes(sizes, rows=vocab)
+    return res
+
+
+def _run_peer(row, binary, gguf, threads, prompt_tokens, gen_tokens) -> None:
+    out = peers.llama_bench(
+        Path(binary),
+        Path(gguf),
+        threads=threads or _threads(),
+        prompt_tokens=prompt_tokens,
+        gen_tokens=gen_tokens,
+    )
+    row.runs.append(Run(out["prefill_tps"], out["decode_tps"], out["peak_rss"]))
 
 
 def _vocab_size(config: dict) -> int:

@@ -5,18 +5,19 @@ and scripts/bench/bench_llamacpp.py use it when node-llama-cpp is installed. DIR
 node_modules directory holding node-llama-cpp (or $MLX_TERNARY_LLAMA_CPP); `node` must be on
 PATH. The runner is timed as mlx-lm reports it: prefill = prompt tokens / time to the first
 generated token, decode = further tokens / their time, greedy, on seeded random token ids;
-peak memory is the node process's peak RSS (it includes node itself, ~50 MB).
+peak memory is the node process's peak RSS (it includes node itself, ~50 MB, and
+node-llama-cpp's library, ~40 MB more: `baseline_rss` measures both).
 """
 
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import TernaryError
+from . import peers
 
 ENV = "MLX_TERNARY_LLAMA_CPP"
 
@@ -72,6 +73,31 @@ await ctx.dispose();
 await model.dispose();
 await llama.dispose();
 """
+
+
+# Node's own peak RSS, and with node-llama-cpp's CPU backend loaded but no model: what a
+# llama.cpp row's peak RSS holds besides llama.cpp's own model and buffers.
+_BASELINE = r"""
+import {pathToFileURL} from "node:url";
+import {join} from "node:path";
+const entry = join(process.argv[2], "node-llama-cpp", "dist", "index.js");
+const {getLlama, LlamaLogLevel} = await import(pathToFileURL(entry).href);
+const llama = await getLlama({gpu: false, build: "never", logLevel: LlamaLogLevel.error});
+await llama.dispose();
+"""
+
+
+def baseline_rss(node_modules: Path, timeout: float = 600) -> Dict[str, int]:
+    """Peak RSS in bytes of {"node": node alone, "node_llama_cpp": node with the library and
+    its CPU backend loaded, no model}: subtract the second from a llama.cpp row's peak."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "baseline.mjs"
+        script.write_text(_BASELINE)
+        rc, _, err, lib = peers.run_child(["node", str(script), str(node_modules)], timeout)
+        rc0, _, err0, bare = peers.run_child(["node", "-e", "0"], timeout)
+    if rc or rc0:
+        raise TernaryError(f"node-llama-cpp's baseline run failed: {(err or err0).strip()[-300:]}")
+    return {"node": bare, "node_llama_cpp": lib}
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> List[int]:
@@ -167,12 +193,13 @@ def evaluate(
         script.write_text(_RUNNER)
         req.write_text(json.dumps(request))
         cmd = ["node", str(script), str(node_modules), str(req)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        rc, out, err, rss = peers.run_child(cmd, timeout)
+    lines = [l for l in out.splitlines() if l.startswith("{")]
+    if rc != 0 or not lines:
+        tail = (err or out).strip().splitlines()[-3:]
         raise TernaryError(f"llama.cpp (node-llama-cpp) failed on {gguf}: {' | '.join(tail)}")
-    return json.loads(lines[-1])
+    # node's own maxRSS would count the pages it shared with this process at the fork
+    return dict(json.loads(lines[-1]), peak_rss=rss)
 
 
 def gguf_bytes(gguf: Path) -> Tuple[int, int, int]:

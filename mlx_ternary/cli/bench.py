@@ -15,6 +15,8 @@ Examples:
   mlx-ternary bench --kernels --backend emulate --quick  # off a Mac: a smoke run, no timing
   mlx-ternary bench --host                            # host time per layer call and token
   mlx-ternary bench --model DIR --formats fast --llama-cpp NODE_MODULES --gguf model.gguf
+  mlx-ternary bench --model model.gguf --formats fast --measure-bandwidth --llama-threads 2 \
+      --peer "ik_llama.cpp IQ2_BN=IK/build/bin/llama-bench:model-iq2_bn.gguf"
 """
 )
 @click.option(
@@ -110,9 +112,23 @@ Examples:
     type=int,
     help="llama.cpp threads (default: as many as the native kernels use).",
 )
+@click.option(
+    "--peer",
+    "peers",
+    multiple=True,
+    metavar="LABEL=BIN:GGUF",
+    help="A source-built llama-bench (llama.cpp, ik_llama.cpp, bitnet.cpp) on its own GGUF "
+    "of the same weights: one more row (repeatable), run with --llama-threads.",
+)
+@click.option(
+    "--measure-bandwidth",
+    is_flag=True,
+    help="On a CPU: measure the streaming-read bandwidth for the ceiling column.",
+)
 def bench(model, kernels, host, backend, quick, json_path, plot_path, markdown, **run):
     """Measure each representation of a model: bytes, peak memory, prefill and decode speed."""
     run["bandwidth_gbs"] = run.pop("bandwidth")
+    run["peer_benches"] = [_peer(p) for p in run.pop("peers")]
     if kernels or host:
         _bench_kernels_or_host(kernels, backend, quick, run["bandwidth_gbs"], json_path)
         return
@@ -127,6 +143,15 @@ def bench(model, kernels, host, backend, quick, json_path, plot_path, markdown, 
         _write_json(json_path, result.to_dict())
     if plot_path:
         bench_.plot(result, plot_path)
+
+
+def _peer(spec: str):
+    """LABEL=BIN:GGUF -> (label, binary, gguf)."""
+    label, _, rest = spec.partition("=")
+    binary, _, gguf = rest.rpartition(":")
+    if not (label and binary and gguf):
+        raise click.BadParameter(f"{spec!r}: give LABEL=BIN:GGUF", param_hint="--peer")
+    return label, binary, gguf
 
 
 def _bench_kernels_or_host(kernels, backend, quick, bandwidth, json_path):

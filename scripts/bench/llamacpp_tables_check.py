@@ -59,7 +59,7 @@ def main():
     shape = SHAPE if a.full_shape else SMALL
     tmp = Path(tempfile.mkdtemp(prefix="tables-check-"))
     gguf = tmp / "model.gguf"
-    write_gguf(gguf, shape, a.seed, tuple(a.tables.split(",")))
+    write_gguf(gguf, shape, a.seed, tables=tuple(a.tables.split(",")))
     prompt = llamacpp.random_prompt(a.prompt_tokens, shape["vocab"], a.seed)
     teacher = llamacpp.random_prompt(a.teacher_tokens, shape["vocab"], a.seed + 1)
     ref = llamacpp.evaluate(

@@ -306,3 +306,39 @@ def test_truncated_gguf_leaves_nothing(tmp_path):
     (tmp_path / "head.gguf").write_bytes(path.read_bytes()[:100])
     with pytest.raises(FormatError, match=r"head\.gguf: not a readable GGUF file"):
         reader.source(tmp_path / "head.gguf", "compact")
+
+
+def _rss_file() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssFile")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="Linux /proc")
+def test_release_drops_a_read_tensors_pages_and_keeps_its_bytes(tmp_path):
+    from gguf import GGUFWriter
+
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(tmp_path / "big.gguf"), "llama")
+    tables = [rng.standard_normal((1024, 4096)).astype(np.float16) for _ in range(2)]
+    for i, t in enumerate(tables):  # 8 MiB each
+        w.add_tensor(f"t{i}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf = GGUFFile(tmp_path / "big.gguf")
+    before = _rss_file()
+    sums = [int(np.asarray(gf.tensor_bytes(i), np.int64).sum()) for i in gf.tensors]
+    read = _rss_file()
+    assert read - before > 12 << 20  # negative control: reading maps the pages in
+    gf.release(gf.tensors[0])
+    one = _rss_file()
+    assert read - one > 6 << 20 and one - before > 6 << 20  # the one tensor's pages only
+    gf.release(gf.tensors[1])
+    assert _rss_file() - before < 2 << 20
+    # still readable, the same bytes (faulted back in from the file)
+    assert [int(np.asarray(gf.tensor_bytes(i), np.int64).sum()) for i in gf.tensors] == sums
+    assert np.array_equal(gf.tensor_bytes(gf.tensors[1]).view(np.float16).reshape(1024, 4096),
+                          tables[1])  # fmt: skip

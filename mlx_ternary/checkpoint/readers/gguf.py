@@ -331,6 +331,7 @@ def iter_items(
                 f"be decoded ({type(e).__name__}: {e}); the file is corrupt: re-download it"
             ) from None
         yield item
+        gf.release(info)  # the item holds its own copy: the file's pages can go
 
 
 def source(path: Path, packing: str, *, keep_affine: bool = True, unpermute: bool = True) -> Source:
