@@ -18,6 +18,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .format import KV_GROUP_SIZE
+from .runtime.cpu import activation as native_swiglu
+from .runtime.cpu import attention as native_attention
 from .runtime.cpu.layers import GGMLEmbedding, GGMLLinear, HalfEmbedding, HalfLinear
 from .runtime.layers import TernaryLinear, ternary_layers
 
@@ -27,6 +29,9 @@ GiB = 1024**3
 FRAMEWORK_OVERHEAD = 512 * 1024**2
 KV_STEP = 256  # mlx-lm's KV caches grow in steps of 256 tokens
 ACTIVATION_MARGIN = 1.1  # allocator rounding and small temporaries the count leaves out
+# MLX's CPU RoPE holds temporaries of 2.4x its input beside its output (measured: a peak of
+# 444 KB for a (1, 4, 512, 16) float32 query, 131 KB in and out).
+ROPE_TEMPORARIES = 2.4
 # The command-line options that change each part of the plan (named in the advice).
 PLAN_FLAGS = {
     "context": "--max-context",
@@ -293,14 +298,14 @@ def kv_bytes(
     return total * batch
 
 
-def activation_bytes(model: nn.Module, batch: int, prefill_step: int, max_context: int) -> int:
-    """Peak transient bytes of one prefill chunk of `batch` x `prefill_step` tokens attending
-    to up to `max_context` keys, or of one batched decode step (logits), whichever is larger.
+def native_kernels(model: nn.Module) -> Tuple[bool, bool]:
+    """(attention, SwiGLU): whether `model`'s calls of each run the native CPU kernel here -
+    the dispatchers' own conditions: routed by the native backend, the CPU, float32."""
+    here = mx.default_device() == mx.cpu and activation_dtype(model) == mx.float32
+    return here and native_attention.routed(model), here and native_swiglu.routed(model)
 
-    Counts the live tensors of the widest moment of a layer: attention (hidden states,
-    q/k/v, the score matrix and its softmax, as MLX's unfused attention builds them off
-    Metal) or the MLP (gate, up, product).
-    """
+
+def _dims(model: nn.Module) -> dict:
     args = getattr(model, "args", None)
     get = lambda name, default=0: getattr(args, name, None) or default  # noqa: E731
     h = get("hidden_size")
@@ -308,16 +313,59 @@ def activation_bytes(model: nn.Module, batch: int, prefill_step: int, max_contex
     kv_heads = get("num_key_value_heads", heads)
     hd = get("head_dim", h // heads if heads else 0)
     inter = get("intermediate_size", 4 * h)
-    vocab = get("vocab_size")
+    return dict(h=h, heads=heads, hd=hd, kv=kv_heads * hd, inter=inter, vocab=get("vocab_size"))
+
+
+def _native_layer(d: dict) -> int:
+    """Floats per token of one decoder layer's tensors when attention and SwiGLU run natively.
+
+    MLX's CPU evaluation runs ahead of its worker (each queued task holds its inputs and
+    output), so a layer's tensors are live together, not only its widest moment's (measured:
+    2.2 MB for a 512-token layer of the test model, its attention block alone 0.95 MB).
+    Attention: norm, q/k/v, RoPE's outputs and its temporaries (ROPE_TEMPORARIES), the
+    kernel's output (it reads q/k/v in place; scores are per-thread scratch, outside MLX),
+    its transposed copy, o_proj, residual. MLP: norm, gate, up, SwiGLU's
+    output (one tensor), down, residual. Plus the residual stream entering the layer.
+    """
+    h, q, kv, inter = d["h"], d["heads"] * d["hd"], d["kv"], d["inter"]
+    rope = (q + kv) + int(ROPE_TEMPORARIES * (q + kv))
+    attention = h + (q + 2 * kv) + rope + 2 * q + 2 * h
+    return h + attention + 3 * h + 3 * inter
+
+
+def _kv_growth(model: nn.Module, batch: int, max_context: int) -> int:
+    """Bytes a cache holds twice while it grows: mlx-lm concatenates the old keys/values with
+    a new step, so one layer's old buffers and the new ones are live together."""
+    tokens = -(-max_context // KV_STEP) * KV_STEP
+    sizes = [pt * (min(tokens, most) if most else tokens) for pt, most, _ in kv_layout(model)]
+    return int(batch * max(sizes, default=0))
+
+
+def activation_bytes(model: nn.Module, batch: int, prefill_step: int, max_context: int) -> int:
+    """Peak transient bytes of one prefill chunk of `batch` x `prefill_step` tokens attending
+    to up to `max_context` keys, or of one batched decode step (logits), whichever is larger,
+    plus a KV cache's growth (`_kv_growth`).
+
+    Where attention and SwiGLU run the native kernels (`native_kernels`): one layer's tensors
+    (`_native_layer`) and the batch's bool mask. Elsewhere the widest moment of a layer:
+    attention (hidden states, q/k/v, the score matrix and its softmax, as MLX's unfused
+    attention builds them off Metal) or the MLP (gate, up, product).
+    """
+    d = _dims(model)
+    h, heads, hd = d["h"], d["heads"], d["hd"]
     f = activation_dtype(model).size
     step = min(prefill_step, max_context)
     t = batch * step
-    attn = t * (3 * h + (2 * heads + 2 * kv_heads) * hd) * f
-    # Scores and their softmax, plus keys/values broadcast over the query heads.
-    attn += 2 * batch * heads * max_context * (step + hd) * f
-    mlp = t * (3 * h + 3 * inter) * f
-    decode = 3 * batch * vocab * f
-    return int(ACTIVATION_MARGIN * max(attn, mlp, decode))
+    decode = 3 * batch * d["vocab"] * f
+    if all(native_kernels(model)):
+        layers = [t * _native_layer(d) * f + t * max_context]  # the bool mask: a byte each
+    else:
+        attn = t * (3 * h + 2 * heads * hd + 2 * d["kv"]) * f
+        # Scores and their softmax, plus keys/values broadcast over the query heads.
+        attn += 2 * batch * heads * max_context * (step + hd) * f
+        layers = [attn, t * (3 * h + 3 * d["inter"]) * f]  # the MLP: gate, up, product
+    peak = ACTIVATION_MARGIN * max(*layers, decode)
+    return int(peak) + _kv_growth(model, batch, max_context)
 
 
 def plan(

@@ -72,9 +72,20 @@ def test_kv_cache_hand_formula_and_kv_bits(tiny):
     assert P.kv_bytes(model, 512, kv_bits=8) == int(per_token * 512 * (1 + 2 * 4 / 64))
 
 
+@pytest.fixture(scope="module")
+def tiny_reference(tiny):
+    model, _ = mlx_ternary.load(str(tiny[0]), packing="fast", backend="reference")
+    return tiny[0], model
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
 @pytest.mark.parametrize("context,batch,step", [(512, 1, 512), (512, 2, 128), (1024, 4, 64)])
-def test_plan_bounds_measured_peak(tiny, context, batch, step):
-    _, model = tiny
+def test_plan_bounds_measured_peak(request, backend, context, batch, step):
+    _, model = request.getfixturevalue("tiny" if backend == "native" else "tiny_reference")
+    # The native backend runs attention and SwiGLU natively (no score matrix); the
+    # reference one runs MLX's unfused attention, the plan's other estimate.
+    native = backend == "native" and dispatch.resolve_backend() == "native"
+    assert P.native_kernels(model) == (native, native)
     plan = P.plan(model, context, batch=batch, prefill_step_size=step)
     got = P.measure(model, context - 8, batch=batch, prefill_step_size=step, decode_tokens=8)
     assert got["baseline"] >= plan.weights_total  # weights resident before the run

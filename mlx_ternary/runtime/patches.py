@@ -111,6 +111,19 @@ def route_function(
     return found
 
 
+def is_routed(model, name: str, original: Callable, around) -> bool:
+    """Whether `route_function` routed `model`'s calls of `original` (bound as `name`) inside
+    `around()`: its class runs in `around()` and one of its modules binds the replacement."""
+    if getattr(type(model), "_routed_around", None) is not around:
+        return False
+    original = getattr(original, "__wrapped__", original)
+    modules = {type(m).__module__ for m in model.modules()}
+    return any(
+        getattr(getattr(sys.modules.get(m), name, None), "__wrapped__", None) is original
+        for m in modules
+    )
+
+
 def route_attention(model, dispatcher: Callable[[Callable], Callable], around: Callable) -> bool:
     """`route_function` for mlx-lm's `scaled_dot_product_attention`."""
     from mlx_lm.models import base
@@ -118,6 +131,22 @@ def route_attention(model, dispatcher: Callable[[Callable], Callable], around: C
     return route_function(
         model, "scaled_dot_product_attention", base.scaled_dot_product_attention, dispatcher, around
     )
+
+
+def attention_routed(model, around: Callable) -> bool:
+    """`is_routed` for mlx-lm's `scaled_dot_product_attention`."""
+    from mlx_lm.models import base
+
+    return is_routed(
+        model, "scaled_dot_product_attention", base.scaled_dot_product_attention, around
+    )
+
+
+def swiglu_routed(model, around: Callable) -> bool:
+    """`is_routed` for mlx-lm's `swiglu`."""
+    from mlx_lm.models import activations
+
+    return is_routed(model, "swiglu", activations.swiglu, around)
 
 
 def route_swiglu(model, dispatcher: Callable[[Callable], Callable], around: Callable) -> bool:

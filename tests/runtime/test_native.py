@@ -549,6 +549,7 @@ def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cp
     a, r = np.array(model(ids)), np.array(ref(ids))
     assert calls == [True, True]  # two layers, causal prefill
     assert np.abs(a - r).max() < 1e-4 * np.abs(r).max()
+    assert attention.routed(model) and not attention.routed(ref)  # what the memory plan reads
     q, k, v = _qkv(1, 4, 2, 3, 3, 16)
     llama.scaled_dot_product_attention(q, k, v, cache=None, scale=0.25, mask="causal")
     assert calls == [True, True]  # not routed outside the model's call
@@ -608,6 +609,7 @@ def test_swiglu_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cpu_d
     a, r = np.array(model(ids)), np.array(ref(ids))
     assert len(calls) == 2  # two layers
     assert np.abs(a - r).max() < 1e-4 * np.abs(r).max()
+    assert activation.routed(model) and not activation.routed(ref)
     g = mx.array(np.linspace(-3, 3, 12, dtype=np.float32))
     out = llama.swiglu(g, g)
     assert len(calls) == 2  # not routed outside the model's call

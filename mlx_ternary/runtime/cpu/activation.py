@@ -55,3 +55,8 @@ def _dispatcher(original):
 def install(model) -> bool:
     """Route `model`'s mlx-lm `swiglu` to the native kernel; False if its modules call none."""
     return patches.route_swiglu(model, _dispatcher, enabled)
+
+
+def routed(model) -> bool:
+    """Whether `install` routed `model`'s `swiglu` (float32 calls on the CPU run natively)."""
+    return patches.swiglu_routed(model, enabled)

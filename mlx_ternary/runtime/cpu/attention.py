@@ -101,3 +101,9 @@ def install(model) -> bool:
     """Route `model`'s mlx-lm attention to the native kernel; False if its modules call no
     mlx-lm `scaled_dot_product_attention` (then nothing changes)."""
     return patches.route_attention(model, _dispatcher, enabled)
+
+
+def routed(model) -> bool:
+    """Whether `install` routed `model`'s attention (float32 calls on the CPU then run the
+    native kernel, which builds no score matrix)."""
+    return patches.attention_routed(model, enabled)
