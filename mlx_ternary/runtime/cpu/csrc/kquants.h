@@ -162,26 +162,18 @@ struct KActs {
   std::vector<int32_t> bsum; // (M, K / 16): Q8_K sums of 16 codes (the k-quant mins)
 };
 
-// quantize_row_q8_K_ref: amax, top = the first x reaching it, iscale = -127 / top,
-// q = min(127, round half even(iscale x)), d = 1 / iscale; zero blocks: d = 0, q = 0.
+// quantize_row_q8_K_ref, with the ternary layers' quantizer (q8k.h q8k_block: one home for
+// ggml's Q8_K numerics): codes, d per 256 columns, and the sums of each 16 codes.
 inline void quantize_q8k_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* bsum) {
-  for (int64_t b = 0; b < k / 256; b++) {
-    const float* xb = x + 256 * b;
-    float amax = 0.f, top = 0.f;
-    for (int i = 0; i < 256; i++)
-      if (std::fabs(xb[i]) > amax) amax = std::fabs(xb[i]), top = xb[i];
-    if (amax == 0.f) {
-      d[b] = 0.f;
-      std::memset(q + 256 * b, 0, 256);
-    } else {
-      const float iscale = -127.f / top;
-      for (int i = 0; i < 256; i++)
-        q[256 * b + i] = (int8_t)std::min(127.f, std::nearbyint(iscale * xb[i]));
-      d[b] = 1.f / iscale;
-    }
+  alignas(32) float buf[Q8K_BLOCK];
+  for (int64_t b = 0; b < k / Q8K_BLOCK; b++) {
+    std::memcpy(buf, x + Q8K_BLOCK * b, sizeof(buf));
+    d[b] = q8k_block(buf, Q8K_BLOCK);
+    int8_t* qb = q + Q8K_BLOCK * b;
+    for (int i = 0; i < Q8K_BLOCK; i++) qb[i] = (int8_t)buf[i];
     for (int j = 0; j < 16; j++) {
       int32_t s = 0;
-      for (int i = 0; i < 16; i++) s += q[256 * b + 16 * j + i];
+      for (int i = 0; i < 16; i++) s += qb[16 * j + i];
       bsum[16 * b + j] = s;
     }
   }
