@@ -195,6 +195,30 @@ def test_native_is_llamacpp_bit_for_bit(packing, scale, k, m):
 
 
 @needs_native
+@pytest.mark.parametrize("n,scale", [(203, "group"), (1000, "group"), (37, "row"), (24, "tensor")])
+def test_native_decode_blocks_chunks_and_threads_are_the_same_bits(n, scale):
+    """Decode runs 8-row blocks (a tail of n % 8 rows through the row kernel) in chunks sized
+    by the thread count; prefill runs 2 x 4 tiles in 16-row chunks. Every row of every token
+    must be ggml's, whatever the tokens per call, the chunking or the threads."""
+    rng = np.random.default_rng(n)
+    (packed, s, kw), t, s_blocks = tq_layer(rng, n, 768, "fast", scale)
+    x = tricky_x(rng, 6, 768)
+    want = ggml_layer(x, t, s_blocks)
+    threads = cpu.info()["threads"]
+    try:
+        for nt in (1, 2, 3):
+            cpu.set_num_threads(nt)
+            for m0, m1 in ((0, 1), (1, 2), (2, 4), (1, 4), (0, 5), (0, 6)):
+                y = cpu.ternary_matmul(mx.array(x[m0:m1]), packed, s, activation_bits=fmt.Q8K, **kw)
+                np.testing.assert_array_equal(np.array(y), want[m0:m1], err_msg=f"{nt} {m0}:{m1}")
+    finally:
+        cpu.set_num_threads(threads)
+    wrong = t.copy()
+    wrong[n - 1, 300] = -wrong[n - 1, 300] if wrong[n - 1, 300] else 1  # the tail row: a control
+    assert not np.array_equal(ggml_layer(x[:1], wrong, s_blocks), want[:1])
+
+
+@needs_native
 def test_native_q8k_bias_dtypes_and_gradient():
     rng = np.random.default_rng(7)
     (packed, s, kw), t, s_blocks = tq_layer(rng, 16, 512, "fast", "group")

@@ -296,6 +296,15 @@ inline std::string selfcheck() {
                    std::to_string(sk) + ", group " + std::to_string(group) + ", M " +
                    std::to_string(M) + ", K " + std::to_string(K) + ")";
         }
+  // the 8-row decode blocks (q8k.h rows_q8k_r8): whole blocks, a tail, tokens 1-3 and a tile
+  for (auto [M, N, K, group, sk] : {std::tuple{1, 19, 300, 256, 2}, std::tuple{2, 8, 512, 128, 2},
+                                    std::tuple{3, 17, 256, 256, 1}, std::tuple{5, 9, 700, 256, 0},
+                                    std::tuple{1, 16, 7, 256, 1}}) {
+    std::string e = check_q8k_case(FAST, M, N, K, group, sk, seed++);
+    if (!e.empty())
+      return e + " (8-row blocks, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
+             std::to_string(K) + ")";
+  }
   for (auto [hq, hkv, lq, lk, d, causal] : {std::tuple{4, 2, 5, 9, 64, true},
                                             std::tuple{2, 2, 1, 7, 40, false},
                                             std::tuple{6, 3, 3, 3, 128, true}}) {

@@ -14,12 +14,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include "tkernels.h"
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -72,6 +73,11 @@ inline void plan_q8k(Geometry& g) {
   }
   for (int64_t s = 0; s < nsteps; s++)
     g.steps[s].seg = (s + 1 == nsteps || seg_of[s + 1] != seg_of[s]) ? (int32_t)seg_of[s] : -1;
+  g.seg_group.resize(g.nseg), g.seg_block.resize(g.nseg);
+  for (int64_t j = 0; j < g.nseg; j++) {
+    g.seg_group[j] = (int32_t)(g.group ? j * g.seg_len / g.group : 0);
+    g.seg_block[j] = (int32_t)(j * g.seg_len / Q8K_BLOCK);
+  }
   g.q8k_tile = q8k_tile_ok(g);
 }
 
@@ -269,8 +275,109 @@ void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_
   }
 }
 
+// ----------------------------------------------------------------------------------------------
+// Few tokens (decode), fast packing: blocks of 8 rows per token (ISAs with has_q8k_tile)
+// ----------------------------------------------------------------------------------------------
+//
+// One token against 8 rows at a time, with the tile's operations: one accumulator per row
+// (lane r of the segment's reduction = row r), each activation vector loaded once for the 8
+// rows. The row kernel's single accumulator is a chain of dependent dot products (with VNNI
+// every vpdpbusd waits for the one before); 8 independent chains keep the multipliers busy,
+// and the reductions and the float32 epilogue run for 8 rows at once. The epilogue is the
+// scalar one's y + float(sumi - ssum) * (d * s) lane by lane (integer sums are exact in any
+// order): the same bits as rows_q8k, whatever path the other tokens of the call take.
+
+constexpr int Q8K_ROW_BLOCK = 8;
+
+// The scales of rows n .. n + 7 for group gi (or their tensor / row scale) as float32, the
+// values L.scale gives (float16 through F16C where this build has it: exact, and the
+// software conversion where a half is NaN or infinite, for the same NaN bits).
+inline void row_scales8(const Layer& L, int64_t n, int64_t gi, float* out) {
+  if (L.scale_kind == 0) {
+    const float s = L.scale(n, 0);
+    for (int r = 0; r < Q8K_ROW_BLOCK; r++) out[r] = s;
+    return;
+  }
+  const int64_t stride = L.scale_kind == 1 ? 1 : L.g.ngroups, base = L.scale_kind == 1 ? n : n * stride + gi;
+#if defined(__F16C__)
+  if (L.scale_dtype == F16) {
+    const uint16_t* h = (const uint16_t*)L.scales + base;
+    alignas(16) uint16_t v[8];
+    for (int r = 0; r < 8; r++) v[r] = h[r * stride];
+    const __m128i hv = _mm_load_si128((const __m128i*)v);
+    const __m128i ex = _mm_set1_epi16(0x7C00);
+    if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hv, ex), ex)) == 0) {
+      _mm256_storeu_ps(out, _mm256_cvtph_ps(hv));
+      return;
+    }
+  }
+#endif
+  for (int r = 0; r < Q8K_ROW_BLOCK; r++) out[r] = load_as_f32(L.scales, L.scale_dtype, base + r * stride);
+}
+
+// Rows [n0, n1) for tokens m0 .. m1 - 1, one token at a time per block of 8 rows (a block's
+// rows stay in L1 for the next token); the last n % 8 rows go through rows_q8k.
+template <class O>
+void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  constexpr int R = Q8K_ROW_BLOCK;
+  const Geometry& g = L.g;
+  const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size(), rb = g.row_bytes;
+  const bool grouped = L.scale_kind == 2;
+  alignas(32) uint8_t tail[32 * R];
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* w = L.w + n * rb;
+    alignas(32) float s8[R];
+    if (!grouped) row_scales8(L, n, 0, s8);
+    for (int64_t m = m0; m < m1; m++) {
+      const int8_t* x = a.q.data() + m * xlen;
+      const int32_t* ss = a.ssum.data() + m * g.nseg;
+      const float* d8 = a.d8.data() + m * g.nblocks8;
+      typename O::TA acc[R];
+      for (auto& v : acc) v = O::tzero();
+      typename O::FV y = O::fvzero();
+      for (int64_t s = 0; s < nsteps; s++) {
+        const Step& st = g.steps[s];
+        const uint8_t* p = w + st.off;
+        int64_t stride = rb;
+        if (st.valid != 32) {  // the row's last step: its bytes, zero-padded, for all 8 rows
+          for (int r = 0; r < R; r++) {
+            std::memset(tail + 32 * r, 0, 32);
+            std::memcpy(tail + 32 * r, p + r * rb, st.valid);
+          }
+          p = tail, stride = 32;
+        } else if (m == m0) {  // the next block, linearly: 256 of its bytes a step
+          for (int l = 0; l < 4; l++) __builtin_prefetch(w + R * rb + s * 256 + 64 * l);
+        }
+        const int8_t* xs = x + s * 128;
+        const typename O::V x0 = O::xload(xs), x1 = O::xload(xs + 32), x2 = O::xload(xs + 64),
+                            x3 = O::xload(xs + 96);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+          const typename O::V wr = O::load(p + r * stride);
+          O::tdot(acc[r], O::code(wr, 0), x0);
+          O::tdot(acc[r], O::code(wr, 1), x1);
+          O::tdot(acc[r], O::code(wr, 2), x2);
+          O::tdot(acc[r], O::code(wr, 3), x3);
+        }
+        if (st.seg < 0) continue;
+        const int64_t seg = st.seg;
+        if (grouped) row_scales8(L, n, g.seg_group[seg], s8);
+        y = O::tstep_rows(y, O::tsum8(acc), ss[seg], d8[g.seg_block[seg]], s8);
+      }
+      alignas(32) float out[R];
+      O::fvstore(out, y);
+      for (int r = 0; r < R; r++)
+        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
+    }
+  }
+  if (n < n1)
+    for (int64_t m = m0; m < m1; m++) rows_q8k<O, 4, 1>(L, a, n, n1, m);
+}
+
 // Rows [n0, n1) for all M tokens through the tiles: whole tiles, then a short one of 2 or 3
-// tokens; a last single token, and the odd row of the range, go through rows_q8k.
+// tokens; a last single token goes through rows_q8k_r8, the odd row of the range through
+// rows_q8k.
 template <class O>
 void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
   constexpr int T = Q8K_TILE_TOKENS;
@@ -282,7 +389,7 @@ void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_
   for (int64_t m = 0; m < M; m += T) {
     const int valid = (int)std::min<int64_t>(T, M - m);
     if (valid == 1) {
-      rows_q8k<O, 4, 1>(L, a, n0, n1, m);
+      rows_q8k_r8<O>(L, a, n0, n1, m, m + 1);
       break;
     }
     for (int t = 0; t < T; t++) {

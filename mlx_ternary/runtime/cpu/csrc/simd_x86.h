@@ -141,6 +141,11 @@ struct Avx2Ops {
     __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, ss));
     return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(d, s)));
   }
+  // q8k.h rows_q8k_r8: lane r = row r of one token: y + float(sumi - ssum) * (d * s8)
+  static FV tstep_rows(FV y, __m256i sumi, int32_t ssum, float d, const float* s8) {
+    __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(ssum)));
+    return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(s8))));
+  }
   static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
 
   // float path: F8 = 8 float lanes
