@@ -226,54 +226,85 @@ struct HasQ8kTile : std::false_type {};
 template <class O>
 struct HasQ8kTile<O, std::void_t<decltype(O::has_q8k_tile)>> : std::true_type {};
 
-// Rows [n0, n1) (an even count) for tokens m0 .. m0 + valid - 1 (valid <= 4; a short tile
-// repeats its last token in the unused lanes and stores nothing from them). `seg4` holds,
-// per segment, the 4 lanes' segment sums and `d4` their block scales d.
-template <class O>
+// Rows [n0, n1) (a multiple of 2 RP) for tokens m0 .. m0 + valid - 1 (valid <= 4; a short
+// tile repeats its last token in the unused lanes and stores nothing from them), RP pairs of
+// rows at a time (RP = 2 where the ISA has the registers: 16 accumulators). `seg4` holds,
+// per segment, the 4 lanes' segment sums and `d4` their block scales d; `sc` the float32
+// scale of each row of [n0, ...) and segment (row-major, nseg a row).
+template <class O, int RP>
 void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int valid,
-                   const int32_t* seg4, const float* d4) {
-  constexpr int T = Q8K_TILE_TOKENS;
+                   const int32_t* seg4, const float* d4, const float* sc, int64_t nsc) {
+  constexpr int T = Q8K_TILE_TOKENS, R = 2 * RP;
   const Geometry& g = L.g;
-  const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size();
-  const bool grouped = L.scale_kind == 2;
+  const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size(), rb = g.row_bytes;
   const int8_t* xb[T];
   for (int t = 0; t < T; t++) xb[t] = a.q.data() + (m0 + std::min(t, valid - 1)) * xlen;
-  for (int64_t n = n0; n + 1 < n1; n += 2) {
-    const uint8_t* w0 = L.w + n * g.row_bytes;
-    const uint8_t* w1 = w0 + g.row_bytes;
-    typename O::TA acc[8];
-    for (auto& v : acc) v = O::tzero();
-    typename O::FV y = O::fvzero();
-    float s0 = grouped ? 0.f : L.scale(n, 0), s1 = grouped ? 0.f : L.scale(n + 1, 0);
+  alignas(32) uint8_t tail[32 * R];
+  for (int64_t n = n0; n + R <= n1; n += R) {
+    const uint8_t* w = L.w + n * rb;
+    const float* scn = sc + (n - n0) * nsc;
+    typename O::TA acc[RP][8];
+    typename O::FV y[RP];
+    for (int q = 0; q < RP; q++) {
+      y[q] = O::fvzero();
+      for (auto& v : acc[q]) v = O::tzero();
+    }
     for (int64_t s = 0; s < nsteps; s++) {
       const Step& st = g.steps[s];
-      __builtin_prefetch(w0 + st.off + PREFETCH_BYTES);
-      __builtin_prefetch(w1 + st.off + PREFETCH_BYTES);
-      const typename O::V r0 = st.valid == 32 ? O::load(w0 + st.off) : O::load_tail(w0 + st.off, st.valid);
-      const typename O::V r1 = st.valid == 32 ? O::load(w1 + st.off) : O::load_tail(w1 + st.off, st.valid);
+      const uint8_t* p = w + st.off;
+      int64_t stride = rb;
+      if (st.valid != 32) {  // the rows' last step, zero-padded
+        for (int r = 0; r < R; r++) {
+          std::memset(tail + 32 * r, 0, 32);
+          std::memcpy(tail + 32 * r, p + r * rb, st.valid);
+        }
+        p = tail, stride = 32;
+      } else {
+        for (int r = 0; r < R; r++) __builtin_prefetch(p + r * rb + PREFETCH_BYTES);
+      }
+      typename O::V wr[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) wr[r] = O::load(p + r * stride);
       const int64_t off = s * 4 * 32;
+#pragma GCC unroll 4
       for (int v = 0; v < 4; v++) {
-        const typename O::V c0 = O::code(r0, v), c1 = O::code(r1, v);
+        typename O::V c[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) c[r] = O::code(wr[r], v);
+#pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
           const typename O::V x = O::xload(xb[t] + off + 32 * v);
-          O::tdot(acc[t], c0, x);
-          O::tdot(acc[T + t], c1, x);
+#pragma GCC unroll 2
+          for (int q = 0; q < RP; q++) {
+            O::tdot(acc[q][t], c[2 * q], x);
+            O::tdot(acc[q][T + t], c[2 * q + 1], x);
+          }
         }
       }
       if (st.seg < 0) continue;
-      const int64_t seg = st.seg, col = seg * g.seg_len;
-      if (grouped) s0 = L.scale(n, col / g.group), s1 = L.scale(n + 1, col / g.group);
-      y = O::tstep(y, O::tsum8(acc), seg4 + T * seg, d4 + T * (col / Q8K_BLOCK), s0, s1);
+      const int64_t seg = st.seg;
+      for (int q = 0; q < RP; q++)
+        y[q] = O::tstep(y[q], O::tsum8(acc[q]), seg4 + T * seg, d4 + T * g.seg_block[seg],
+                        scn[2 * q * nsc + seg], scn[(2 * q + 1) * nsc + seg]);
     }
-    alignas(32) float out[8];
-    O::fvstore(out, y);
-    for (int r = 0; r < Q8K_TILE_ROWS; r++) {
-      const float b = L.bias_at(n + r);
-      for (int t = 0; t < valid; t++)
-        store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + n + r, out[T * r + t] + b);
+    for (int q = 0; q < RP; q++) {
+      alignas(32) float out[8];
+      O::fvstore(out, y[q]);
+      for (int r = 0; r < 2; r++) {
+        const int64_t row = n + 2 * q + r;
+        const float b = L.bias_at(row);
+        for (int t = 0; t < valid; t++)
+          store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + row, out[T * r + t] + b);
+      }
     }
   }
 }
+
+template <class O, class = void>
+struct Q8kTilePairs : std::integral_constant<int, 1> {};
+template <class O>
+struct Q8kTilePairs<O, std::void_t<decltype(O::q8k_tile_pairs)>>
+    : std::integral_constant<int, O::q8k_tile_pairs> {};
 
 // ----------------------------------------------------------------------------------------------
 // Few tokens (decode), fast packing: blocks of 8 rows per token (ISAs with has_q8k_tile)
@@ -380,12 +411,21 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
 // rows_q8k.
 template <class O>
 void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
-  constexpr int T = Q8K_TILE_TOKENS;
+  constexpr int T = Q8K_TILE_TOKENS, RP = Q8kTilePairs<O>::value;
   const Geometry& g = L.g;
-  thread_local std::vector<int32_t> seg4;
-  thread_local std::vector<float> d4;
-  seg4.resize(T * g.nseg), d4.resize(T * g.nblocks8);
-  const int64_t n2 = n0 + (n1 - n0) / 2 * 2;
+  thread_local std::vector<int32_t> seg4_buf;
+  thread_local std::vector<float> d4_buf, sc_buf;
+  seg4_buf.resize(T * g.nseg), d4_buf.resize(T * g.nblocks8), sc_buf.resize((n1 - n0) * g.nseg);
+  // plain pointers: each use of a thread_local in a loop is a TLS lookup in a shared library
+  int32_t* seg4 = seg4_buf.data();
+  float *d4 = d4_buf.data(), *sc = sc_buf.data();
+  const int32_t* ssum = a.ssum.data();
+  const float* d8 = a.d8.data();
+  // the rows' scales per segment, converted once for all the token tiles (L.scale's values)
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t j = 0; j < g.nseg; j++)
+      sc[(n - n0) * g.nseg + j] = L.scale(n, L.scale_kind == 2 ? g.seg_group[j] : 0);
+  const int64_t n4 = n0 + (n1 - n0) / (2 * RP) * (2 * RP), n2 = n0 + (n1 - n0) / 2 * 2;
   for (int64_t m = 0; m < M; m += T) {
     const int valid = (int)std::min<int64_t>(T, M - m);
     if (valid == 1) {
@@ -394,10 +434,12 @@ void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_
     }
     for (int t = 0; t < T; t++) {
       const int64_t mt = m + std::min(t, valid - 1);
-      for (int64_t j = 0; j < g.nseg; j++) seg4[T * j + t] = a.ssum[mt * g.nseg + j];
-      for (int64_t j = 0; j < g.nblocks8; j++) d4[T * j + t] = a.d8[mt * g.nblocks8 + j];
+      for (int64_t j = 0; j < g.nseg; j++) seg4[T * j + t] = ssum[mt * g.nseg + j];
+      for (int64_t j = 0; j < g.nblocks8; j++) d4[T * j + t] = d8[mt * g.nblocks8 + j];
     }
-    rows_q8k_tile<O>(L, a, n0, n2, m, valid, seg4.data(), d4.data());
+    rows_q8k_tile<O, RP>(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg);
+    if (RP > 1 && n4 < n2)
+      rows_q8k_tile<O, 1>(L, a, n4, n2, m, valid, seg4, d4, sc + (n4 - n0) * g.nseg, g.nseg);
     if (n2 == n1) continue;
     switch (valid) {
       case 4: rows_q8k<O, 4, 4>(L, a, n2, n1, m); break;

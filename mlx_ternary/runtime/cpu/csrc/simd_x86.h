@@ -98,6 +98,9 @@ struct Avx2Ops {
   // (at most Q8K_TILE_I16_TERMS of them per lane: no overflow) and widen
   // to int32 once per segment.
   static constexpr bool has_q8k_tile = true;
+#if defined(__AVX512VL__)
+  static constexpr int q8k_tile_pairs = 2;  // 32 vector registers: tiles of 4 rows x 4 tokens
+#endif
   using TA = __m256i;
   static TA tzero() { return _mm256_setzero_si256(); }
   static V code(V w, int v) {
