@@ -226,6 +226,17 @@ struct HasQ8kTile : std::false_type {};
 template <class O>
 struct HasQ8kTile<O, std::void_t<decltype(O::has_q8k_tile)>> : std::true_type {};
 
+// The partial last step of rows w, w + row_bytes, ... (R of them), zero-padded into tail
+// (32 bytes a row), so that the row loops read every step with whole-vector loads.
+inline void copy_tails(const Geometry& g, const uint8_t* w, int R, uint8_t* tail) {
+  const Step& last = g.steps.back();
+  if (last.valid == 32) return;
+  for (int r = 0; r < R; r++) {
+    std::memset(tail + 32 * r, 0, 32);
+    std::memcpy(tail + 32 * r, w + r * g.row_bytes + last.off, last.valid);
+  }
+}
+
 // Rows [n0, n1) (a multiple of 2 RP) for tokens m0 .. m0 + valid - 1 (valid <= 4; a short
 // tile repeats its last token in the unused lanes and stores nothing from them), RP pairs of
 // rows at a time (RP = 2 where the ISA has the registers: 16 accumulators). `seg4` holds,
@@ -243,46 +254,51 @@ void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_
   for (int64_t n = n0; n + R <= n1; n += R) {
     const uint8_t* w = L.w + n * rb;
     const float* scn = sc + (n - n0) * nsc;
-    typename O::TA acc[RP][8];
+    copy_tails(g, w, R, tail);
     typename O::FV y[RP];
-    for (int q = 0; q < RP; q++) {
-      y[q] = O::fvzero();
-      for (auto& v : acc[q]) v = O::tzero();
-    }
-    for (int64_t s = 0; s < nsteps; s++) {
-      const Step& st = g.steps[s];
-      const uint8_t* p = w + st.off;
-      int64_t stride = rb;
-      if (st.valid != 32) {  // the rows' last step, zero-padded
-        for (int r = 0; r < R; r++) {
-          std::memset(tail + 32 * r, 0, 32);
-          std::memcpy(tail + 32 * r, p + r * rb, st.valid);
-        }
-        p = tail, stride = 32;
-      } else {
-        for (int r = 0; r < R; r++) __builtin_prefetch(p + r * rb + PREFETCH_BYTES);
-      }
-      typename O::V wr[R];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; r++) wr[r] = O::load(p + r * stride);
-      const int64_t off = s * 4 * 32;
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; v++) {
-        typename O::V c[R];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) c[r] = O::code(wr[r], v);
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) {
-          const typename O::V x = O::xload(xb[t] + off + 32 * v);
+    for (int q = 0; q < RP; q++) y[q] = O::fvzero();
+    // segment by segment: the accumulators live in registers for one segment's steps
+    for (int64_t s = 0; s < nsteps;) {
+      typename O::TA acc[RP][8];
 #pragma GCC unroll 2
-          for (int q = 0; q < RP; q++) {
-            O::tdot(acc[q][t], c[2 * q], x);
-            O::tdot(acc[q][T + t], c[2 * q + 1], x);
+      for (int q = 0; q < RP; q++)
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) acc[q][i] = O::tzero();
+      int64_t seg;
+      for (;; s++) {
+        const Step& st = g.steps[s];
+        const uint8_t* p = w + st.off;
+        int64_t stride = rb;
+        if (st.valid != 32) {  // the rows' last step, zero-padded (no call in this loop)
+          p = tail, stride = 32;
+        } else {
+          for (int r = 0; r < R; r++) __builtin_prefetch(p + r * rb + PREFETCH_BYTES);
+        }
+        typename O::V wr[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) wr[r] = O::load(p + r * stride);
+        const int64_t off = s * 4 * 32;
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+          typename O::V c[R];
+#pragma GCC unroll 4
+          for (int r = 0; r < R; r++) c[r] = O::code(wr[r], v);
+#pragma GCC unroll 4
+          for (int t = 0; t < T; t++) {
+            const typename O::V x = O::xload(xb[t] + off + 32 * v);
+#pragma GCC unroll 2
+            for (int q = 0; q < RP; q++) {
+              O::tdot(acc[q][t], c[2 * q], x);
+              O::tdot(acc[q][T + t], c[2 * q + 1], x);
+            }
           }
         }
+        if (st.seg >= 0) {  // the last step of a row always ends a segment
+          seg = st.seg, s++;
+          break;
+        }
       }
-      if (st.seg < 0) continue;
-      const int64_t seg = st.seg;
+#pragma GCC unroll 2
       for (int q = 0; q < RP; q++)
         y[q] = O::tstep(y[q], O::tsum8(acc[q]), seg4 + T * seg, d4 + T * g.seg_block[seg],
                         scn[2 * q * nsc + seg], scn[(2 * q + 1) * nsc + seg]);
@@ -358,6 +374,7 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* w = L.w + n * rb;
+    copy_tails(g, w, R, tail);
     alignas(32) float s8[R];
     if (!grouped) row_scales8(L, n, 0, s8);
     for (int64_t m = m0; m < m1; m++) {
@@ -371,11 +388,7 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
         const Step& st = g.steps[s];
         const uint8_t* p = w + st.off;
         int64_t stride = rb;
-        if (st.valid != 32) {  // the row's last step: its bytes, zero-padded, for all 8 rows
-          for (int r = 0; r < R; r++) {
-            std::memset(tail + 32 * r, 0, 32);
-            std::memcpy(tail + 32 * r, p + r * rb, st.valid);
-          }
+        if (st.valid != 32) {  // the rows' last step, zero-padded (copy_tails)
           p = tail, stride = 32;
         } else if (m == m0) {  // the next block, linearly: 256 of its bytes a step
           for (int l = 0; l < 4; l++) __builtin_prefetch(w + R * rb + s * 256 + 64 * l);

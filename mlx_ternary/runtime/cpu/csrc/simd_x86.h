@@ -114,8 +114,8 @@ struct Avx2Ops {
     a = _mm256_dpbusd_avx_epi32(a, c, x);
 #else
     a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c, x));
-#endif
     __asm__("" : "+x"(a));  // keeps the compiler from reassociating the sums into spills
+#endif
   }
   // lane i = the sum of all lanes of a[i] (as int32); a[] is reset to zero
   static __m256i tsum8(TA a[8]) {
