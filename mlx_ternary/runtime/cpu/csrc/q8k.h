@@ -371,6 +371,10 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
   const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size(), rb = g.row_bytes;
   const bool grouped = L.scale_kind == 2;
   alignas(32) uint8_t tail[32 * R];
+  // Two blocks and the activations fit half of a 32 KB L1: prefetch into L1; larger ones
+  // (rows of 5632 columns: 11 KB a block) into L2, which measured 10-15 % faster there and
+  // 20-30 % slower for 2048 columns (Zen 4, one thread).
+  const bool to_l2 = 2 * R * rb + xlen > (16 << 10);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* w = L.w + n * rb;
@@ -391,7 +395,11 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
         if (st.valid != 32) {  // the rows' last step, zero-padded (copy_tails)
           p = tail, stride = 32;
         } else if (m == m0) {  // the next block, linearly: 256 of its bytes a step
-          for (int l = 0; l < 4; l++) __builtin_prefetch(w + R * rb + s * 256 + 64 * l);
+          const uint8_t* next = w + R * rb + s * 256;
+          if (to_l2)
+            for (int l = 0; l < 4; l++) __builtin_prefetch(next + 64 * l, 0, 2);
+          else
+            for (int l = 0; l < 4; l++) __builtin_prefetch(next + 64 * l);
         }
         const int8_t* xs = x + s * 128;
         const typename O::V x0 = O::xload(xs), x1 = O::xload(xs + 32), x2 = O::xload(xs + 64),
