@@ -29,7 +29,7 @@ namespace tk {
 constexpr int Q8K_BLOCK = 256;  // ggml's QK_K
 constexpr float Q8K_QMAX = 127.f;
 
-constexpr int Q8K_TILE_ROWS = 2, Q8K_TILE_TOKENS = 4;
+constexpr int Q8K_TILE_ROWS = 2, Q8K_TILE_TOKENS = 4;  // rows of one pair, tokens of a tile
 // int16 terms a lane may add up within one segment: each |term| <= 2 * 2 * 128
 constexpr int Q8K_TILE_I16_TERMS = 32767 / 512;
 
@@ -212,14 +212,15 @@ void rows_q8k(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0)
 
 
 // ----------------------------------------------------------------------------------------------
-// Many tokens, fast packing: tiles of 2 rows x 4 tokens (ISAs with has_q8k_tile)
+// Many tokens, fast packing: tiles of 2 (or 4) rows x 4 tokens (ISAs with has_q8k_tile)
 // ----------------------------------------------------------------------------------------------
 //
-// The same sums as rows_q8k, computed as a small integer GEMM: per 32-byte step the two rows'
-// code vectors are decoded once and each activation vector is loaded once for both rows; the
-// 8 (row, token) accumulators are reduced together at a segment's end (one vector, lane =
-// pair) and the float32 epilogue y + float(sumi - ssum) * (d * s) runs lane by lane - the
-// order and rounding of the scalar epilogue, so results are bit-identical to rows_q8k.
+// The same sums as rows_q8k, computed as a small integer GEMM: per 32-byte step each row's
+// code vectors are decoded once and each activation vector is loaded once for all the rows;
+// the 8 (row, token) accumulators of a pair of rows are reduced together at a segment's end
+// (one vector, lane = pair) and the float32 epilogue y + float(sumi - ssum) * (d * s) runs
+// lane by lane - the order and rounding of the scalar epilogue, so results are bit-identical
+// to rows_q8k. ISAs with q8k_tile_pairs = 2 (32 vector registers) run two pairs at once.
 
 template <class O, class = void>
 struct HasQ8kTile : std::false_type {};

@@ -94,7 +94,7 @@ struct Avx2Ops {
   }
 
   // q8k tiles (q8k.h rows_q8k_tile): 2 rows x 4 tokens = 8 accumulators, one per lane of the
-  // per-segment results. Without VNNI the pmaddubsw pairs add up in int16 within a segment
+  // per-segment results (rows_q8k_r8: 8 rows x 1 token). Without VNNI the pmaddubsw pairs add up in int16 within a segment
   // (at most Q8K_TILE_I16_TERMS of them per lane: no overflow) and widen
   // to int32 once per segment.
   static constexpr bool has_q8k_tile = true;
