@@ -25,7 +25,7 @@ Five callers use the three mechanisms below:
     native SwiGLU runs inside that model only.
 - `route_blocks` (for the life of the model, inert for other models):
   - `runtime.cpu.block`: the class of each of one model's mlx-lm decoder blocks of a
-    supported class (llama's TransformerBlock) becomes a subclass of the same name whose
+    supported class (llama's, qwen2's and qwen3's TransformerBlock) becomes a subclass of the same name whose
     `__call__` first tries the fused native block and otherwise runs mlx-lm's own, so a
     decode step issues three native ops a layer instead of ~25 MLX ops; the block's own
     conditions (runtime/cpu/block.py) keep everything else - training, LoRA, other caches,

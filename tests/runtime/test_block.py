@@ -46,6 +46,15 @@ CASES = {  # activations, packing, scale, group, config overrides
         None,
         dict(rope_scaling=dict(type="linear", factor=2.0), attention_bias=True, mlp_bias=True),
     ),
+    "qwen2": (8, "fast", "row", None, dict(model_type="qwen2")),  # q/k/v biases
+    "qwen3": (8, "fast", "row", None, dict(arch="qwen3")),  # q_norm / k_norm of each head
+    "qwen3-q8k": (
+        "q8k",
+        "fast",
+        "group",
+        256,
+        dict(arch="qwen3", hidden_size=256, intermediate_size=512, head_dim=64),
+    ),
 }
 
 
@@ -80,8 +89,10 @@ def _model(tmp_path, case):
     from mlx_ternary.checkpoint.load import load_model
 
     act, packing, scale, group, over = CASES[case]
+    over = dict(over)
+    arch = over.pop("arch", "llama")
     bits = 8 if act == 8 else None
-    path, _ = ternary_checkpoint(tmp_path, "llama", packing, scale, group, bits, **over)
+    path, _ = ternary_checkpoint(tmp_path, arch, packing, scale, group, bits, **over)
     model, _ = load_model(path, activations="q8k" if act == "q8k" else None)
     return model
 

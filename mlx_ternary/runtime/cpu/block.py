@@ -3,7 +3,8 @@
 A decode step of mlx-lm's llama block on MLX's CPU backend is ~25 small ops (two RMSNorms
 and two RoPEs are MLX fallbacks of 5-15 ops each, the projections, transposes, adds), each
 ~30 us of MLX's per-op cost plus the Python that builds them. `install(model)` swaps the
-class of each of the model's supported blocks for a subclass of the same name whose
+class of each of the model's supported blocks (mlx-lm's llama, qwen2 and qwen3
+TransformerBlock: ARCHS) for a subclass of the same name whose
 `__call__` runs, where it computes exactly what mlx-lm's block computes:
 
     q, k, v = attn_in(x)        RMSNorm, one activation preparation for q/k/v, their rows in
@@ -19,10 +20,11 @@ fused block returns the unfused block's bits (tests/runtime/test_block.py).
 
 The fused path runs only when all of this holds, else mlx-lm's own `__call__` runs:
 inside the model's `enabled()` scope (cpu/__init__.py), the setting on (`MLX_TERNARY_FUSED`,
-`set_enabled`), the CPU, float32 input, the block not training, each projection a plain
-TernaryLinear on the native kernel (`TernaryLinear.native_spec`: no LoRA/DoRA wrapper, no
-sharded layer), q/k/v (and gate/up) sharing one activation preparation, the norms
-nn.RMSNorm with float32 weights, a RoPE whose arithmetic the op reproduces (nn.RoPE,
+`set_enabled`), the CPU, float32 input, the block not training, its attention and MLP the
+module's own classes, each projection a plain TernaryLinear on the native kernel
+(`TernaryLinear.native_spec`: no LoRA/DoRA wrapper, no sharded layer), q/k/v (and gate/up)
+sharing one activation preparation, the norms (qwen3's head norms too) nn.RMSNorm with
+float32 weights, a RoPE whose arithmetic the op reproduces (nn.RoPE,
 Llama3RoPE, YarnRoPE with mscale 1), the cache None, a KVCache or a BatchKVCache (so
 quantized and rotating caches keep mlx-lm's path), the mask None, "causal" or a bool array.
 The ops have no vjp: a block that is training, or whose arrays are being traced, falls back.
@@ -32,6 +34,7 @@ projection, for an all_sum before the residual is added (sharded layers fall bac
 """
 
 import os
+from functools import lru_cache, partial
 from typing import Optional
 
 import mlx.core as mx
@@ -42,6 +45,9 @@ from .. import patches
 from . import _require, active
 
 ENV_FUSED = "MLX_TERNARY_FUSED"
+# mlx-lm's modules whose TransformerBlock is the llama block (qwen2: q/k/v biases; qwen3:
+# an RMSNorm of each q and k head before RoPE), all with `swiglu` MLPs
+ARCHS = ("llama", "qwen2", "qwen3")
 _state = {"on": None}  # None: $MLX_TERNARY_FUSED decides (default on)
 
 
@@ -86,7 +92,7 @@ def _norm(norm):
     return norm.weight, float(norm.eps)
 
 
-def _rope(rope, head_dim: int):
+def _rope(rope):
     """(dims, traditional, base, scale, freqs) the op reproduces for `rope`, or None."""
     if type(rope) is nn.RoPE:
         return rope.dims, bool(rope.traditional), float(rope.base), float(rope.scale), None
@@ -123,21 +129,29 @@ def _mask(mask):
     return None
 
 
-def _llama_parts(block):
-    """What the fused ops need of a llama block, or None when it does not apply."""
+def _parts(block, mod):
+    """What the fused ops need of a block of mlx-lm's module `mod`, or None."""
     attn, mlp = block.self_attn, block.mlp
+    if type(attn) is not mod.Attention or type(mlp) is not mod.MLP:
+        return None
     n1, n2 = _norm(block.input_layernorm), _norm(block.post_attention_layernorm)
     qkv = _group([_spec(attn.q_proj), _spec(attn.k_proj), _spec(attn.v_proj)])
     gate_up = _group([_spec(mlp.gate_proj), _spec(mlp.up_proj)])
     o, down = _spec(attn.o_proj), _spec(mlp.down_proj)
-    rope = _rope(attn.rope, attn.head_dim)
+    rope = _rope(attn.rope)
     if None in (n1, n2, qkv, gate_up, o, down, rope):
         return None
-    return n1, n2, qkv, gate_up, o, down, rope
+    head_norms = (None, None, 0.0)
+    if "q_norm" in attn:  # qwen3: RMSNorm of each q and k head before RoPE
+        qn, kn = _norm(attn.q_norm), _norm(attn.k_norm)
+        if qn is None or kn is None or qn[1] != kn[1]:
+            return None
+        head_norms = (qn[0], kn[0], qn[1])
+    return n1, n2, qkv, gate_up, o, down, rope, head_norms
 
 
-def _llama_fused(block, x, mask, cache):
-    """mlx-lm's llama TransformerBlock.__call__ in three native ops, or None."""
+def _fused(block, x, mask, cache, mod):
+    """mlx-lm's `mod`.TransformerBlock.__call__ in three native ops, or None."""
     if (
         not (active() and is_enabled())
         or block.training
@@ -147,22 +161,19 @@ def _llama_fused(block, x, mask, cache):
         or x.ndim != 3
     ):
         return None
-    attn = block.self_attn
-    from mlx_lm.models import llama
-
-    if type(attn) is not llama.Attention or type(block.mlp) is not llama.MLP:
-        return None
-    parts = _llama_parts(block)
+    parts = _parts(block, mod)
     offset = _cache_kind(cache)
     how = _mask(mask)
     if parts is None or offset is None or how is None:
         return None
-    (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope = parts
+    (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = parts
+    attn = block.self_attn
+    n_heads, n_kv_heads = attn.n_heads, attn.n_kv_heads
+    head_dim = qkv[0][0].shape[0] // n_heads
     m = _require()
-    dims, traditional, base, scale, freqs = rope
     q, k, v = m.attn_in(
-        x, w1, eps1, *qkv[:3], *qkv[3], attn.n_heads, attn.n_kv_heads, attn.head_dim,
-        dims, traditional, base, scale, freqs, *offset,
+        x, w1, eps1, *qkv[:3], *qkv[3], n_heads, n_kv_heads, head_dim, *rope, *offset,
+        *head_norms,
     )  # fmt: skip
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
@@ -171,16 +182,22 @@ def _llama_fused(block, x, mask, cache):
     return m.mlp(h, w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], h)
 
 
-def _llama_classes():
-    from mlx_lm.models import llama
+@lru_cache(maxsize=None)
+def _blocks():
+    """mlx-lm's block classes the fused path computes, each with its call."""
+    import importlib
 
-    return {llama.TransformerBlock: _llama_fused}
+    out = {}
+    for name in ARCHS:
+        mod = importlib.import_module(f"mlx_lm.models.{name}")
+        out[mod.TransformerBlock] = partial(_fused, mod=mod)
+    return out
 
 
 def install(model) -> bool:
-    """Route `model`'s supported mlx-lm blocks (llama's TransformerBlock) through the fused
+    """Route `model`'s supported mlx-lm blocks (ARCHS' TransformerBlock) through the fused
     path; False if it has none (then nothing changes)."""
-    return patches.route_blocks(model, _llama_classes())
+    return patches.route_blocks(model, _blocks())
 
 
 def routed(model) -> bool:

@@ -3,7 +3,8 @@
 // TernaryParams, check_layer, geometry, prepare_acts, row_major, pool, bad, shape_str):
 //
 //   AttnIn   x -> q, k, v in (B, H, L, D), RoPE applied: RMSNorm, one activation preparation
-//            shared by the three projections, their rows in one parallel_for, RoPE
+//            shared by the three projections, their rows in one parallel_for, [qwen3's
+//            per-head q/k RMSNorm], RoPE
 //   AttnOut  q, keys, values -> [residual +] o_proj(attention): the native attention, the
 //            (B, H, L, D) -> (B, L, H D) transpose, o_proj's activations, its rows
 //   Mlp      h -> [residual +] down(silu(gate(n)) * up(n)), n = RMSNorm(h): gate and up share
@@ -140,10 +141,10 @@ struct RopeParams {
 };
 
 struct AttnInParams {
-  float eps;
+  float eps, qk_eps = 0.f;
   int64_t hq, hkv, d;
   RopeParams rope;
-  int x = 0, w = 1, freqs = -1, offsets = -1;
+  int x = 0, w = 1, freqs = -1, offsets = -1, q_norm = -1, k_norm = -1;  // qwen3: per-head norms
   std::vector<Proj> projs;  // q, k, v
 };
 
@@ -213,8 +214,10 @@ class AttnIn : public CpuMultiPrimitive {
                      inv.data());
       const int32_t* offs = p.offsets >= 0 ? (const int32_t*)row_major(in[p.offsets], ko) : nullptr;
       const int64_t noffs = p.offsets >= 0 ? (int64_t)in[p.offsets].size() : 0;
+      const float* qk_norm[2] = {p.q_norm >= 0 ? in[p.q_norm].data<float>() : nullptr,
+                                 p.k_norm >= 0 ? in[p.k_norm].data<float>() : nullptr};
       per_token(M, [&](int64_t m0, int64_t m1) {
-        std::vector<float> cs(half), sn(half);
+        std::vector<float> cs(half), sn(half), head(D);
         for (int64_t m = m0; m < m1; m++) {
           const int64_t b = m / L, l = m % L;
           const int32_t off = offs ? offs[noffs == 1 ? 0 : b] : r.offset;
@@ -229,6 +232,10 @@ class AttnIn : public CpuMultiPrimitive {
             for (int64_t h = 0; h < H; h++) {
               const float* src = buf[i].data() + m * H * D + h * D;
               float* dst = op[i] + ((b * H + h) * L + l) * D;
+              if (i < 2 && qk_norm[i]) {  // qwen3's q_norm / k_norm: RMSNorm of each head
+                rms_norm_rows(src, qk_norm[i], p.qk_eps, D, head.data(), 0, 1);
+                src = head.data();
+              }
               if (i < 2) rope_row(r, cs.data(), sn.data(), src, dst, D);
               else std::memcpy(dst, src, D * sizeof(float));
             }
@@ -408,7 +415,9 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
                                int n_kv_heads, int head_dim, int rope_dims, bool traditional,
                                std::optional<float> base, float rope_scale,
                                std::optional<mx::array> freqs, int offset,
-                               std::optional<mx::array> offsets) {
+                               std::optional<mx::array> offsets,
+                               std::optional<mx::array> q_norm_w,
+                               std::optional<mx::array> k_norm_w, float qk_eps) {
   if (x.ndim() != 3 || x.shape(2) != in_features) bad("attn_in: x must be (B, L, in_features)");
   check_f32(x, "attn_in: x");
   check_f32(norm_w, "attn_in: the norm weight");
@@ -443,6 +452,18 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
       bad("attn_in: offsets must be a scalar or have one entry per batch row");
     p.rope.has_offsets = true;
     p.offsets = (int)inputs.size(), inputs.push_back(mx::astype(*offsets, mx::int32, s));
+  }
+  if (q_norm_w.has_value() != k_norm_w.has_value())
+    bad("attn_in: give both or neither of q_norm_w and k_norm_w");
+  if (q_norm_w) {
+    for (auto* w : {&*q_norm_w, &*k_norm_w}) {
+      check_f32(*w, "attn_in: a head norm weight");
+      if (w->ndim() != 1 || w->shape(0) != head_dim)
+        bad("attn_in: the head norm weights must have shape (head_dim,)");
+    }
+    p.qk_eps = qk_eps;
+    p.q_norm = (int)inputs.size(), inputs.push_back(*q_norm_w);
+    p.k_norm = (int)inputs.size(), inputs.push_back(*k_norm_w);
   }
   const int B = x.shape(0), L = x.shape(1);
   std::vector<mx::Shape> shapes{{B, n_heads, L, head_dim}, {B, n_kv_heads, L, head_dim},
@@ -526,7 +547,10 @@ void register_block(nb::module_& m) {
         nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("rope_dims"),
         nb::arg("traditional"), nb::arg("base").none(), nb::arg("rope_scale"),
         nb::arg("freqs").none(), nb::arg("offset"), nb::arg("offsets").none(),
-        "RMSNorm(x) -> q, k, v (B, H, L, D) with RoPE applied (a fused llama attention input).");
+        nb::arg("q_norm_w").none() = nb::none(), nb::arg("k_norm_w").none() = nb::none(),
+        nb::arg("qk_eps") = 0.f,
+        "RMSNorm(x) -> q, k, v (B, H, L, D) with RoPE applied (a fused llama attention input; "
+        "q_norm_w / k_norm_w: qwen3's RMSNorm of each q and k head before RoPE).");
   m.def("attn_out", &attn_out, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("causal"), nb::arg("mask").none(), nb::arg("packed"), nb::arg("scales"),
         nb::arg("bias").none(), nb::arg("packing"), nb::arg("in_features"),
