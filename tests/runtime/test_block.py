@@ -262,3 +262,23 @@ def test_gradients_through_the_model_are_mlx_lm_own(tmp_path, on_cpu, fused_call
     value, grads = nn.value_and_grad(model, loss)(model)
     mx.eval(value, grads)
     assert fused_calls["attn_in"] == 0 and np.isfinite(value.item())
+
+
+def test_gradients_in_eval_mode_are_the_unfused_blocks(tmp_path, on_cpu, fused_calls):
+    """A gradient through a model in eval mode (no train(), which mlx-lm's trainer sets) runs
+    the fused ops, whose vjp is MLX's ops composing the same function: the unfused block's
+    gradient."""
+    model = _model(tmp_path, "qwen3")  # head norms too
+    ids = mx.array(PROMPT)
+    emb = model.model.embed_tokens(ids)
+
+    def loss(e):
+        return model(ids, input_embeddings=e)[0, -1].sum()
+
+    grads = []
+    for on in (True, False):
+        block.set_enabled(on)
+        grads.append(np.array(mx.grad(loss)(emb)))
+    assert fused_calls["attn_in"] == len(model.model.layers)
+    assert np.abs(grads[1]).max() > 0
+    assert _rel(grads[0], grads[1]) <= 1e-5

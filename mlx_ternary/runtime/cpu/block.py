@@ -27,7 +27,9 @@ sharing one activation preparation, the norms (qwen3's head norms too) nn.RMSNor
 float32 weights, a RoPE whose arithmetic the op reproduces (nn.RoPE,
 Llama3RoPE, YarnRoPE with mscale 1), the cache None, a KVCache or a BatchKVCache (so
 quantized and rotating caches keep mlx-lm's path), the mask None, "causal" or a bool array.
-The ops have no vjp: a block that is training, or whose arrays are being traced, falls back.
+Gradients: a block in training mode (mlx-lm's trainer sets it) runs mlx-lm's block; elsewhere
+(mx.grad of a model in eval mode) the ops' vjp is that of MLX's own ops composing the same
+function, with the layers' straight-through vjp: the unfused block's gradient.
 
 Tensor parallelism: `attn_out` and `mlp` take `residual=None` and then return the partial
 projection, for an all_sum before the residual is added (sharded layers fall back today).

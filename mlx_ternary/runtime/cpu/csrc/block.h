@@ -15,8 +15,10 @@
 // rounding: RMSNorm as MLX's fallback (x * (1 / sqrt(sum(x * x) * (1 / K) + eps))) * w with a
 // sequential sum, RoPE as mx.fast.rope's fallback with MLX's own sin/cos/exp (its simd
 // header), the projections, the attention and SwiGLU as the native ops of the unfused path -
-// so a fused block gives the unfused one's bits. Float32 only; no vjp (block.py runs mlx-lm's
-// own block wherever gradients or anything else unsupported is asked for).
+// so a fused block gives the unfused one's bits. Float32 only. The vjps are those of MLX's own
+// ops composing the same function (`reference_vjp`; the layers' straight-through vjp), so a
+// gradient through a fused block is the unfused block's; block.py keeps training on mlx-lm's
+// path anyway.
 
 // ---- shared pieces ---------------------------------------------------------------------------
 
@@ -118,6 +120,46 @@ std::vector<Proj> check_projs(const std::vector<mx::array>& packed,
 
 void check_f32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) bad(std::string(what) + " must be float32");
+}
+
+// A projection as the (differentiable) TernaryMatmul primitive, for the reference graphs.
+mx::array ternary_ref(const mx::array& x, const Proj& pr, const std::vector<mx::array>& in,
+                      mx::Stream s) {
+  std::vector<mx::array> li{x, in[pr.packed], in[pr.scales]};
+  if (pr.bias >= 0) li.push_back(in[pr.bias]);
+  auto shape = x.shape();
+  shape.back() = (int)pr.p.n;
+  return mx::array(shape, mx::float32, std::make_shared<TernaryMatmul>(s, pr.p), std::move(li));
+}
+
+// The vjp of a fused op: that of `reference` (MLX ops computing the same outputs from the
+// same inputs) with respect to the float inputs in argnums; integer inputs (packed trits,
+// offsets) and the inputs in `fixed` get zeros.
+std::vector<mx::array> reference_vjp(
+    const std::function<std::vector<mx::array>(const std::vector<mx::array>&)>& reference,
+    const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums, const std::vector<int>& fixed = {}) {
+  std::vector<int> vary;
+  std::vector<mx::array> args;
+  for (int a : argnums)
+    if (mx::issubdtype(primals[a].dtype(), mx::floating) &&
+        std::find(fixed.begin(), fixed.end(), a) == fixed.end())
+      vary.push_back(a), args.push_back(primals[a]);
+  std::vector<mx::array> grads;
+  if (!args.empty()) {
+    auto fn = [&](const std::vector<mx::array>& v) {
+      std::vector<mx::array> in = primals;
+      for (size_t i = 0; i < vary.size(); i++) in[vary[i]] = v[i];
+      return reference(in);
+    };
+    grads = mx::vjp(fn, args, cotangents).second;
+  }
+  std::vector<mx::array> out;
+  for (int a : argnums) {
+    auto it = std::find(vary.begin(), vary.end(), a);
+    out.push_back(it == vary.end() ? mx::zeros_like(primals[a]) : grads[it - vary.begin()]);
+  }
+  return out;
 }
 
 class CpuMultiPrimitive : public mx::Primitive {
@@ -249,6 +291,37 @@ class AttnIn : public CpuMultiPrimitive {
     const int B = x.shape(0), L = x.shape(1), D = (int)p_.d;
     return {{B, (int)p_.hq, L, D}, {B, (int)p_.hkv, L, D}, {B, (int)p_.hkv, L, D}};
   }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>&) override {
+    auto s = stream();
+    auto reference = [p = p_, s](const std::vector<mx::array>& in) {
+      const auto& x = in[p.x];
+      const int B = x.shape(0), L = x.shape(1);
+      auto n = mx::fast::rms_norm(x, in[p.w], p.eps, s);
+      std::optional<float> base;
+      std::optional<mx::array> freqs;
+      if (p.freqs >= 0) freqs = in[p.freqs];
+      else base = p.rope.base;
+      std::vector<mx::array> outs;
+      for (int i = 0; i < 3; i++) {
+        const int H = (int)(i == 0 ? p.hq : p.hkv);
+        auto y = mx::reshape(ternary_ref(n, p.projs[i], in, s), {B, L, H, (int)p.d}, s);
+        if (i < 2 && p.q_norm >= 0)
+          y = mx::fast::rms_norm(y, in[i == 0 ? p.q_norm : p.k_norm], p.qk_eps, s);
+        y = mx::transpose(y, {0, 2, 1, 3}, s);
+        if (i < 2)
+          y = p.offsets >= 0 ? mx::fast::rope(y, p.rope.dims, p.rope.traditional, base,
+                                              p.rope.scale, in[p.offsets], freqs, s)
+                             : mx::fast::rope(y, p.rope.dims, p.rope.traditional, base,
+                                              p.rope.scale, p.rope.offset, freqs, s);
+        outs.push_back(y);
+      }
+      return outs;
+    };
+    return reference_vjp(reference, primals, cotangents, argnums, {p_.freqs});
+  }
   const char* name() const override { return "FusedAttnIn"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
@@ -333,6 +406,25 @@ class AttnOut : public CpuPrimitive {
     const auto& q = in[p_.q];
     return {{q.shape(0), q.shape(2), (int)p_.o.p.n}};
   }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>&) override {
+    auto s = stream();
+    auto reference = [p = p_, s](const std::vector<mx::array>& in) {
+      const auto& q = in[p.q];
+      auto att = p.mask >= 0 ? mx::fast::scaled_dot_product_attention(
+                                   q, in[p.k], in[p.v], p.scale, "array", in[p.mask], {}, false, s)
+                             : mx::fast::scaled_dot_product_attention(
+                                   q, in[p.k], in[p.v], p.scale, p.causal ? "causal" : "", {},
+                                   {}, false, s);
+      att = mx::reshape(mx::transpose(att, {0, 2, 1, 3}, s), {q.shape(0), q.shape(2), -1}, s);
+      auto y = ternary_ref(att, p.o, in, s);
+      if (p.residual >= 0) y = mx::add(in[p.residual], y, s);
+      return std::vector<mx::array>{y};
+    };
+    return reference_vjp(reference, primals, cotangents, argnums, {p_.mask});
+  }
   const char* name() const override { return "FusedAttnOut"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
@@ -397,6 +489,20 @@ class Mlp : public CpuPrimitive {
     auto shape = in[p_.h].shape();
     shape.back() = (int)p_.down.p.n;
     return {shape};
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
+                             const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums,
+                             const std::vector<mx::array>&) override {
+    auto s = stream();
+    auto reference = [p = p_, s](const std::vector<mx::array>& in) {
+      auto n = mx::fast::rms_norm(in[p.h], in[p.w], p.eps, s);
+      auto g = ternary_ref(n, p.gate_up[0], in, s), u = ternary_ref(n, p.gate_up[1], in, s);
+      auto y = ternary_ref(mx::multiply(mx::multiply(g, mx::sigmoid(g, s), s), u, s), p.down, in, s);
+      if (p.residual >= 0) y = mx::add(in[p.residual], y, s);
+      return std::vector<mx::array>{y};
+    };
+    return reference_vjp(reference, primals, cotangents, argnums);
   }
   const char* name() const override { return "FusedMlp"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
