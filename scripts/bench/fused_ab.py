@@ -2,26 +2,34 @@
 
     python scripts/bench/fused_ab.py --model DIR_OR_GGUF [--prompt-tokens 128] [--rounds 5]
 
-Each round runs, for fused on and off in turn (the order alternates): a 128-token prefill
-into a fresh cache, `--steps` single decode steps after it (each step `model(tok, cache)` and
-mx.eval), and mlx-lm's `stream_generate` of `--gen-tokens` tokens (its generation tok/s).
-Prints medians: wall ms, and the main thread's CPU ms (time.thread_time around the model
-call and the eval: graph building, MLX's queueing and whatever kernels ran on this thread).
+Decode: one cache per mode after the same prompt; single steps (`model(tok, cache)`, mx.eval,
+the cache trimmed back) alternate between fused and unfused, `--steps` each. Prefill (a fresh
+cache each time) and mlx-lm's `stream_generate` of `--gen-tokens` tokens (its generation tok/s)
+alternate per round, the order flipping each round. Prints medians: wall ms, the process's
+CPU ms (every thread: MLX's stream thread, the kernel pool, Python), and the main thread's
+CPU ms (time.thread_time: graph building and MLX's queueing). On a loaded machine the wall
+times carry the scheduler's noise; the CPU times much less.
 """
 
 import argparse
+import resource
 import statistics
 import time
 from pathlib import Path
+
+
+def process_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
 
     import mlx.core as mx
@@ -34,49 +42,62 @@ def main():
     from mlx_ternary.runtime.cpu import block
 
     model, tokenizer = mlx_ternary.load(str(Path(a.model)))
-    vocab = model.args.vocab_size
     rng = np.random.default_rng(0)
-    prompt = mx.array(rng.integers(3, vocab, a.prompt_tokens), dtype=mx.uint32)
+    prompt = mx.array(rng.integers(3, model.args.vocab_size, a.prompt_tokens), dtype=mx.uint32)
     results = {True: {}, False: {}}
 
-    def add(on, key, value):
-        results[on].setdefault(key, []).append(value)
-
-    def one(on):
+    def timed(on, name, fn):
         block.set_enabled(on)
-        cache = make_prompt_cache(model)
-        w, c = time.perf_counter(), time.thread_time()
-        mx.eval(model(prompt[None], cache=cache))
-        add(on, "prefill ms", 1e3 * (time.perf_counter() - w))
-        add(on, "prefill main-thread CPU ms", 1e3 * (time.thread_time() - c))
-        tok = mx.array([[5]], dtype=mx.uint32)
-        walls, cpus = [], []
-        for _ in range(a.steps):
-            w, c = time.perf_counter(), time.thread_time()
-            mx.eval(model(tok, cache=cache))
-            walls.append(1e3 * (time.perf_counter() - w))
-            cpus.append(1e3 * (time.thread_time() - c))
-        add(on, "decode step ms", statistics.median(walls))
-        add(on, "decode main-thread CPU ms", statistics.median(cpus))
-        sampler = make_sampler(0.0)
+        w, c, t = time.perf_counter(), process_cpu(), time.thread_time()
+        fn()
+        results[on].setdefault(f"{name} ms", []).append(1e3 * (time.perf_counter() - w))
+        results[on].setdefault(f"{name} CPU ms", []).append(1e3 * (process_cpu() - c))
+        results[on].setdefault(f"{name} main-thread CPU ms", []).append(
+            1e3 * (time.thread_time() - t)
+        )
+
+    caches = {}
+    for on in (True, False):  # warm-up, and each mode's decode cache
+        block.set_enabled(on)
+        caches[on] = make_prompt_cache(model)
+        mx.eval(model(prompt[None], cache=caches[on]))
+    tok = mx.array([[5]], dtype=mx.uint32)
+
+    def step(on):
+        mx.eval(model(tok, cache=caches[on]))
+        for c in caches[on]:
+            c.trim(1)
+
+    for i in range(2 * a.steps):
+        on = i % 2 == 0
+        timed(on, "decode step", lambda: step(on))
+
+    sampler = make_sampler(0.0)
+    tps = {True: [], False: []}
+
+    def generate():
         out = list(
             stream_generate(
                 model, tokenizer, prompt.tolist(), max_tokens=a.gen_tokens, sampler=sampler
             )
         )
-        last = out[-1]
-        add(on, "generate tok/s", last.generation_tps)
-        add(on, "generate prefill tok/s", last.prompt_tps)
+        tps[block.is_enabled()].append(out[-1].generation_tps)
 
-    one(True), one(False)  # warm-up
     for r in range(a.rounds):
         for on in (True, False) if r % 2 == 0 else (False, True):
-            one(on)
+            timed(
+                on, "prefill", lambda: mx.eval(model(prompt[None], cache=make_prompt_cache(model)))
+            )
+            timed(on, "generate", generate)
     block.set_enabled(None)
-    print(f"{'':28s} {'fused':>10s} {'unfused':>10s} {'ratio':>7s}")
-    for key in results[True]:
-        f, u = (statistics.median(results[on][key]) for on in (True, False))
-        print(f"{key:28s} {f:10.2f} {u:10.2f} {f / u:7.2f}")
+    print(f"{'':34s} {'fused':>9s} {'unfused':>9s} {'ratio':>6s}")
+    rows = [(k, results[True][k], results[False][k]) for k in results[True]]
+    rows.append(("generate tok/s (mlx-lm)", tps[True], tps[False]))
+    for key, f, u in rows:
+        if key.startswith("generate") and "tok/s" not in key:
+            continue
+        f, u = statistics.median(f), statistics.median(u)
+        print(f"{key:34s} {f:9.2f} {u:9.2f} {f / u:6.2f}")
 
 
 if __name__ == "__main__":
