@@ -149,8 +149,8 @@ def test_negative_controls_are_detected(tmp_path, on_cpu, monkeypatch):
     ref = _decode(model, False, steps=2)[0]
     real_kind = block._cache_kind
 
-    def off_by_one(cache):
-        offset, offsets = real_kind(cache)
+    def off_by_one(cache, tokens):
+        offset, offsets = real_kind(cache, tokens)
         return (offset + 1 if offset else 0), offsets
 
     monkeypatch.setattr(block, "_cache_kind", off_by_one)

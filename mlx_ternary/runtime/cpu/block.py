@@ -26,7 +26,8 @@ module's own classes, each projection a plain TernaryLinear on the native kernel
 sharing one activation preparation, the norms (qwen3's head norms too) nn.RMSNorm with
 float32 weights, a RoPE whose arithmetic the op reproduces (nn.RoPE,
 Llama3RoPE, YarnRoPE with mscale 1), the cache None, a KVCache or a BatchKVCache (so
-quantized and rotating caches keep mlx-lm's path), the mask None, "causal" or a bool array.
+quantized and rotating caches keep mlx-lm's path) that the call does not grow past its
+filled buffers (once every 256 tokens: see `_cache_kind`), the mask None, "causal" or a bool array.
 Gradients: a block in training mode (mlx-lm's trainer sets it) runs mlx-lm's block; elsewhere
 (mx.grad of a model in eval mode) the ops' vjp is that of MLX's own ops composing the same
 function, with the layers' straight-through vjp: the unfused block's gradient.
@@ -107,17 +108,22 @@ def _rope(rope):
     return None
 
 
-def _cache_kind(cache):
-    """The cache's offset as (int, None) or (0, array), or None for an unsupported cache."""
+def _cache_kind(cache, tokens: int):
+    """The cache's offset as (int, None) or (0, array), or None for an unsupported cache and
+    for a call that grows a filled cache: mlx-lm concatenates the old buffers with a new
+    step, and the fused layers' fewer, larger tasks let MLX run ~4 layers ahead, so ~4
+    layers' old and new buffers would be live at once (memory.py plans for one)."""
     if cache is None:
         return 0, None
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    if type(cache) is KVCache:
-        return int(cache.offset), None
-    if type(cache) is BatchKVCache:
-        return 0, cache.offset
-    return None
+    kind = type(cache)
+    if kind not in (KVCache, BatchKVCache):
+        return None
+    used = cache.offset if kind is KVCache else cache._idx
+    if cache.keys is not None and used + tokens > cache.keys.shape[2]:
+        return None
+    return (int(cache.offset), None) if kind is KVCache else (0, cache.offset)
 
 
 def _mask(mask):
@@ -164,7 +170,7 @@ def _fused(block, x, mask, cache, mod):
     ):
         return None
     parts = _parts(block, mod)
-    offset = _cache_kind(cache)
+    offset = _cache_kind(cache, x.shape[1])
     how = _mask(mask)
     if parts is None or offset is None or how is None:
         return None
