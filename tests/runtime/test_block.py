@@ -215,6 +215,17 @@ def test_unsupported_cases_take_mlx_lm_path(tmp_path, on_cpu, fused_calls, monke
     ran, a, r = both(lambda: layer(x, "causal", QuantizedKVCache(group_size=32, bits=8)))
     assert ran == 0 and np.array_equal(a, r)
 
+    def filled():  # 252 of its 256 slots used: 6 more tokens grow it, 4 do not
+        cache = KVCache()
+        kv = mx.zeros((1, 2, 252, 64))
+        cache.update_and_fetch(kv, kv)
+        return cache
+
+    ran, a, r = both(lambda: layer(x, "causal", filled()))
+    assert ran == 0 and np.array_equal(a, r)
+    ran, a, r = both(lambda: layer(x[:, :4], "causal", filled()))
+    assert ran == 1 and _rel(a, r) <= 1e-5
+
     additive = mx.triu(mx.full((6, 6), -1e9), k=1)
     ran, a, r = both(lambda: layer(x, additive, None))
     assert ran == 0 and np.array_equal(a, r)
