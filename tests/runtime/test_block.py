@@ -239,15 +239,15 @@ def test_unsupported_cases_take_mlx_lm_path(tmp_path, on_cpu, fused_calls, monke
     block.set_enabled(None)
     with enabled():
         layer(x, "causal", None)
-    assert fused_calls["attn_in"] == 1
+    assert fused_calls["attn_in"] == 2
 
     monkeypatch.delenv(block.ENV_FUSED)
     block.set_enabled(None)
     with enabled():
         layer(x, "causal", None)  # outside enabled(): never fused (the next lines)
-    assert fused_calls["attn_in"] == 2
+    assert fused_calls["attn_in"] == 3
     layer(x, "causal", None)
-    assert fused_calls["attn_in"] == 2
+    assert fused_calls["attn_in"] == 3
 
     from mlx_ternary.runtime.lora import TernaryLoRALinear
 
