@@ -4,8 +4,9 @@
 
 Decode: one cache per mode after the same prompt; single steps (`model(tok, cache)`, mx.eval,
 the cache trimmed back) alternate between fused and unfused, `--steps` each. Prefill (a fresh
-cache each time) and mlx-lm's `stream_generate` of `--gen-tokens` tokens (its generation tok/s)
-alternate per round, the order flipping each round. Prints medians: wall ms, the process's
+cache each time, `--rounds`) and mlx-lm's `stream_generate` of `--gen-tokens` tokens after a
+`--gen-prompt-tokens` prompt (its generation tok/s, `--gen-rounds`) alternate, the order
+flipping each round. Prints medians: wall ms, the process's
 CPU ms (every thread: MLX's stream thread, the kernel pool, Python), and the main thread's
 CPU ms (time.thread_time: graph building and MLX's queueing). On a loaded machine the wall
 times carry the scheduler's noise; the CPU times much less.
@@ -28,8 +29,10 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--gen-tokens", type=int, default=48)
+    ap.add_argument("--gen-prompt-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gen-rounds", type=int, default=6)
     a = ap.parse_args()
 
     import mlx.core as mx
@@ -78,7 +81,11 @@ def main():
     def generate():
         out = list(
             stream_generate(
-                model, tokenizer, prompt.tolist(), max_tokens=a.gen_tokens, sampler=sampler
+                model,
+                tokenizer,
+                prompt[: a.gen_prompt_tokens].tolist(),
+                max_tokens=a.gen_tokens,
+                sampler=sampler,
             )
         )
         tps[block.is_enabled()].append(out[-1].generation_tps)
