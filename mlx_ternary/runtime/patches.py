@@ -2,7 +2,7 @@
 
 mlx-lm picks its functions by name at call time from the namespace of the module that
 imported them (`from .utils import load_model`), so a replacement must reach every copy.
-Five callers use the three mechanisms below:
+Six callers use the four mechanisms below:
 
 - `swapped` (for the length of a block, then restored):
   - `lm.routed`: mlx-lm's `load_model`, `linear_to_lora_layers` and `dequantize_model`,

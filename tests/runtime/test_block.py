@@ -293,3 +293,31 @@ def test_gradients_in_eval_mode_are_the_unfused_blocks(tmp_path, on_cpu, fused_c
     assert fused_calls["attn_in"] == len(model.model.layers)
     assert np.abs(grads[1]).max() > 0
     assert _rel(grads[0], grads[1]) <= 1e-5
+
+
+def test_residual_none_returns_the_partial_projection(tmp_path, on_cpu):
+    """attn_out / mlp with residual=None (tensor parallelism: all_sum, then the residual)
+    return the projection alone: adding the residual gives the fused result."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import KVCache
+
+    model = _model(tmp_path, "int8-fast-row")
+    layer, m = model.model.layers[0], cpu._require()
+    parts = block._parts(layer, llama)
+    (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, norms = parts
+    attn = layer.self_attn
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(3))
+    q, k, v = m.attn_in(x, w1, eps1, *qkv[:3], *qkv[3], 4, 2, 16, *rope, 0, None, *norms)
+    k, v = KVCache().update_and_fetch(k, v)
+    full = m.attn_out(q, k, v, attn.scale, True, None, *o[:3], *o[3], x)
+    part = m.attn_out(q, k, v, attn.scale, True, None, *o[:3], *o[3], None)
+    np.testing.assert_array_equal(np.array(part + x), np.array(full))
+    full = m.mlp(x, w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], x)
+    part = m.mlp(x, w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], None)
+    np.testing.assert_array_equal(np.array(part + x), np.array(full))
+    block.set_enabled(False)
+    with cpu.enabled():
+        ref = layer(x, "causal", None)  # and the three ops are the block
+    h = m.attn_out(q, k, v, attn.scale, True, None, *o[:3], *o[3], x)
+    out = m.mlp(h, w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], h)
+    assert _rel(np.array(out), np.array(ref)) <= 1e-5
