@@ -227,10 +227,10 @@ class AttnIn : public CpuMultiPrimitive {
       op.push_back(o.data<float>());
     }
     enc.dispatch([p = p_, in, op]() {
-      std::vector<uint8_t> kx, kf, ko;
+      std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn;
       const mx::array& x = in[p.x];
       const float* xp = (const float*)row_major(x, kx);
-      const float* wp = in[p.w].data<float>();
+      const float* wp = (const float*)row_major(in[p.w], kw);
       const int64_t B = x.shape(0), L = x.shape(1), K = x.shape(2), M = B * L, D = p.d;
       // per-thread scratch, named through references: a thread_local named inside a lambda
       // that a worker runs would be the worker's own
@@ -256,8 +256,9 @@ class AttnIn : public CpuMultiPrimitive {
                      inv.data());
       const int32_t* offs = p.offsets >= 0 ? (const int32_t*)row_major(in[p.offsets], ko) : nullptr;
       const int64_t noffs = p.offsets >= 0 ? (int64_t)in[p.offsets].size() : 0;
-      const float* qk_norm[2] = {p.q_norm >= 0 ? in[p.q_norm].data<float>() : nullptr,
-                                 p.k_norm >= 0 ? in[p.k_norm].data<float>() : nullptr};
+      const float* qk_norm[2] = {
+          p.q_norm >= 0 ? (const float*)row_major(in[p.q_norm], kqn) : nullptr,
+          p.k_norm >= 0 ? (const float*)row_major(in[p.k_norm], kkn) : nullptr};
       per_token(M, [&](int64_t m0, int64_t m1) {
         std::vector<float> cs(half), sn(half), head(D);
         for (int64_t m = m0; m < m1; m++) {
@@ -451,10 +452,10 @@ class Mlp : public CpuPrimitive {
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
-      std::vector<uint8_t> kh, kr;
+      std::vector<uint8_t> kh, kw, kr;
       const mx::array& h = in[p.h];
       const float* hp = (const float*)row_major(h, kh);
-      const float* wp = in[p.w].data<float>();
+      const float* wp = (const float*)row_major(in[p.w], kw);
       const int64_t K = h.shape(-1), M = (int64_t)(h.size() / K), F = p.gate_up[0].p.n;
       thread_local std::vector<float> normed_tl, g_tl, u_tl;
       thread_local tk::Acts acts_tl;
