@@ -95,6 +95,8 @@ def main():
             timed(
                 on, "prefill", lambda: mx.eval(model(prompt[None], cache=make_prompt_cache(model)))
             )
+    for r in range(a.gen_rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
             timed(on, "generate", generate)
     block.set_enabled(None)
     print(f"{'':34s} {'fused':>9s} {'unfused':>9s} {'ratio':>6s}")
