@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from .format import KV_GROUP_SIZE
 from .runtime.cpu import activation as native_swiglu
 from .runtime.cpu import attention as native_attention
+from .runtime.cpu import block as native_block
 from .runtime.cpu.layers import GGMLEmbedding, GGMLLinear, HalfEmbedding, HalfLinear
 from .runtime.layers import TernaryLinear, ternary_layers
 
@@ -32,6 +33,12 @@ ACTIVATION_MARGIN = 1.1  # allocator rounding and small temporaries the count le
 # MLX's CPU RoPE holds temporaries of 2.4x its input beside its output (measured: a peak of
 # 444 KB for a (1, 4, 512, 16) float32 query, 131 KB in and out).
 ROPE_TEMPORARIES = 2.4
+# With the fused native blocks (runtime/cpu/block.py) a layer is ~5 MLX tasks instead of ~25,
+# and MLX keeps up to 10 in flight: mlx-lm's pipelined decoding schedules the next step's
+# cache updates while up to ~2-4 layers of this step still read the caches, so those updates
+# copy the buffers instead of writing in place (measured: serving the 2-layer test model,
+# ~0.5 MB = one layer's cache more at the peak than mlx-lm's blocks).
+FUSED_LAYERS_IN_FLIGHT = 4
 # The command-line options that change each part of the plan (named in the advice).
 PLAN_FLAGS = {
     "context": "--max-context",
@@ -305,6 +312,13 @@ def native_kernels(model: nn.Module) -> Tuple[bool, bool]:
     return here and native_attention.routed(model), here and native_swiglu.routed(model)
 
 
+def fused_blocks(model: nn.Module) -> bool:
+    """Whether `model`'s decoder blocks run the fused native block here (routed, the setting
+    on, the CPU, float32; runtime/cpu/block.py's own conditions decide each call)."""
+    here = mx.default_device() == mx.cpu and activation_dtype(model) == mx.float32
+    return here and native_block.routed(model) and native_block.is_enabled()
+
+
 def _dims(model: nn.Module) -> dict:
     args = getattr(model, "args", None)
     get = lambda name, default=0: getattr(args, name, None) or default  # noqa: E731
@@ -335,10 +349,12 @@ def _native_layer(d: dict) -> int:
 
 def _kv_growth(model: nn.Module, batch: int, max_context: int) -> int:
     """Bytes a cache holds twice while it grows: mlx-lm concatenates the old keys/values with
-    a new step, so one layer's old buffers and the new ones are live together."""
+    a new step, so one layer's old buffers and the new ones are live together; with fused
+    blocks, FUSED_LAYERS_IN_FLIGHT layers' (their pipelined updates copy)."""
     tokens = -(-max_context // KV_STEP) * KV_STEP
     sizes = [pt * (min(tokens, most) if most else tokens) for pt, most, _ in kv_layout(model)]
-    return int(batch * max(sizes, default=0))
+    layers = FUSED_LAYERS_IN_FLIGHT if fused_blocks(model) else 1
+    return int(batch * sum(sorted(sizes, reverse=True)[:layers]))
 
 
 def activation_bytes(model: nn.Module, batch: int, prefill_step: int, max_context: int) -> int:

@@ -225,6 +225,31 @@ class TernaryLinear(nn.Module):
         shared between layers where equal); none on the Metal and native backends."""
         return list(self.plan().affine(dtype)[:2]) if self.reads_affine() else []
 
+    def native_spec(self) -> Optional[tuple]:
+        """(packed, scales, bias, packing, in_features, group_size, activation_bits) when a
+        call of this layer is exactly the native kernel on its input - a plain TernaryLinear
+        (no subclass: they transform x) on the native backend, not training, its arrays
+        materialized, q8k only where the kernel takes it - else None. What the native fused
+        decoder block (runtime/cpu/block.py) runs the layer with."""
+        if type(self) is not TernaryLinear or self._training:
+            return None
+        plan = self._plan or self.plan()
+        if plan.backend != "native" or self.__dict__.get("_plan") is None:
+            return None  # another backend, or arrays of a trace (plan() keeps no plan then)
+        if self.activation_bits not in (None, 8, fmt.Q8K):
+            return None
+        if self.activation_bits == fmt.Q8K and not plan.native_q8k():
+            return None
+        return (
+            plan.packed,
+            plan.scales,
+            plan.bias,
+            self.packing,
+            self.in_features,
+            self.group_size,
+            self.activation_bits,
+        )
+
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._plan or self.plan()
         training = self._training

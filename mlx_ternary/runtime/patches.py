@@ -2,7 +2,7 @@
 
 mlx-lm picks its functions by name at call time from the namespace of the module that
 imported them (`from .utils import load_model`), so a replacement must reach every copy.
-Five callers use the three mechanisms below:
+Six callers use the four mechanisms below:
 
 - `swapped` (for the length of a block, then restored):
   - `lm.routed`: mlx-lm's `load_model`, `linear_to_lora_layers` and `dequantize_model`,
@@ -23,6 +23,13 @@ Five callers use the three mechanisms below:
     attention runs inside that model only;
   - `runtime.cpu.activation` (`route_swiglu`): mlx-lm's `swiglu` the same way, so the
     native SwiGLU runs inside that model only.
+- `route_blocks` (for the life of the model, inert for other models):
+  - `runtime.cpu.block`: the class of each of one model's mlx-lm decoder blocks of a
+    supported class (llama's, qwen2's and qwen3's TransformerBlock) becomes a subclass of the same name whose
+    `__call__` first tries the fused native block and otherwise runs mlx-lm's own, so a
+    decode step issues three native ops a layer instead of ~25 MLX ops; the block's own
+    conditions (runtime/cpu/block.py) keep everything else - training, LoRA, other caches,
+    other devices - on mlx-lm's path.
 """
 
 import sys
@@ -154,3 +161,41 @@ def route_swiglu(model, dispatcher: Callable[[Callable], Callable], around: Call
     from mlx_lm.models import activations
 
     return route_function(model, "swiglu", activations.swiglu, dispatcher, around)
+
+
+@lru_cache(maxsize=None)
+def _fused_class(cls, fused: Callable):
+    @wraps(cls.__call__)  # the signature stays the class's
+    def __call__(self, *args, **kwargs):
+        out = fused(self, *args, **kwargs)
+        return cls.__call__(self, *args, **kwargs) if out is None else out
+
+    attrs = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_fused_from": cls,
+    }
+    return type(cls.__name__, (cls,), attrs)
+
+
+def route_blocks(model, fused: Dict[type, Callable]) -> bool:
+    """Swap the class of each module of `model` whose class is a key of `fused` for a
+    subclass of the same name whose `__call__` returns `fused[cls](block, *args, **kwargs)`
+    unless that is None, and else runs the class's own `__call__`. Returns whether any
+    module was routed (or already was)."""
+    found = False
+    for m in model.modules():
+        cls = type(m)
+        base = getattr(cls, "_fused_from", None)
+        if base is not None and cls.__dict__.get("_fused_from") is base:
+            found = True
+        elif cls in fused:
+            m.__class__ = _fused_class(cls, fused[cls])
+            found = True
+    return found
+
+
+def blocks_routed(model) -> bool:
+    """Whether `route_blocks` routed any module of `model`."""
+    return any("_fused_from" in type(m).__dict__ for m in model.modules())

@@ -4,7 +4,10 @@ everything else MLX runs (norms, RoPE, attention, elementwise ops, Python graph 
     python scripts/bench/profile_cpu_step.py --model DIR [--prompt-tokens 128] [--repeats 10]
 
 Each piece is timed alone (mx.eval), median and min over the repeats, in milliseconds. "rest"
-is the model with every ternary layer replaced by a free stand-in of the same output shape.
+is the model with every ternary layer replaced by a free stand-in of the same output shape
+(mlx-lm's own blocks: the fused native block needs the real layers). The whole step and the
+whole prefill are timed with the fused native blocks (runtime/cpu/block.py) and without,
+interleaved, with the main thread's CPU time (graph building and MLX's queueing).
 """
 
 import argparse
@@ -24,6 +27,29 @@ def timed(fn, repeats):
         mx.eval(fn())
         ts.append(1e3 * (time.perf_counter() - t))
     return f"{statistics.median(ts):8.2f} (min {min(ts):.2f})"
+
+
+def timed_ab(fn, repeats):
+    """fn() with the fused blocks on and off, interleaved: wall and main-thread CPU medians."""
+    from mlx_ternary.runtime.cpu import block
+
+    runs = {True: ([], []), False: ([], [])}
+    for on in (True, False):
+        block.set_enabled(on)
+        mx.eval(fn())
+    for r in range(repeats):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            block.set_enabled(on)
+            t, c = time.perf_counter(), time.thread_time()
+            mx.eval(fn())
+            runs[on][0].append(1e3 * (time.perf_counter() - t))
+            runs[on][1].append(1e3 * (time.thread_time() - c))
+    block.set_enabled(False)  # the pieces below are mlx-lm's own blocks
+    return "  ".join(
+        f"{name} {statistics.median(w):7.2f} (min {min(w):.2f}, main-thread CPU "
+        f"{statistics.median(c):.2f})"
+        for name, (w, c) in (("fused", runs[True]), ("unfused", runs[False]))
+    )
 
 
 def main():
@@ -52,7 +78,15 @@ def main():
     hidden = config.get("hidden_size")
 
     print("decode step (1 token, context", a.prompt_tokens, ")")
-    print("  whole step           ", timed(lambda: model(tok, cache=cache), a.repeats))
+
+    def step():
+        out = model(tok, cache=cache)
+        mx.eval(out)
+        for c in cache:  # the same context length every time
+            c.trim(1)
+        return out
+
+    print("  whole step           ", timed_ab(step, a.repeats))
     x1 = {k: mx.random.normal((1, 1, k)) for k in dims}
     print(
         "  ternary layers only  ", timed(lambda: [m(x1[m.in_features]) for m in layers], a.repeats)
@@ -90,7 +124,7 @@ def main():
         print(f"prefill ({a.prompt_tokens} tokens)")
         print(
             "  whole decoder        ",
-            timed(lambda: inner(prompt[None], cache=make_prompt_cache(model)), 3),
+            timed_ab(lambda: inner(prompt[None], cache=make_prompt_cache(model)), 3),
         )
         xm = {k: mx.random.normal((1, a.prompt_tokens, k)) for k in dims}
         print("  ternary layers only  ", timed(lambda: [m(xm[m.in_features]) for m in layers], 3))

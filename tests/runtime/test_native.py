@@ -535,8 +535,9 @@ def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cp
     from tiny import ternary_checkpoint
 
     from mlx_ternary.checkpoint.load import load_model
-    from mlx_ternary.runtime.cpu import attention
+    from mlx_ternary.runtime.cpu import attention, block
 
+    monkeypatch.setenv(block.ENV_FUSED, "0")  # the fused block has its own (test_block.py)
     path, _ = ternary_checkpoint(tmp_path, "llama", "fast", "row", activation_bits=8)
     model, _ = load_model(path)
     ref, _ = load_model(path, backend="reference")
@@ -597,8 +598,9 @@ def test_swiglu_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cpu_d
 
     from mlx_ternary.checkpoint.load import load_model
     from mlx_ternary.runtime import cpu as cpu_pkg
-    from mlx_ternary.runtime.cpu import activation
+    from mlx_ternary.runtime.cpu import activation, block
 
+    monkeypatch.setenv(block.ENV_FUSED, "0")  # the fused block has its own (test_block.py)
     path, _ = ternary_checkpoint(tmp_path, "llama", "fast", "row", activation_bits=8)
     model, _ = load_model(path)
     ref, _ = load_model(path, backend="reference")

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ...format import GGML_MODE, GGMLTensor, check_ggml_type
 from .. import ggml
-from . import activation, attention, dense_matmul, ggml_dequantize, ggml_matmul
+from . import activation, attention, block, dense_matmul, ggml_dequantize, ggml_matmul
 from . import available as native_available
 
 HALF = (mx.float16, mx.bfloat16)
@@ -109,13 +109,14 @@ def adopt(
     model: nn.Module, weights: Dict[str, mx.array], dtype=None, backend: str = "native"
 ) -> Set[str]:
     """Prepare a freshly built model for `backend` (resolved): on the native one, native
-    attention and SwiGLU and (unless the caller asked for a float dtype) its float16/bfloat16 tables as
+    attention, SwiGLU and fused decoder blocks, and (unless the caller asked for a float dtype) its float16/bfloat16 tables as
     stored; other backends change nothing. Returns the weight names that keep their stored
     dtype."""
     if backend != "native":
         return set()
     attention.install(model)
     activation.install(model)
+    block.install(model)
     return keep_half_tables(model, weights) if dtype is None else set()
 
 

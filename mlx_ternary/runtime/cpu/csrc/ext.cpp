@@ -7,6 +7,7 @@
 //   Attention       softmax(scale q k^T [causal]) v        (attention.h)
 //   SwiGLU          silu(g) * x, float32                   (activation.h)
 //   GgmlDequantize, GgmlMatmul  llama.cpp's quantized tables (ggml_ops.h, kquants.h)
+//   AttnIn, AttnOut, Mlp  a llama-family decoder block in three ops (block.h)
 //
 // eval_cpu allocates the output and enqueues the work on the stream's CPU command encoder, as
 // MLX's own CPU primitives do; MLX keeps the inputs alive until the task has run. Inside the task
@@ -16,6 +17,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -33,6 +35,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "mlx/backend/cpu/simd/simd.h"  // MLX's own sin/cos/exp (block.h's RoPE)
 
 #include "activation.h"
 #include "attention.h"
@@ -154,6 +157,31 @@ struct TernaryParams {
 mx::array ternary_weight(const mx::array& packed, const mx::array& scales,
                          const TernaryParams& p, bool unit_scales, mx::Stream s);
 
+// The activations of M tokens of x (row-major (M, K), dtype xd) for layers of geometry g and
+// activation mode p: Q8_K blocks, BitNet's int8 or permuted floats; long prompts in parallel.
+void prepare_acts(const tk::Geometry& g, const TernaryParams& p, const void* xp, int xd,
+                  int64_t M, tk::Acts& a) {
+  const int64_t xlen = g.xlen();
+  if (p.q8k) {
+    a.q.resize(M * xlen), a.d8.resize(M * g.nblocks8), a.ssum.resize(M * g.nseg);
+    parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
+      std::vector<float> tmp(tk::q8k_tmp_floats(p.k));
+      for (int64_t m = m0; m < m1; m++) tk::quantize_token_q8k(g, xp, xd, m, a, tmp.data());
+    });
+  } else if (p.act_quant) {
+    a.q.resize(M * xlen), a.xs.resize(M), a.gsum.resize(M * g.ngroups);
+    parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
+      std::vector<float> tmp(p.k);
+      for (int64_t m = m0; m < m1; m++) tk::quantize_token(g, xp, xd, m, a, tmp.data());
+    });
+  } else {
+    a.f.resize(M * xlen);
+    parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; m++) tk::permute_token(g, xp, xd, m, a);
+    });
+  }
+}
+
 class TernaryMatmul : public CpuPrimitive {
  public:
   TernaryMatmul(mx::Stream s, TernaryParams p) : CpuPrimitive(s), p_(p) {}
@@ -181,27 +209,10 @@ class TernaryMatmul : public CpuPrimitive {
       L.out_dtype = out_dtype;
       const void* xp = row_major(x, kx);
       const int xd = tk_dtype(x.dtype(), "x");
-      const int64_t M = (int64_t)(x.size() / p.k), xlen = g->xlen();
+      const int64_t M = (int64_t)(x.size() / p.k);
       thread_local tk::Acts acts_buffer;  // reused across calls on this stream thread
       tk::Acts& a = acts_buffer;           // (a thread_local named in a lambda is per thread)
-      if (p.q8k) {
-        a.q.resize(M * xlen), a.d8.resize(M * g->nblocks8), a.ssum.resize(M * g->nseg);
-        parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
-          std::vector<float> tmp(tk::q8k_tmp_floats(p.k));
-          for (int64_t m = m0; m < m1; m++) tk::quantize_token_q8k(*g, xp, xd, m, a, tmp.data());
-        });
-      } else if (p.act_quant) {
-        a.q.resize(M * xlen), a.xs.resize(M), a.gsum.resize(M * g->ngroups);
-        parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
-          std::vector<float> tmp(p.k);
-          for (int64_t m = m0; m < m1; m++) tk::quantize_token(*g, xp, xd, m, a, tmp.data());
-        });
-      } else {
-        a.f.resize(M * xlen);
-        parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
-          for (int64_t m = m0; m < m1; m++) tk::permute_token(*g, xp, xd, m, a);
-        });
-      }
+      prepare_acts(*g, p, xp, xd, M, a);
       parallel_rows(p.n, row_chunk(p.n, M), [&](int64_t n0, int64_t n1) {
         tk::rows_dispatch<tk::NativeOps>(L, a, M, n0, n1);
       });
@@ -603,6 +614,7 @@ mx::array ternary_weight_op(const mx::array& packed, const mx::array& scales, in
 }
 
 #include "ggml_ops.h"  // llama.cpp's quantized tables (kquants.h)
+#include "block.h"     // the fused decoder block
 
 }  // namespace
 
@@ -634,6 +646,7 @@ NB_MODULE(_mlx_ternary_native, m) {
   m.def("num_threads", []() { return pool().size(); });
   m.def("isa", []() { return std::string(tk::NativeOps::name) + " / " + tk::dense_isa(); });
   register_ggml(m);
+  register_block(m);
   m.def("selfcheck", []() {
           std::string e = tk::selfcheck();
           return e.empty() ? tk::kq_selfcheck() : e;
