@@ -51,6 +51,10 @@ ENV_FUSED = "MLX_TERNARY_FUSED"
 # an RMSNorm of each q and k head before RoPE), all with `swiglu` MLPs
 ARCHS = ("llama", "qwen2", "qwen3")
 _state = {"on": None}  # None: $MLX_TERNARY_FUSED decides (default on)
+# Other forms of a block's layers, tried in turn where they are not the plain ones: each
+# (block, x, cache, mod, offset, how) -> the block's output, or None where it does not
+# apply (runtime/shard_block.py adds the tensor-parallel block)
+FORMS = []
 
 
 def set_enabled(on: Optional[bool]) -> None:
@@ -166,6 +170,11 @@ def _fused(block, x, mask, cache, mod):
     parts = _parts(block, mod)
     offset = _cache_kind(cache)
     how = _mask(mask)
+    if parts is None and offset is not None and how is not None:
+        for form in FORMS:
+            out = form(block, x, cache, mod, offset, how)
+            if out is not None:
+                return out
     if parts is None or offset is None or how is None:
         return None
     (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = parts
