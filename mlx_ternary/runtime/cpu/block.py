@@ -32,7 +32,8 @@ Gradients: a block in training mode (mlx-lm's trainer sets it) runs mlx-lm's blo
 function, with the layers' straight-through vjp: the unfused block's gradient.
 
 Tensor parallelism: `attn_out` and `mlp` take `residual=None` and then return the partial
-projection, for an all_sum before the residual is added (sharded layers fall back today).
+projection, for an all_sum before the residual is added: a tensor-parallel block runs so
+through FORMS (runtime/shard_block.py).
 """
 
 import os
