@@ -189,7 +189,8 @@ def format_peaks(formats: dict) -> dict:
 
 def single_process(entries: dict):
     """({case: (logits, ternary bytes, parameter bytes)}, the worker's case specs) of
-    {case: (checkpoint, adapter directory or None)} loaded in this process."""
+    {case: (checkpoint, adapter directory or None)} loaded in this process; for each FUSED
+    case also {"<case>/fused": its decode logits and gradients (dist_worker.py's)}."""
     single, specs = {}, []
     for name, (path, adapter) in entries.items():
         acts = ACTIVATIONS.get(name)
@@ -199,9 +200,8 @@ def single_process(entries: dict):
         single[name] = (np.array(model(tokens)), ternary_bytes(model), total)
         if name in FUSED:
             grad_e, grad_w = block_grads(model, tokens)
-            single[name] += (
-                {"decode": decode_logits(model, tokens), "grad_e": grad_e, "grad_w": grad_w},
-            )
+            decode = decode_logits(model, tokens)
+            single[f"{name}/fused"] = {"decode": decode, "grad_e": grad_e, "grad_w": grad_w}
         spec = {"name": name, "path": str(path), "tokens": TOKENS, "activations": acts}
         spec["fused"] = name in FUSED
         specs.append({**spec, "adapter": adapter})
@@ -322,7 +322,7 @@ def test_sharded_blocks_run_fused_and_match(cases, name):
     prefill, a cached decode and a gradient; their logits and gradients are the single
     process's to 1e-4 and the unfused sharded path's."""
     single, results = cases
-    ref, extra = single[name][0], single[name][3]
+    ref, extra = single[name][0], single[f"{name}/fused"]
     layers = 2  # tests/tiny.py's models
     for rank, (out, info) in enumerate(results[name]):
         assert info["fused_blocks_memory"] == layers, (name, rank, info)
