@@ -13,7 +13,8 @@ them, computing exactly what the sharded layers compute:
 ShardedToAllTernaryLinear's bias is added once, after the sum, as the layer does. Gradients
 keep the sharded layers' convention: the replicated input of each all-to-sharded group (and
 its norm's weight, whose gradient flows through the sharded rows) has its gradient summed
-over the ranks (mlx's sum_gradients), the residual's does not.
+over the ranks (mlx's sum_gradients), the residual's does not. That node is built only
+where x or the weight is a transform's tracer (mx.grad, vjp, compile): decode builds none.
 
 It applies where the plain fused block would (the conditions in cpu/block.py) with these
 layers instead: q/k/v and gate/up AllToShardedTernaryLinear whose rows the native kernel
