@@ -72,9 +72,10 @@ def block_grads(model, tokens):
 def fused_and_unfused(fn, info: dict, key: str):
     """fn() with the fused block on, then off: (on, off); info[key] = the sharded blocks
     that ran fused in the first."""
-    n = shard_block.fused_calls()
+    n, g = shard_block.fused_calls(), shard_block.gradient_nodes()
     on = fn()
     info[key] = shard_block.fused_calls() - n
+    info[key + "_gradient_nodes"] = shard_block.gradient_nodes() - g
     block.set_enabled(False)
     try:
         return on, fn()

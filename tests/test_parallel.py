@@ -329,6 +329,9 @@ def test_sharded_blocks_run_fused_and_match(cases, name):
         assert info["fused_blocks_disk"] == layers, (name, rank, info)
         assert info["fused_blocks_decode"] == layers * (1 + DECODE_STEPS), (name, rank, info)
         assert info["fused_blocks_grad"] == layers, (name, rank, info)
+        # the gradient convention's node: under mx.grad only (attention and MLP, each block)
+        assert info["fused_blocks_decode_gradient_nodes"] == 0, (name, rank, info)
+        assert info["fused_blocks_grad_gradient_nodes"] == 2 * layers, (name, rank, info)
         checks = [
             ("prefill", out["memory"], ref),
             ("prefill unfused", out["unfused"], ref),
