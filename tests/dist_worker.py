@@ -9,7 +9,11 @@ per rank, into argv[2]:
   memory:  mlx_ternary.load, then model.shard(group) (mlx-lm's call, slicing in memory),
   control: the memory model with per-rank activation absmax (the negative control),
 and `<name>.rank<r>.json` with the ternary bytes each rank holds, MLX's peak memory
-during each load and how the output layer was split; then `collectives.rank<r>.npz` (large
+during each load, how the output layer was split and how many of its blocks ran the fused
+tensor-parallel path (runtime/shard_block.py); for a case marked "fused", also
+  unfused:   the memory model with the fused block off (mlx-lm's block, sharded layers),
+  decode[_unfused]: the logits of a prefill and DECODE_STEPS greedy steps with a KV cache,
+  grad_e[_unfused], grad_w[_unfused]: `block_grads` (fused on, off); then `collectives.rank<r>.npz` (large
 collectives over the ring's sockets as runtime/host.py left them) and `host.rank<r>.json`
 (what it did).
 """
@@ -17,6 +21,7 @@ collectives over the ring's sockets as runtime/host.py left them) and `host.rank
 import gc
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,7 +29,58 @@ import numpy as np
 
 from mlx_ternary.checkpoint.load import load
 from mlx_ternary.parallel import sharded_load, world
+from mlx_ternary.runtime import shard_block
+from mlx_ternary.runtime.cpu import block
 from mlx_ternary.runtime.shard import ShardedToAllTernaryLinear, ternary_bytes
+
+DECODE_STEPS = 4
+
+
+def prefill_logits(model, tokens) -> np.ndarray:
+    return np.array(model(tokens).astype(mx.float32))
+
+
+def decode_logits(model, tokens) -> np.ndarray:
+    """The logits of a prefill of `tokens` and DECODE_STEPS greedy steps, with mlx-lm's
+    KV cache, concatenated over the positions (the test's single process runs it too)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    out = [model(tokens, cache=cache)]
+    for _ in range(DECODE_STEPS):
+        out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), cache=cache))
+    return np.concatenate([np.array(o[0]) for o in out])
+
+
+def block_grads(model, tokens):
+    """The gradient of the last position's logits' sum with respect to the input
+    embeddings and the first block's input norm weight, in eval mode (no train())."""
+    norm = model.model.layers[0].input_layernorm
+    w0 = norm.weight
+
+    def loss(e, w):
+        norm.weight = w
+        return model(tokens, input_embeddings=e)[0, -1].sum()
+
+    try:
+        e = model.model.embed_tokens(tokens)
+        return tuple(np.array(g) for g in mx.grad(loss, argnums=(0, 1))(e, w0))
+    finally:
+        norm.weight = w0
+
+
+def fused_and_unfused(fn, info: dict, key: str):
+    """fn() with the fused block on, then off: (on, off); info[key] = the sharded blocks
+    that ran fused in the first."""
+    n, g = shard_block.fused_calls(), shard_block.gradient_nodes()
+    on = fn()
+    info[key] = shard_block.fused_calls() - n
+    info[key + "_gradient_nodes"] = shard_block.gradient_nodes() - g
+    block.set_enabled(False)
+    try:
+        return on, fn()
+    finally:
+        block.set_enabled(None)
 
 
 def per_rank_absmax(model) -> int:
@@ -92,8 +148,11 @@ def main(spec_file: str, out_dir: str) -> None:
         acts, adapter = case.get("activations"), case.get("adapter")
         kw = dict(activations=acts, adapter_path=adapter)
         disk, peak_disk = measured(lambda: sharded_load(case["path"], group, **kw)[0])
-        logits = {"disk": disk(tokens)}
         info = {"ternary_bytes_disk": ternary_bytes(disk), "peak_disk": peak_disk}
+        n = shard_block.fused_calls()
+        logits = {"disk": disk(tokens)}
+        mx.eval(logits["disk"])
+        info["fused_blocks_disk"] = shard_block.fused_calls() - n
         del disk
 
         def in_memory():
@@ -102,7 +161,18 @@ def main(spec_file: str, out_dir: str) -> None:
             return model
 
         memory, peak_memory = measured(in_memory)
-        logits["memory"] = memory(tokens)
+        logits["memory"], unfused = fused_and_unfused(
+            partial(prefill_logits, memory, tokens), info, "fused_blocks_memory"
+        )
+        if case.get("fused"):
+            logits["unfused"] = unfused
+            logits["decode"], logits["decode_unfused"] = fused_and_unfused(
+                partial(decode_logits, memory, tokens), info, "fused_blocks_decode"
+            )
+            (
+                (logits["grad_e"], logits["grad_w"]),
+                (logits["grad_e_unfused"], logits["grad_w_unfused"]),
+            ) = fused_and_unfused(partial(block_grads, memory, tokens), info, "fused_blocks_grad")
         info.update(
             ternary_bytes_memory=ternary_bytes(memory),
             peak_memory=peak_memory,
@@ -113,7 +183,10 @@ def main(spec_file: str, out_dir: str) -> None:
             logits["control"] = memory(tokens)
         np.savez(
             out / f"{case['name']}.rank{rank}.npz",
-            **{k: np.array(v.astype(mx.float32)) for k, v in logits.items()},
+            **{
+                k: np.array(v.astype(mx.float32)) if isinstance(v, mx.array) else v
+                for k, v in logits.items()
+            },
         )
         (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(info))
         del memory, logits

@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from dist_worker import DECODE_STEPS, block_grads, decode_logits
 from mlx.utils import tree_flatten
 from tiny import ternary_checkpoint
 
@@ -29,7 +30,18 @@ from mlx_ternary.runtime.shard import ternary_bytes
 HERE = Path(__file__).parent
 TOKENS = [0, 5, 17, 3, 99, 42, 7, 64, 11, 2, 80, 33]
 TOL = 1e-4
-ACTIVATIONS = {"embedded-q8k": "q8k"}  # the cases loaded with load(activations=...)
+ACTIVATIONS = {  # the cases loaded with load(activations=...)
+    "embedded-q8k": "q8k",
+    "llama-fast-row-q8k": "q8k",
+}
+# The cases whose sharded blocks run the fused native block (runtime/shard_block.py): float
+# activations, or q8k blocks local to each rank (hidden 512 and intermediate 1536 split in
+# two: 256 and 768 columns); the worker also decodes them with a cache and takes gradients.
+FUSED = ("llama-fast-row-wide", "llama-fast-row-q8k", "llama-bias-float", "qwen3-float")
+# ... and those that keep mlx-lm's block over the sharded layers: int8 activations (the ranks
+# agree on each row's absmax before o_proj and down_proj), q8k blocks cut by the ranks'
+# columns (hidden 256: 128 columns a rank, the row gathered whole)
+UNFUSED = ("embedded", "embedded-q8k", "llama-compact-row", "qwen2-fast-row-bias")
 LAUNCH_TIMEOUT = 600
 GENERATE = ["--prompt", "ROMEO:", "-m", "12"]  # the embedded model, greedy
 # Adapters on every projection, so both splits (and BitNet's plan, biases) carry one.
@@ -177,14 +189,21 @@ def format_peaks(formats: dict) -> dict:
 
 def single_process(entries: dict):
     """({case: (logits, ternary bytes, parameter bytes)}, the worker's case specs) of
-    {case: (checkpoint, adapter directory or None)} loaded in this process."""
+    {case: (checkpoint, adapter directory or None)} loaded in this process; for each FUSED
+    case also {"<case>/fused": its decode logits and gradients (dist_worker.py's)}."""
     single, specs = {}, []
     for name, (path, adapter) in entries.items():
         acts = ACTIVATIONS.get(name)
         model, _ = mlx_ternary.load(str(path), activations=acts, adapter_path=adapter)
         total = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
-        single[name] = (np.array(model(mx.array([TOKENS]))), ternary_bytes(model), total)
+        tokens = mx.array([TOKENS])
+        single[name] = (np.array(model(tokens)), ternary_bytes(model), total)
+        if name in FUSED:
+            grad_e, grad_w = block_grads(model, tokens)
+            decode = decode_logits(model, tokens)
+            single[f"{name}/fused"] = {"decode": decode, "grad_e": grad_e, "grad_w": grad_w}
         spec = {"name": name, "path": str(path), "tokens": TOKENS, "activations": acts}
+        spec["fused"] = name in FUSED
         specs.append({**spec, "adapter": adapter})
     return single, specs
 
@@ -235,6 +254,13 @@ def cases(tmp_path_factory):
         "llama-fast-row-wide": ternary_checkpoint(
             tmp / "d", "llama", "fast", "row", None, None, **WIDE
         )[0],
+        "llama-fast-row-q8k": ternary_checkpoint(
+            tmp / "g", "llama", "fast", "row", None, None, seed=1, **WIDE
+        )[0],
+        "llama-bias-float": ternary_checkpoint(
+            tmp / "h", "llama", "compact", "row", None, None, attention_bias=True, mlp_bias=True
+        )[0],  # biases on every projection: o_proj's and down_proj's added once
+        "qwen3-float": ternary_checkpoint(tmp / "i", "qwen3", "fast", "row", None, None)[0],
     }
     adapters = {
         name: (dirs[base], str(random_adapter(dirs[base], tmp / name, kind)))
@@ -273,6 +299,9 @@ def cases(tmp_path_factory):
         "qwen3-compact-group",
         "qwen2-fast-row-bias",
         "llama-fast-row-wide",
+        "llama-fast-row-q8k",
+        "llama-bias-float",
+        "qwen3-float",
         *ADAPTED,
         *(f"format-{f}" for f in FORMATS),
     ],
@@ -285,6 +314,51 @@ def test_two_ranks_give_the_single_process_logits(cases, name):
             err = rel_err(logits[how], ref)
             assert err <= TOL, f"{name} rank {rank} ({how}): relative error {err:.2e}"
     assert np.array_equal(results[name][0][0]["disk"], results[name][1][0]["disk"])
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_sharded_blocks_run_fused_and_match(cases, name):
+    """Each rank's blocks ran the fused tensor-parallel path (not mlx-lm's block) in a
+    prefill, a cached decode and a gradient; their logits and gradients are the single
+    process's to 1e-4 and the unfused sharded path's."""
+    single, results = cases
+    ref, extra = single[name][0], single[f"{name}/fused"]
+    layers = 2  # tests/tiny.py's models
+    for rank, (out, info) in enumerate(results[name]):
+        assert info["fused_blocks_memory"] == layers, (name, rank, info)
+        assert info["fused_blocks_disk"] == layers, (name, rank, info)
+        assert info["fused_blocks_decode"] == layers * (1 + DECODE_STEPS), (name, rank, info)
+        assert info["fused_blocks_grad"] == layers, (name, rank, info)
+        # the gradient convention's node: under mx.grad only (attention and MLP, each block)
+        assert info["fused_blocks_decode_gradient_nodes"] == 0, (name, rank, info)
+        assert info["fused_blocks_grad_gradient_nodes"] == 2 * layers, (name, rank, info)
+        checks = [
+            ("prefill", out["memory"], ref),
+            ("prefill unfused", out["unfused"], ref),
+            ("prefill fused vs unfused", out["memory"], out["unfused"]),
+            ("decode", out["decode"], extra["decode"]),
+            ("decode fused vs unfused", out["decode"], out["decode_unfused"]),
+        ]
+        for g in ("grad_e", "grad_w"):
+            assert np.abs(extra[g]).max() > 0
+            checks += [
+                (g, out[g], extra[g]),
+                (f"{g} fused vs unfused", out[g], out[g + "_unfused"]),
+            ]
+        for what, a, b in checks:
+            err = rel_err(a, b)
+            assert err <= TOL, f"{name} rank {rank} {what}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", UNFUSED)
+def test_sharded_blocks_fall_back_where_the_fused_path_does_not_fit(cases, name):
+    """int8 activations (an all_max across the ranks before o_proj and down_proj) and q8k
+    blocks cut by the ranks' columns keep mlx-lm's block; the logits are still the single
+    process's (test_two_ranks_give_the_single_process_logits)."""
+    _, results = cases
+    for rank, (_, info) in enumerate(results[name]):
+        assert info["fused_blocks_memory"] == 0, (name, rank, info)
+        assert info["fused_blocks_disk"] == 0, (name, rank, info)
 
 
 @pytest.mark.parametrize("name", list(ADAPTED))

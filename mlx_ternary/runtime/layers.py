@@ -231,7 +231,13 @@ class TernaryLinear(nn.Module):
         (no subclass: they transform x) on the native backend, not training, its arrays
         materialized, q8k only where the kernel takes it - else None. What the native fused
         decoder block (runtime/cpu/block.py) runs the layer with."""
-        if type(self) is not TernaryLinear or self._training:
+        return self.kernel_spec() if type(self) is TernaryLinear else None
+
+    def kernel_spec(self) -> Optional[tuple]:
+        """native_spec's tuple for this layer's arrays whatever its class: what its own
+        forward pass runs them with only where the class adds nothing to it (a sharded
+        layer holding a block of rows: runtime/shard_block.py)."""
+        if self._training:
             return None
         plan = self._plan or self.plan()
         if plan.backend != "native" or self.__dict__.get("_plan") is None:

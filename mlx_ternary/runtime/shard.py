@@ -497,6 +497,7 @@ def shard_linear(
     if sharding not in SHARDINGS:
         raise TernaryError(f"{name}: sharding must be one of {SHARDINGS}, got {sharding!r}")
     layer = cls.from_parts(parts, segments=segments, group=group)
+    layer.train(module.training)  # the mode of the layer it replaces (a new one trains)
     if parts.packed is not module.packed:  # read from a checkpoint: hold the slice only
         mx.eval(layer.parameters())
     return layer

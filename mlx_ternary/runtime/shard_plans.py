@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.nn.layers import distributed as mlx_distributed
 
 from ..errors import TernaryError
-from . import host, patches
+from . import host, patches, shard_block
 from .layers import TernaryLinear
 from .shard import ShardedRMSNorm, TernaryParts
 from .shard_head import shard_output
@@ -123,6 +123,7 @@ def shard_model(
             that do not divide, or a layer the model shards in place.
     """
     group = group or mx.distributed.init()
+    shard_block.register()  # its blocks run fused where the sharded layers allow
     host.share_host(group)  # ranks sharing this machine: no polling, a core block each
     names, sources = _named_modules(model), sources or {}
     _check_heads(getattr(model, "model", model), group.size())

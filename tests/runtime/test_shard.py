@@ -208,6 +208,20 @@ def test_one_rank_group_runs_the_sharded_layers_exactly(models, arch):
     assert float(mx.abs(model(x) - ref).max() / mx.abs(ref).max()) < 1e-6
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_sharded_layers_take_the_mode_of_the_layers_they_replace(models, train):
+    """A new module trains by default: left so after model.shard, a loaded (eval-mode)
+    model decoded through the differentiable calls and never took the fused block."""
+    model, _ = mlx_ternary.load(str(models["llama"]))
+    model.train(train)
+    model.shard(Ranks(2))
+    sharded = (AllToShardedTernaryLinear, ShardedToAllTernaryLinear)
+    layers = [m for _, m in model.named_modules() if isinstance(m, sharded)]
+    layers += [m.linear for m in layers if isinstance(m, ShardedToAllTernaryLinear)]
+    assert len(layers) == 2 * (7 + 2)  # 2 blocks: 7 sharded layers, 2 local inner ones
+    assert {m.training for m in layers} == {train}
+
+
 def test_model_shard_restores_mlx_shard_linear(models):
     import mlx_lm.models.llama as llama
     from mlx.nn.layers import distributed

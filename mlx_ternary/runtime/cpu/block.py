@@ -33,7 +33,8 @@ Gradients: a block in training mode (mlx-lm's trainer sets it) runs mlx-lm's blo
 function, with the layers' straight-through vjp: the unfused block's gradient.
 
 Tensor parallelism: `attn_out` and `mlp` take `residual=None` and then return the partial
-projection, for an all_sum before the residual is added (sharded layers fall back today).
+projection, for an all_sum before the residual is added: a tensor-parallel block runs so
+through FORMS (runtime/shard_block.py).
 """
 
 import os
@@ -52,6 +53,10 @@ ENV_FUSED = "MLX_TERNARY_FUSED"
 # an RMSNorm of each q and k head before RoPE), all with `swiglu` MLPs
 ARCHS = ("llama", "qwen2", "qwen3")
 _state = {"on": None}  # None: $MLX_TERNARY_FUSED decides (default on)
+# Other forms of a block's layers, tried in turn where they are not the plain ones: each
+# (block, x, cache, mod, offset, how) -> the block's output, or None where it does not
+# apply (runtime/shard_block.py adds the tensor-parallel block)
+FORMS = []
 
 
 def set_enabled(on: Optional[bool]) -> None:
@@ -172,6 +177,11 @@ def _fused(block, x, mask, cache, mod):
     parts = _parts(block, mod)
     offset = _cache_kind(cache, x.shape[1])
     how = _mask(mask)
+    if parts is None and offset is not None and how is not None:
+        for form in FORMS:
+            out = form(block, x, cache, mod, offset, how)
+            if out is not None:
+                return out
     if parts is None or offset is None or how is None:
         return None
     (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = parts

@@ -647,6 +647,9 @@ NB_MODULE(_mlx_ternary_native, m) {
   m.def("isa", []() { return std::string(tk::NativeOps::name) + " / " + tk::dense_isa(); });
   register_ggml(m);
   register_block(m);
+  m.def("is_tracer", [](const mx::array& a) { return a.is_tracer(); }, nb::arg("a"),
+        "Whether `a` is (or is computed from) an input of a transform being traced now "
+        "(mx.grad, vjp, jvp, compile): a graph it is part of may be differentiated.");
   m.def("selfcheck", []() {
           std::string e = tk::selfcheck();
           return e.empty() ? tk::kq_selfcheck() : e;

@@ -1,0 +1,163 @@
+"""The fused native decoder block (cpu/block.py) for a tensor-parallel block.
+
+A block sharded by `model.shard(group)` (mlx-lm's plan: q/k/v and gate/up all-to-sharded,
+o_proj and down_proj sharded-to-all, the attention's head counts divided by the ranks) runs
+as the same three native ops on this rank's rows and columns, with the ranks' sums between
+them, computing exactly what the sharded layers compute:
+
+    q, k, v = attn_in(x)                 this rank's heads (its rows of q/k/v)
+    k, v = cache.update_and_fetch(k, v)
+    h = x + (all_sum(attn_out(q, k, v)) [+ o bias])    o_proj's local columns, no residual
+    out = h + (all_sum(mlp(h)) [+ down bias])           gate/up rows, down's columns
+
+ShardedToAllTernaryLinear's bias is added once, after the sum, as the layer does. Gradients
+keep the sharded layers' convention: the replicated input of each all-to-sharded group (and
+its norm's weight, whose gradient flows through the sharded rows) has its gradient summed
+over the ranks (mlx's sum_gradients), the residual's does not. That node is built only
+where x or the weight is a transform's tracer (mx.grad, vjp, compile): decode builds none.
+
+It applies where the plain fused block would (the conditions in cpu/block.py) with these
+layers instead: q/k/v and gate/up AllToShardedTernaryLinear whose rows the native kernel
+runs as is (`TernaryLinear.kernel_spec`), o_proj and down_proj ShardedToAllTernaryLinear
+over a plain local TernaryLinear with no activation quantization of their own across the
+ranks - float activations, or llama.cpp's q8k blocks local to each rank. Elsewhere (int8
+activations, whose absmax the ranks agree on with an all_max before o_proj and down_proj;
+q8k blocks cut by a rank's columns, gathered whole; adapters on the sharded layers) the
+block runs mlx-lm's block over the sharded layers, as before.
+"""
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from .cpu import _require
+from .cpu import block as fused
+from .shard import AllToShardedTernaryLinear, ShardedToAllTernaryLinear
+
+# sharded blocks run fused in this process, and gradient-convention nodes built (for tests)
+_counts = {"calls": 0, "grad_nodes": 0}
+
+
+class _Rows:
+    """An all-to-sharded layer as cpu/block.py reads a projection (`native_spec`)."""
+
+    def __init__(self, layer: AllToShardedTernaryLinear):
+        self.native_spec = layer.kernel_spec
+
+
+def _rows(layer, size: int):
+    if type(layer) is not AllToShardedTernaryLinear or layer.group.size() != size:
+        return None
+    return fused._spec(_Rows(layer))
+
+
+def _cols(layer):
+    """(native spec of the local columns, the whole bias or None), or None."""
+    if type(layer) is not ShardedToAllTernaryLinear or layer.activation_bits is not None:
+        return None
+    spec = fused._spec(layer.linear)
+    return None if spec is None else (spec, layer.get("bias"))
+
+
+def _parts(block, mod):
+    """What the sharded fused block needs of `block`, or None."""
+    attn, mlp = block.self_attn, block.mlp
+    if type(attn) is not mod.Attention or type(mlp) is not mod.MLP:
+        return None
+    o, down = _cols(attn.o_proj), _cols(mlp.down_proj)
+    if o is None or down is None or attn.o_proj.group.size() != mlp.down_proj.group.size():
+        return None
+    size = attn.o_proj.group.size()
+    n1, n2 = fused._norm(block.input_layernorm), fused._norm(block.post_attention_layernorm)
+    qkv = fused._group(
+        [_rows(attn.q_proj, size), _rows(attn.k_proj, size), _rows(attn.v_proj, size)]
+    )
+    gate_up = fused._group([_rows(mlp.gate_proj, size), _rows(mlp.up_proj, size)])
+    rope = fused._rope(attn.rope)
+    if None in (n1, n2, qkv, gate_up, rope):
+        return None
+    head_norms = (None, None, 0.0)
+    if "q_norm" in attn:  # qwen3: this rank's heads, each normed on its own
+        qn, kn = fused._norm(attn.q_norm), fused._norm(attn.k_norm)
+        if qn is None or kn is None or qn[1] != kn[1]:
+            return None
+        head_norms = (qn[0], kn[0], qn[1])
+    return n1, n2, qkv, gate_up, o, down, rope, head_norms
+
+
+@lru_cache(maxsize=None)
+def _replicated(group):
+    """(x, w) -> (x, w), their gradients summed over `group`: sum_gradients of both an
+    all-to-sharded group's input and its norm's weight, in one node."""
+    if group.size() == 1:
+        return lambda x, w: (x, w)
+
+    @mx.custom_function
+    def f(x, w):
+        return x, w
+
+    @f.vjp
+    def f(primals, cotangents, outputs):
+        return tuple(mx.distributed.all_sum(c, group=group) for c in cotangents)
+
+    return f
+
+
+def _summed_gradients(group, a, w):
+    """(a, w) through the gradient node where either is a transform's tracer (a gradient
+    may flow to them), else as they are: in decode the nodes would be 72 of a step's 230 on
+    the 0.53 G llama, 1-3 ms of CPU a token on the rank's core."""
+    m = _require()
+    if not (m.is_tracer(a) or m.is_tracer(w)):
+        return a, w
+    _counts["grad_nodes"] += 1
+    return _replicated(group)(a, w)
+
+
+def _plus(a, bias):
+    return a if bias is None else a + bias
+
+
+def sharded_block(block, x, cache, mod, offset, how):
+    """mlx-lm's `mod`.TransformerBlock.__call__ over sharded layers in three native ops
+    and two all_sums, or None (cpu/block.py calls it with the cache's offset and the mask
+    it has checked)."""
+    parts = _parts(block, mod)
+    if parts is None:
+        return None
+    (w1, eps1), (w2, eps2), qkv, gate_up, (o, o_bias), (down, down_bias), rope, head_norms = parts
+    attn = block.self_attn
+    group, mlp_group = attn.o_proj.group, block.mlp.down_proj.group
+    head_dim = qkv[0][0].shape[0] // attn.n_heads
+    m = _require()
+    xr, w1r = _summed_gradients(group, x, w1)
+    q, k, v = m.attn_in(
+        xr, w1r, eps1, *qkv[:3], *qkv[3], attn.n_heads, attn.n_kv_heads, head_dim, *rope,
+        *offset, *head_norms,
+    )  # fmt: skip
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    causal, mask_array = how
+    r = m.attn_out(q, k, v, attn.scale, causal, mask_array, *o[:3], *o[3], None)
+    h = x + _plus(mx.distributed.all_sum(r, group=group), o_bias)
+    hr, w2r = _summed_gradients(mlp_group, h, w2)
+    r = m.mlp(hr, w2r, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], None)
+    _counts["calls"] += 1
+    return h + _plus(mx.distributed.all_sum(r, group=mlp_group), down_bias)
+
+
+def register() -> None:
+    """Let routed blocks (cpu/block.py) take the sharded fused path (once per process)."""
+    if sharded_block not in fused.FORMS:
+        fused.FORMS.append(sharded_block)
+
+
+def fused_calls() -> int:
+    """How many sharded blocks this process has run fused (tests: not the fallback)."""
+    return _counts["calls"]
+
+
+def gradient_nodes() -> int:
+    """How many gradient-convention nodes the sharded fused blocks have built (tests: two a
+    block under mx.grad, none in decode)."""
+    return _counts["grad_nodes"]
