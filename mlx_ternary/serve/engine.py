@@ -5,10 +5,11 @@ Between decode steps the engine admits new jobs: it reuses the longest cached pr
 prompt (prompt_cache.py), computes prompt-token logprobs when a job asks for `echo`, and
 inserts the rest of the prompt into the running batch (continuous batching, chunked
 prefill). A finished sequence's KV cache goes back into the prompt cache. A job is taken
-from the inbox only while fewer than `max_concurrency` are active: the reused prefix is a
-view of its prompt-cache entry, so a job waiting inside the generator would keep an entry
-the store evicts alive, outside the memory plan; admitted this way, every inserted job joins
-the batch at the next step, before a finished sequence can evict anything.
+from the inbox only while fewer than `max_concurrency` are active, so the sequences holding
+KV buffers are never more (the memory plan's batch): a job waiting inside the generator
+would keep the prompt-cache entry its reused prefix views alive after the store evicts it,
+and would be merged and prefilled in the very step the sequences it replaces finish, while
+their caches (lazy slices of the batch) still hold the batch's old buffers.
 
 A round that raises (admitting, stepping, emitting) fails the requests of its batch with
 an "error" event and starts over with an empty batch and empty caches; the requests still
