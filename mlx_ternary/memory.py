@@ -78,6 +78,7 @@ class MemoryPlan:
     prefill_step_size: int
     kv_bits: Optional[int] = None
     prompt_cache: int = 0  # bytes of KV kept across requests (serve)
+    batching: int = 0  # what continuous batching holds beyond those (`batching_bytes`)
     notes: List[str] = field(default_factory=list)
     flags: Dict[str, str] = field(default_factory=lambda: dict(PLAN_FLAGS))
 
@@ -91,6 +92,7 @@ class MemoryPlan:
             self.weights_total
             + self.kv_cache
             + self.prompt_cache
+            + self.batching
             + self.activations
             + self.overhead
         )
@@ -116,6 +118,11 @@ class MemoryPlan:
             *(
                 [("prompt cache (kept across requests)", self.prompt_cache)]
                 if self.prompt_cache
+                else []
+            ),
+            *(
+                [("continuous batching (KV slack, cache insert)", self.batching)]
+                if self.batching
                 else []
             ),
             (f"activations (prefill chunk {self.prefill_step_size})", self.activations),
@@ -158,6 +165,8 @@ class MemoryPlan:
         parts = [f"weights {fmt_bytes(self.weights_total)}", f"KV cache {fmt_bytes(self.kv_cache)}"]
         if self.prompt_cache:
             parts.append(f"prompt cache {fmt_bytes(self.prompt_cache)}")
+        if self.batching:
+            parts.append(f"continuous batching {fmt_bytes(self.batching)}")
         parts += [
             f"activations {fmt_bytes(self.activations)}",
             f"overhead {fmt_bytes(self.overhead)}",
@@ -305,6 +314,44 @@ def kv_bytes(
     return total * batch
 
 
+def batching_bytes(
+    model: nn.Module,
+    max_context: int,
+    batch: int = 1,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = KV_GROUP_SIZE,
+    max_kv_size: Optional[int] = None,
+    prompt_cache: int = 0,
+) -> int:
+    """Bytes the batched server holds beyond `kv_bytes` and the prompt cache's bound: 0 for
+    one sequence without a prompt cache (where the caches grow from empty in whole steps).
+
+    KV step slack: mlx-lm's BatchKVCache sizes a batch's buffers at the longest sequence's
+    length, not at a multiple of KV_STEP, when it merges a reused prompt-cache prefix into a
+    batch or shifts the batch left as a finished sequence leaves; a buffer that is full then
+    grows by whole KV_STEPs from there. So every sequence of the batch may hold up to
+    max_context + KV_STEP - 1 positions, not max_context rounded up to KV_STEP (measured:
+    serving the 2-layer test model with max context 256, buffers of 292 positions).
+
+    Prompt-cache insert: a finished sequence's entry is copied (and evaluated) before the
+    least recently used entries are evicted, so the store holds its bound plus one sequence's
+    KV cache for a moment.
+    """
+    if batch <= 1 and prompt_cache <= 0:
+        return 0
+    layout = kv_layout(model, kv_bits, kv_group_size, max_kv_size)
+    planned = -(-max_context // KV_STEP) * KV_STEP
+    cap = lambda n, most: min(n, most) if most else n  # noqa: E731
+    slack = sum(
+        pt * (cap(max_context + KV_STEP - 1, most) - cap(planned, most)) for pt, most, _ in layout
+    )
+    total = batch * max(0, int(slack))
+    if prompt_cache > 0:
+        one = sum(int(pt * cap(max_context, most)) + state for pt, most, state in layout)
+        total += min(one, prompt_cache)
+    return total
+
+
 def native_kernels(model: nn.Module) -> Tuple[bool, bool]:
     """(attention, SwiGLU): whether `model`'s calls of each run the native CPU kernel here -
     the dispatchers' own conditions: routed by the native backend, the CPU, float32."""
@@ -428,6 +475,9 @@ def plan(
         prefill_step_size=prefill_step_size,
         kv_bits=kv_bits,
         prompt_cache=prompt_cache,
+        batching=batching_bytes(
+            model, max_context, batch, kv_bits, max_kv_size=max_kv_size, prompt_cache=prompt_cache
+        ),
         flags=dict(PLAN_FLAGS if flags is None else flags),
     )
 

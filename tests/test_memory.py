@@ -106,6 +106,38 @@ def test_plan_bounds_measured_peak(request, backend, context, batch, step):
     assert extra >= 0.4 * planned, (extra, planned)  # and, for mlx-lm's blocks, not a wild one
 
 
+def test_batching_counts_the_kv_step_slack_a_merged_prefix_causes(tiny):
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    _, model = tiny
+    c = CONFIGS["llama"]
+    per_token = 2 * 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"])
+    per_token *= 4  # float32
+    # hand formula: 255 positions of slack per sequence, plus one sequence's prompt-cache copy
+    assert P.batching_bytes(model, 256, batch=8) == 8 * 255 * per_token
+    assert P.batching_bytes(model, 256, batch=8, prompt_cache=10**9) == (
+        8 * 255 * per_token + 256 * per_token
+    )
+    assert P.batching_bytes(model, 256, batch=1) == 0  # one fresh sequence grows in steps
+    # A reused 36-token prefix merged into a batch: the buffer grows from 36 by a whole
+    # step, past the 256 positions the KV cache part counts for a 256-token context.
+    prefix = make_prompt_cache(model)
+    model(mx.arange(2, 38)[None], cache=prefix)
+    mx.eval([x.state for x in prefix])
+    gen = BatchGenerator(model, completion_batch_size=2, prefill_batch_size=2)
+    gen.insert([[5] * 200, [7] * 10], max_tokens=[4, 4], caches=[prefix, None])
+    sizes = []
+    for _ in range(8):
+        gen.next()
+        for x in gen._generation_batch.prompt_cache + gen._prompt_batch.prompt_cache:
+            if x.keys is not None:
+                sizes.append(x.keys.shape[2])
+    held = max(sizes) * per_token * 2  # two sequences, every layer
+    assert held > P.kv_bytes(model, 256, batch=2)  # the KV cache part alone misses it
+    assert held <= P.kv_bytes(model, 256, batch=2) + P.batching_bytes(model, 256, batch=2)
+
+
 def test_fits_refusal_and_advice(tiny):
     _, model = tiny
     ok = P.plan(model, 256)

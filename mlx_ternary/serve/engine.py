@@ -4,7 +4,12 @@ Handler threads put `Job`s on the engine's inbox and read events from the job's 
 Between decode steps the engine admits new jobs: it reuses the longest cached prefix of the
 prompt (prompt_cache.py), computes prompt-token logprobs when a job asks for `echo`, and
 inserts the rest of the prompt into the running batch (continuous batching, chunked
-prefill). A finished sequence's KV cache goes back into the prompt cache.
+prefill). A finished sequence's KV cache goes back into the prompt cache. A job is taken
+from the inbox only while fewer than `max_concurrency` are active, so the sequences holding
+KV buffers are never more (the memory plan's batch): a job waiting inside the generator
+would keep the prompt-cache entry its reused prefix views alive after the store evicts it,
+and would be merged and prefilled in the very step the sequences it replaces finish, while
+their caches (lazy slices of the batch) still hold the batch's old buffers.
 
 A round that raises (admitting, stepping, emitting) fails the requests of its batch with
 an "error" event and starts over with an empty batch and empty caches; the requests still
@@ -238,7 +243,7 @@ class Engine:
             self._emit(gen, r)
 
     def _admit(self, gen, block: bool):
-        while True:
+        while len(self.active) < self.max_concurrency:
             try:
                 job = self.inbox.get(timeout=POLL_S) if block else self.inbox.get_nowait()
             except queue.Empty:

@@ -38,7 +38,7 @@ class LockstepEngine(Engine):
     def _round(self, block: bool) -> dict:
         """Rank 0: this round's new jobs, the cancelled ones, and whether to stop."""
         new = []
-        while True:
+        while len(self.active) + len(new) < self.max_concurrency:  # as Engine._admit
             try:
                 job = self.inbox.get(timeout=POLL_S) if block else self.inbox.get_nowait()
             except queue.Empty:

@@ -281,7 +281,11 @@ def test_plan_counts_the_prompt_cache_and_kv_bits():
     assert q8 == full // 4 * (1 + 2 * 4 / 64)  # 1 byte + a float32 scale and bias per 64
     p = plan(model, 512, batch=4, kv_bits=8, prompt_cache=parse_bytes("3MB"))
     assert p.prompt_cache == 3 * 1024**2
-    assert p.total == p.weights_total + q8 + p.prompt_cache + p.activations + p.overhead
+    # continuous batching: 255 positions of step slack per sequence + one sequence's copy
+    per_token = q8 // (4 * 512)
+    assert p.batching == 4 * 255 * per_token + 512 * per_token
+    total = p.weights_total + q8 + p.prompt_cache + p.batching + p.activations + p.overhead
+    assert p.total == total
     assert any("prompt cache" in line for line in p.lines())
     assert parse_bytes("1.5GiB") == int(1.5 * 1024**3) and parse_bytes("0") == 0
     with pytest.raises(ValueError):
