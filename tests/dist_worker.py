@@ -128,13 +128,14 @@ def head_kind(model) -> str:
 def collectives(group, out: Path, rank: int) -> None:
     """4 MB all_sum / all_gather: the ring runs both directions of both sockets, the case
     where a receive sleeping in front of a send on the same socket would hang."""
-    from mlx_ternary.runtime.host import share_host
+    from mlx_ternary.runtime.host import local_sums, share_host
 
     x = mx.arange(1 << 20, dtype=mx.float32) * (rank + 1)
     total = mx.distributed.all_sum(x, group=group)
     every = mx.distributed.all_gather(x.reshape(2, -1), group=group)
     np.savez(out / f"collectives.rank{rank}.npz", sum=np.array(total), gather=np.array(every))
-    (out / f"host.rank{rank}.json").write_text(json.dumps(share_host(group)))
+    done = {**share_host(group), "local_sums": local_sums()}  # over every case above
+    (out / f"host.rank{rank}.json").write_text(json.dumps(done))
 
 
 def main(spec_file: str, out_dir: str) -> None:

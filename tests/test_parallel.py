@@ -19,12 +19,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from dist_worker import DECODE_STEPS, block_grads, decode_logits
+from local_sum_worker import SHAPES
 from mlx.utils import tree_flatten
 from tiny import ternary_checkpoint
 
 import mlx_ternary
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.parallel import free_ports, local_launch
+from mlx_ternary.runtime import host
 from mlx_ternary.runtime.shard import ternary_bytes
 
 HERE = Path(__file__).parent
@@ -387,6 +389,48 @@ def test_ranks_sharing_the_machine_sleep_on_the_ring_and_hold_a_core_each(cases)
     if len(os.sched_getaffinity(0)) >= 2:
         assert host[0]["cpus"] and host[1]["cpus"]
         assert not set(host[0]["cpus"]) & set(host[1]["cpus"])
+
+
+def test_the_models_sums_ran_over_shared_memory(cases):
+    assert [h["local_sum"] for h in cases[1]["host"]] == [True, True]
+    assert all(h["local_sums"] > 0 for h in cases[1]["host"])  # the sharded layers' and blocks'
+
+
+@pytest.fixture(scope="module")
+def local_sums(tmp_path_factory):
+    """local_sum_worker.py's arrays under 2 ranks with the same-host sum on, then off."""
+    runs = {}
+    for switch in ("1", "0"):
+        out = tmp_path_factory.mktemp(f"local-sum-{switch}")
+        os.environ[host.ENV_LOCAL_SUM] = switch
+        try:
+            run_launch(str(HERE / "local_sum_worker.py"), str(out), timeout=120)
+        finally:
+            os.environ.pop(host.ENV_LOCAL_SUM)
+        runs[switch] = [
+            (
+                dict(np.load(out / f"local_sum.rank{r}.npz")),
+                json.loads((out / f"local_sum.rank{r}.json").read_text()),
+            )
+            for r in range(2)
+        ]
+    return runs
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_same_host_sum_is_mlxs_all_sum_bit_for_bit(local_sums, switch):
+    ranks = local_sums[switch]
+    for name in [*SHAPES, "t"]:
+        want = ranks[0][0][f"{name}.x"].astype(np.float32) + ranks[1][0][f"{name}.x"]
+        for arrays, _ in ranks:
+            np.testing.assert_array_equal(arrays[f"{name}.ours"], arrays[f"{name}.mlx"])
+            np.testing.assert_array_equal(arrays[f"{name}.ours"], want)
+            assert not np.array_equal(arrays[f"{name}.ours"], 2 * arrays[f"{name}.x"])  # control
+    on = switch == "1"
+    for arrays, done in ranks:
+        assert done["local_sum"] is on
+        assert [int(arrays[f"{name}.used"]) for name in SHAPES] == [int(on)] * len(SHAPES)
+        assert int(arrays["grad.used"]) == 0  # under mx.grad: MLX's all_sum
 
 
 def test_large_collectives_complete_over_the_sleeping_sockets(cases):

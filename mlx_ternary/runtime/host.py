@@ -17,8 +17,21 @@ ring hostfile lists this host more than once):
   every thread of the rank (MLX's, the ring's, the native kernel's pool) is confined to its
   block; the native pool is resized to the block unless $MLX_TERNARY_NUM_THREADS is set.
 
+- sum: when the group is exactly two ranks, both on this machine, `all_sum` (which the
+  sharded layers and the fused sharded block call) sums float32 arrays through a native
+  primitive over a shared-memory segment the two ranks map, on the MLX stream thread that
+  evaluates it: each rank copies its part into its slot and publishes a sequence number,
+  waits for the other's (a short spin with a pause instruction, then yields, then sleeps;
+  an error after `LOCAL_SUM_TIMEOUT_S`), and writes slot 0 + slot 1, the same bits on both
+  ranks and the same as MLX's ring (a0 + a1). MLX's ring all_sum hands each collective from
+  the stream thread to its pool and socket threads and back, each hand-off waiting for the
+  rank's one core. The segment (rank 0 creates it, named from the ring's ports) is unlinked
+  as soon as both have mapped it. Under a transform (mx.grad, vjp, compile: the native
+  `is_tracer`) and for other dtypes `all_sum` is mx.distributed.all_sum.
+
 $MLX_TERNARY_RING_WAIT=spin keeps MLX's polling, $MLX_TERNARY_PIN=0 the scheduler's
-placement. Linux only (other systems: nothing changes).
+placement, $MLX_TERNARY_LOCAL_SUM=0 MLX's all_sum. Linux only (other systems: nothing
+changes).
 """
 
 import fcntl
@@ -34,7 +47,10 @@ import mlx.core as mx
 ENV_WAIT = "MLX_TERNARY_RING_WAIT"
 ENV_PIN = "MLX_TERNARY_PIN"
 ENV_THREADS = "MLX_TERNARY_NUM_THREADS"
+ENV_LOCAL_SUM = "MLX_TERNARY_LOCAL_SUM"
 WAIT_TIMEOUT_S = 0.001
+LOCAL_SUM_TIMEOUT_S = 60.0  # a rank waiting this long for the other's share raises
+LOCAL_SUM_SLOT_BYTES = 1 << 20  # larger sums go in chunks of this
 Address = Tuple[str, int]
 _done: Dict[Tuple[int, int], dict] = {}  # (rank, size) -> what share_host did
 
@@ -112,9 +128,67 @@ def pin(cpus: List[int]) -> None:
             cpu.set_num_threads(len(cpus))
 
 
+def _barrier(group) -> None:
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
+
+
+def _attach_local_sum(group, hosts: List[List[Address]]) -> bool:
+    """Map the two ranks' shared segment (rank 0 makes it, both map it, rank 0 unlinks it:
+    nothing is left behind); False where the native backend is unavailable."""
+    from . import cpu
+
+    if not cpu.available() or not Path("/dev/shm").is_dir():
+        return False
+    m = cpu._require()
+    ports = "_".join(str(node[0][1]) for node in hosts)
+    path = f"/dev/shm/mlx_ternary_sum_{ports}"
+    if group.rank() == 0:
+        if os.path.exists(path):
+            os.unlink(path)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, m.local_sum_bytes(LOCAL_SUM_SLOT_BYTES))
+        finally:
+            os.close(fd)
+        m.local_sum_attach(path, 0, LOCAL_SUM_SLOT_BYTES, LOCAL_SUM_TIMEOUT_S)
+    _barrier(group)  # made
+    if group.rank() != 0:
+        m.local_sum_attach(path, group.rank(), LOCAL_SUM_SLOT_BYTES, LOCAL_SUM_TIMEOUT_S)
+    _barrier(group)  # mapped by both
+    if group.rank() == 0:
+        os.unlink(path)
+    return True
+
+
+def all_sum(x: mx.array, group: mx.distributed.Group) -> mx.array:
+    """mx.distributed.all_sum(x, group=group), through shared memory where share_host set
+    it up for this group (module docstring) and nothing traces x."""
+    if (
+        x.dtype == mx.float32
+        and _done.get((group.rank(), group.size()), {}).get("local_sum")
+        and not _native().is_tracer(x)
+    ):
+        return _native().local_sum(x)
+    return mx.distributed.all_sum(x, group=group)
+
+
+def _native():
+    from . import cpu
+
+    return cpu._require()
+
+
+def local_sums() -> int:
+    """How many sums this process has run over shared memory (tests: the path is taken)."""
+    from . import cpu
+
+    return _native().local_sum_calls() if cpu.available() else 0
+
+
 def share_host(group: mx.distributed.Group) -> dict:
     """Tune this rank for the ranks it shares the machine with (module docstring); returns
-    what was done: {"local_ranks", "ring_sockets_blocking", "cpus"}. Idempotent."""
+    what was done: {"local_ranks", "ring_sockets_blocking", "cpus", "local_sum"}.
+    Idempotent."""
     key = (group.rank(), group.size())
     if key in _done or group.size() == 1 or not hasattr(os, "sched_setaffinity"):
         return _done.get(key, {})
@@ -122,7 +196,7 @@ def share_host(group: mx.distributed.Group) -> dict:
     if not hosts or len(hosts) != group.size():
         return {}
     local = local_ranks(hosts, group.rank())
-    done = {"local_ranks": len(local), "ring_sockets_blocking": 0, "cpus": None}
+    done = {"local_ranks": len(local), "ring_sockets_blocking": 0, "cpus": None, "local_sum": False}
     if len(local) > 1:
         if os.environ.get(ENV_WAIT, "block") != "spin":
             fds = ring_sockets({a for node in hosts for a in node})
@@ -135,5 +209,7 @@ def share_host(group: mx.distributed.Group) -> dict:
             if cpus:
                 pin(cpus)
                 done["cpus"] = cpus
+        if len(local) == group.size() == 2 and os.environ.get(ENV_LOCAL_SUM, "1") != "0":
+            done["local_sum"] = _attach_local_sum(group, hosts)
     _done[key] = done
     return done

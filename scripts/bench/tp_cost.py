@@ -17,7 +17,8 @@ Each rank loads the model (`load()` + `model.shard(group)` under mlx.launch), pr
 16-token seeded prompt and times `--gen-tokens` greedy decode steps three ways, printing one
 JSON line per rank (milliseconds per token):
   ms_per_token   the real run;
-  compute_ms     the same steps with mx.distributed's collectives replaced by the identity
+  compute_ms     the same steps with the collectives (mx.distributed's, host.all_sum's)
+                 replaced by the identity
                  (same shapes and kernels, no waiting on the other rank; wrong numbers);
   collectives_ms the collectives counted in one step times one all_sum of the hidden size
                  timed back to back (after 20 warm-up calls);
@@ -91,12 +92,29 @@ def decode_ms(model, steps: int, ring: set = frozenset(), account: dict = None) 
     return ms
 
 
+def _host():
+    try:
+        from mlx_ternary.runtime import host
+    except ImportError:  # a checkout from before it (the "before" measurement)
+        return None
+    return host if hasattr(host, "all_sum") else None
+
+
 def patched(replacement):
-    """Replace mx.distributed's collectives by replacement(name, original); returns undo."""
+    """Replace mx.distributed's collectives by replacement(name, original); returns undo.
+    host.all_sum (the same-host sum, where it is on) is routed through the replaced
+    all_sum meanwhile, so it is counted and replaced too."""
     real = {k: getattr(mx.distributed, k) for k in COLLECTIVES}
     for k, f in real.items():
         setattr(mx.distributed, k, replacement(k, f))
-    return lambda: [setattr(mx.distributed, k, f) for k, f in real.items()]
+    host = _host()
+    if host is not None:
+        local = host.all_sum
+        host.all_sum = lambda x, group: mx.distributed.all_sum(x, group=group)
+    undo = [lambda: [setattr(mx.distributed, k, f) for k, f in real.items()]]
+    if host is not None:
+        undo.append(lambda: setattr(host, "all_sum", local))
+    return lambda: [u() for u in undo]
 
 
 def identity(name: str, world: int):
@@ -126,12 +144,15 @@ def collectives_per_step(model) -> int:
 
 
 def one_all_sum_ms(model, group, calls: int = 200) -> float:
+    """One all_sum of the hidden size, the way the model sums (host.all_sum where it is)."""
+    host = _host()
+    total = host.all_sum if host else lambda x, group: mx.distributed.all_sum(x, group=group)
     x = mx.ones((1, 1, model.model.embed_tokens.weight.shape[1]))
     for _ in range(20):
-        mx.eval(mx.distributed.all_sum(x, group=group))
+        mx.eval(total(x, group))
     t0 = time.perf_counter()
     for _ in range(calls):
-        mx.eval(mx.distributed.all_sum(x, group=group))
+        mx.eval(total(x, group))
     return (time.perf_counter() - t0) / calls * 1e3
 
 
@@ -172,6 +193,7 @@ def measure(args) -> dict:
         rest_ms=round(total - compute - one * per_step, 3),
         threads=threads,
         host=share_host(group) if share_host else None,
+        local_sums=_host().local_sums() if _host() else None,
     )
 
 

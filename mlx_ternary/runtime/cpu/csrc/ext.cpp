@@ -8,6 +8,7 @@
 //   SwiGLU          silu(g) * x, float32                   (activation.h)
 //   GgmlDequantize, GgmlMatmul  llama.cpp's quantized tables (ggml_ops.h, kquants.h)
 //   AttnIn, AttnOut, Mlp  a llama-family decoder block in three ops (block.h)
+//   LocalSum        two local ranks' all_sum over shared memory (localsum.h)
 //
 // eval_cpu allocates the output and enqueues the work on the stream's CPU command encoder, as
 // MLX's own CPU primitives do; MLX keeps the inputs alive until the task has run. Inside the task
@@ -31,6 +32,29 @@
 #if defined(__linux__)
 #include <sched.h>
 #endif
+
+// localsum.h
+#include <chrono>
+#include <cstdio>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#if defined(__linux__)
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLXT_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define MLXT_PAUSE() asm volatile("yield")
+#else
+#define MLXT_PAUSE() ((void)0)
+#endif
+
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -615,6 +639,7 @@ mx::array ternary_weight_op(const mx::array& packed, const mx::array& scales, in
 
 #include "ggml_ops.h"  // llama.cpp's quantized tables (kquants.h)
 #include "block.h"     // the fused decoder block
+#include "localsum.h"  // two local ranks' sum over shared memory
 
 }  // namespace
 
@@ -647,6 +672,7 @@ NB_MODULE(_mlx_ternary_native, m) {
   m.def("isa", []() { return std::string(tk::NativeOps::name) + " / " + tk::dense_isa(); });
   register_ggml(m);
   register_block(m);
+  register_localsum(m);
   m.def("is_tracer", [](const mx::array& a) { return a.is_tracer(); }, nb::arg("a"),
         "Whether `a` is (or is computed from) an input of a transform being traced now "
         "(mx.grad, vjp, jvp, compile): a graph it is part of may be differentiated.");
