@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -431,6 +432,33 @@ def test_same_host_sum_is_mlxs_all_sum_bit_for_bit(local_sums, switch):
         assert done["local_sum"] is on
         assert [int(arrays[f"{name}.used"]) for name in SHAPES] == [int(on)] * len(SHAPES)
         assert int(arrays["grad.used"]) == 0  # under mx.grad: MLX's all_sum
+
+
+ALONE = """
+import os, sys, mlx.core as mx
+from mlx_ternary.runtime import cpu
+m = cpu._require()
+path = sys.argv[1]
+fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(fd, m.local_sum_bytes(1 << 20))
+os.close(fd)
+m.local_sum_attach(path, 0, 1 << 20, 0.3)
+os.unlink(path)
+try:
+    mx.eval(m.local_sum(mx.ones((4,))))
+except RuntimeError as e:
+    print("raised:", e)
+"""
+
+
+def test_a_rank_whose_peer_never_sums_gets_an_error_not_a_hang(tmp_path):
+    """The negative control: no other rank writes its share, so the wait times out."""
+    done = subprocess.run(
+        [sys.executable, "-c", ALONE, str(tmp_path / "segment")],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "raised: [mlx_ternary.native] local_sum: the other rank did not" in done.stdout
 
 
 def test_large_collectives_complete_over_the_sleeping_sockets(cases):
