@@ -60,30 +60,18 @@ def _cols(layer):
     return None if spec is None else (spec, layer.get("bias"))
 
 
-def _parts(block, mod):
-    """What the sharded fused block needs of `block`, or None."""
-    attn, mlp = block.self_attn, block.mlp
-    if type(attn) is not mod.Attention or type(mlp) is not mod.MLP:
-        return None
+def _projections(attn, mlp):
+    """(qkv, gate_up, o, down) of this rank's sharded projections (o and down with their
+    whole biases), or None."""
     o, down = _cols(attn.o_proj), _cols(mlp.down_proj)
     if o is None or down is None or attn.o_proj.group.size() != mlp.down_proj.group.size():
         return None
     size = attn.o_proj.group.size()
-    n1, n2 = fused._norm(block.input_layernorm), fused._norm(block.post_attention_layernorm)
     qkv = fused._group(
         [_rows(attn.q_proj, size), _rows(attn.k_proj, size), _rows(attn.v_proj, size)]
     )
     gate_up = fused._group([_rows(mlp.gate_proj, size), _rows(mlp.up_proj, size)])
-    rope = fused._rope(attn.rope)
-    if None in (n1, n2, qkv, gate_up, rope):
-        return None
-    head_norms = (None, None, 0.0)
-    if "q_norm" in attn:  # qwen3: this rank's heads, each normed on its own
-        qn, kn = fused._norm(attn.q_norm), fused._norm(attn.k_norm)
-        if qn is None or kn is None or qn[1] != kn[1]:
-            return None
-        head_norms = (qn[0], kn[0], qn[1])
-    return n1, n2, qkv, gate_up, o, down, rope, head_norms
+    return qkv, gate_up, o, down
 
 
 @lru_cache(maxsize=None)
@@ -123,7 +111,7 @@ def sharded_block(block, x, cache, mod, offset, how):
     """mlx-lm's `mod`.TransformerBlock.__call__ over sharded layers in three native ops
     and two all_sums, or None (cpu/block.py calls it with the cache's offset and the mask
     it has checked)."""
-    parts = _parts(block, mod)
+    parts = fused.parts(block, mod, _projections)
     if parts is None:
         return None
     (w1, eps1), (w2, eps2), qkv, gate_up, (o, o_bias), (down, down_bias), rope, head_norms = parts

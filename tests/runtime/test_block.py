@@ -303,7 +303,7 @@ def test_residual_none_returns_the_partial_projection(tmp_path, on_cpu):
 
     model = _model(tmp_path, "int8-fast-row")
     layer, m = model.model.layers[0], cpu._require()
-    parts = block._parts(layer, llama)
+    parts = block.parts(layer, llama)
     (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, norms = parts
     attn = layer.self_attn
     x = mx.random.normal((1, 5, 64), key=mx.random.key(3))

@@ -142,15 +142,25 @@ def _mask(mask):
     return None
 
 
-def _parts(block, mod):
-    """What the fused ops need of a block of mlx-lm's module `mod`, or None."""
+def _plain_projections(attn, mlp):
+    """(qkv, gate_up, o, down) native specs of plain TernaryLinear projections."""
+    qkv = _group([_spec(attn.q_proj), _spec(attn.k_proj), _spec(attn.v_proj)])
+    gate_up = _group([_spec(mlp.gate_proj), _spec(mlp.up_proj)])
+    return qkv, gate_up, _spec(attn.o_proj), _spec(mlp.down_proj)
+
+
+def parts(block, mod, projections=_plain_projections):
+    """What the fused ops need of a block of mlx-lm's module `mod`, or None; `projections`
+    (attn, mlp) -> (qkv, gate_up, o, down) or None reads the layers (shard_block.py reads
+    sharded ones)."""
     attn, mlp = block.self_attn, block.mlp
     if type(attn) is not mod.Attention or type(mlp) is not mod.MLP:
         return None
+    proj = projections(attn, mlp)
+    if proj is None:
+        return None
+    qkv, gate_up, o, down = proj
     n1, n2 = _norm(block.input_layernorm), _norm(block.post_attention_layernorm)
-    qkv = _group([_spec(attn.q_proj), _spec(attn.k_proj), _spec(attn.v_proj)])
-    gate_up = _group([_spec(mlp.gate_proj), _spec(mlp.up_proj)])
-    o, down = _spec(attn.o_proj), _spec(mlp.down_proj)
     rope = _rope(attn.rope)
     if None in (n1, n2, qkv, gate_up, o, down, rope):
         return None
@@ -174,17 +184,17 @@ def _fused(block, x, mask, cache, mod):
         or x.ndim != 3
     ):
         return None
-    parts = _parts(block, mod)
+    found = parts(block, mod)
     offset = _cache_kind(cache, x.shape[1])
     how = _mask(mask)
-    if parts is None and offset is not None and how is not None:
+    if found is None and offset is not None and how is not None:
         for form in FORMS:
             out = form(block, x, cache, mod, offset, how)
             if out is not None:
                 return out
-    if parts is None or offset is None or how is None:
+    if found is None or offset is None or how is None:
         return None
-    (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = parts
+    (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = found
     attn = block.self_attn
     n_heads, n_kv_heads = attn.n_heads, attn.n_kv_heads
     head_dim = qkv[0][0].shape[0] // n_heads
