@@ -46,8 +46,8 @@ void local_wait(const std::atomic<uint64_t>& v, uint64_t want, double timeout_s,
       if (s > timeout_s) {
         std::string msg = std::string("[mlx_ternary.native] local_sum: the other rank did not ") +
                           what + " within " + std::to_string(timeout_s) +
-                          " s (did it exit, or take another path?)";
-        std::fprintf(stderr, "%s\n", msg.c_str());
+                          " s (did it exit, or take another path?); MLX_TERNARY_LOCAL_SUM=0 "
+                          "sums over MLX's ring instead";
         throw std::runtime_error(msg);
       }
       if (s > 0.01) std::this_thread::sleep_for(std::chrono::microseconds(50));
