@@ -7,7 +7,7 @@
 #   - AVX-VNNI / AVX-512 VNNI: compiled only, and the VNNI instruction must be emitted.
 # Exit status 0 when every check that could run passed.
 set -uo pipefail
-SRC="$(cd "$(dirname "$0")/../mlx_ternary/native/csrc" && pwd)"
+SRC="$(cd "$(dirname "$0")/../../mlx_ternary/runtime/cpu/csrc" && pwd)"
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 CXX="${CXX:-g++}"

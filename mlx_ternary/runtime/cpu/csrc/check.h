@@ -299,7 +299,11 @@ inline std::string selfcheck() {
   // the 8-row decode blocks (q8k.h rows_q8k_r8): whole blocks, a tail, tokens 1-3 and a tile
   for (auto [M, N, K, group, sk] : {std::tuple{1, 19, 300, 256, 2}, std::tuple{2, 8, 512, 128, 2},
                                     std::tuple{3, 17, 256, 256, 1}, std::tuple{5, 9, 700, 256, 0},
-                                    std::tuple{1, 16, 7, 256, 1}}) {
+                                    std::tuple{1, 16, 7, 256, 1},
+                                    // the 512-bit windows: whole 256-column blocks, a row
+                                    // tail, tokens 1 and tiles with a short one
+                                    std::tuple{1, 21, 512, 256, 2}, std::tuple{6, 13, 768, 256, 2},
+                                    std::tuple{4, 8, 256, 256, 0}, std::tuple{9, 11, 1024, 256, 1}}) {
     std::string e = check_q8k_case(FAST, M, N, K, group, sk, seed++);
     if (!e.empty())
       return e + " (8-row blocks, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +

@@ -15,6 +15,9 @@
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define TK_DENSE_AVX2 1
+#if defined(__AVX512F__)
+#define TK_DENSE_AVX512 1  // 16 lanes a vector (cores with 512-bit data paths: half the ops)
+#endif
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 #define TK_DENSE_NEON 1
@@ -32,7 +35,9 @@ struct DenseLayer {
 };
 
 inline const char* dense_isa() {
-#if defined(TK_DENSE_AVX2)
+#if defined(TK_DENSE_AVX512)
+  return "avx512-f16c";
+#elif defined(TK_DENSE_AVX2)
   return "avx2-f16c";
 #elif defined(TK_DENSE_NEON)
   return "neon";
@@ -97,6 +102,50 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
     }
   }
 }
+
+#if defined(TK_DENSE_AVX512)
+template <int WD>
+inline __m512 load16(const void* w, int64_t i) {
+  if constexpr (WD == F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + i)));
+  } else if constexpr (WD == BF16) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  } else {
+    return _mm512_loadu_ps((const float*)w + i);
+  }
+}
+
+// dense_rows_t on 16-lane vectors: the same chains, each twice as wide.
+template <int WD, int T>
+void dense_rows_t512(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
+  const int64_t k = L.k, kv = k / (16 * DENSE_CHAINS) * (16 * DENSE_CHAINS);
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t base = n * k;
+    __m512 acc[T][DENSE_CHAINS];
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < DENSE_CHAINS; j++) acc[t][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kv; i += 16 * DENSE_CHAINS) {
+      __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
+      if constexpr (WD == F32)
+        __builtin_prefetch((const char*)L.w + (base + i) * 4 + PREFETCH_BYTES + 128);
+      for (int j = 0; j < DENSE_CHAINS; j++) {
+        __m512 w = load16<WD>(L.w, base + i + 16 * j);
+        for (int t = 0; t < T; t++)
+          acc[t][j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(L.x + (m0 + t) * k + i + 16 * j),
+                                      acc[t][j]);
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      __m512 s = acc[t][0];
+      for (int j = 1; j < DENSE_CHAINS; j++) s = _mm512_add_ps(s, acc[t][j]);
+      float y = _mm512_reduce_add_ps(s);
+      for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, base + i) * L.x[(m0 + t) * k + i];
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
+    }
+  }
+}
+#endif
 #elif defined(TK_DENSE_NEON)
 template <int WD>
 inline float32x4_t load4(const void* w, int64_t i) {
@@ -147,14 +196,23 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
 }
 #endif
 
+template <int WD, int T>
+void dense_rows_tt(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
+#if defined(TK_DENSE_AVX512)
+  dense_rows_t512<WD, T>(L, n0, n1, m0);
+#else
+  dense_rows_t<WD, T>(L, n0, n1, m0);
+#endif
+}
+
 template <int WD>
 void dense_rows_w(const DenseLayer& L, int64_t M, int64_t n0, int64_t n1) {
   int64_t m = 0;
-  for (; m + DENSE_TOKENS <= M; m += DENSE_TOKENS) dense_rows_t<WD, DENSE_TOKENS>(L, n0, n1, m);
+  for (; m + DENSE_TOKENS <= M; m += DENSE_TOKENS) dense_rows_tt<WD, DENSE_TOKENS>(L, n0, n1, m);
   switch (M - m) {
-    case 3: dense_rows_t<WD, 3>(L, n0, n1, m); break;
-    case 2: dense_rows_t<WD, 2>(L, n0, n1, m); break;
-    case 1: dense_rows_t<WD, 1>(L, n0, n1, m); break;
+    case 3: dense_rows_tt<WD, 3>(L, n0, n1, m); break;
+    case 2: dense_rows_tt<WD, 2>(L, n0, n1, m); break;
+    case 1: dense_rows_tt<WD, 1>(L, n0, n1, m); break;
     default: break;
   }
 }

@@ -46,6 +46,20 @@ inline bool q8k_tile_ok(const Geometry& g) {
   return true;
 }
 
+// Whether the 512-bit windows (rows_q8k_wide_tile, rows_q8k_r8w) apply: the tiles do, and
+// every segment is exactly two whole steps, window j = steps 2j and 2j + 1 = segment j (a
+// row of whole 256-column blocks with one scale per block, row or tensor: TQ1_0 / TQ2_0 as
+// llama.cpp writes them, converted to fast packing).
+inline bool q8k_wide_ok(const Geometry& g) {
+  const int64_t nsteps = (int64_t)g.steps.size();
+  if (!g.q8k_tile || nsteps % 2 || g.nseg != nsteps / 2) return false;
+  for (int64_t s = 0; s < nsteps; s++) {
+    const Step& st = g.steps[s];
+    if (st.valid != 32 || st.off != 32 * s || st.seg != (s % 2 ? s / 2 : -1)) return false;
+  }
+  return true;
+}
+
 // Segments of the row and the step that ends each. A step whose columns span two segments
 // (compact rows longer than 320 columns with one scale, fast packing with groups of 64)
 // leaves q8k_ok false: the Python side runs the reference twin there.
@@ -79,6 +93,7 @@ inline void plan_q8k(Geometry& g) {
     g.seg_block[j] = (int32_t)(j * g.seg_len / Q8K_BLOCK);
   }
   g.q8k_tile = q8k_tile_ok(g);
+  g.q8k_wide = q8k_wide_ok(g);
 }
 
 // One block of n <= 256 floats as ggml's Q8_K, in place (x becomes q, integer-valued floats);
@@ -428,6 +443,143 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
     for (int64_t m = m0; m < m1; m++) rows_q8k<O, 4, 1>(L, a, n, n1, m);
 }
 
+// ----------------------------------------------------------------------------------------------
+// 512-bit windows (ISAs with has_q8k_wide, rows with q8k_wide)
+// ----------------------------------------------------------------------------------------------
+//
+// The tiles above on windows of two steps: a segment is one window, so its sums are one
+// vpdpbusd per (row, token, code) - half the instructions of the 256-bit tiles - and the
+// accumulators are narrowed to 256 bits at the segment's end and reduced and scaled by the
+// same tsum8 / tstep(_rows) as the tiles: the same integers, the same float32 epilogue in
+// the same order, so the same bits as rows_q8k.
+
+template <class O, class = void>
+struct HasQ8kWide : std::false_type {};
+template <class O>
+struct HasQ8kWide<O, std::void_t<decltype(O::has_q8k_wide)>> : std::true_type {};
+
+// Tiles of 4 rows x 4 tokens (rows_q8k_tile's contract with RP = 2; 16 accumulators).
+template <class O>
+void rows_q8k_wide_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0,
+                        int valid, const int32_t* seg4, const float* d4, const float* sc,
+                        int64_t nsc) {
+  constexpr int T = Q8K_TILE_TOKENS, R = 4;
+  const Geometry& g = L.g;
+  const int64_t xlen = g.xlen(), rb = g.row_bytes, nseg = g.nseg;
+  const int8_t* xb[T];
+  for (int t = 0; t < T; t++) xb[t] = a.q.data() + (m0 + std::min(t, valid - 1)) * xlen;
+  for (int64_t n = n0; n + R <= n1; n += R) {
+    const uint8_t* w = L.w + n * rb;
+    const float* scn = sc + (n - n0) * nsc;
+    typename O::FV y[2] = {O::fvzero(), O::fvzero()};
+    for (int64_t j = 0; j < nseg; j++) {
+      typename O::W acc[R][T], wr[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        const uint8_t* p = w + r * rb + 64 * j;
+        __builtin_prefetch(p + PREFETCH_BYTES);
+        wr[r] = O::wload(p);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = O::wzero();
+      }
+      const int64_t off = 256 * j;
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; v++) {
+        typename O::W c[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) c[r] = O::wcode(wr[r], v);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+          const typename O::W x = O::wxload(xb[t] + off + 32 * v);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; r++) O::wdot(acc[r][t], c[r], x);
+        }
+      }
+#pragma GCC unroll 2
+      for (int q = 0; q < 2; q++) {
+        typename O::TA n8[8];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++)
+          n8[t] = O::wnarrow(acc[2 * q][t]), n8[T + t] = O::wnarrow(acc[2 * q + 1][t]);
+        y[q] = O::tstep(y[q], O::tsum8(n8), seg4 + T * j, d4 + T * g.seg_block[j],
+                        scn[2 * q * nsc + j], scn[(2 * q + 1) * nsc + j]);
+      }
+    }
+    for (int q = 0; q < 2; q++) {
+      alignas(32) float out[8];
+      O::fvstore(out, y[q]);
+      for (int r = 0; r < 2; r++) {
+        const int64_t row = n + 2 * q + r;
+        const float b = L.bias_at(row);
+        for (int t = 0; t < valid; t++)
+          store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + row, out[T * r + t] + b);
+      }
+    }
+  }
+}
+
+// rows_q8k_r8 on windows: one token against 8 rows; the last n % 8 rows through rows_q8k.
+template <class O>
+void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  constexpr int R = Q8K_ROW_BLOCK;
+  const Geometry& g = L.g;
+  const int64_t xlen = g.xlen(), rb = g.row_bytes, nseg = g.nseg;
+  const bool grouped = L.scale_kind == 2;
+  const bool to_l2 = 2 * R * rb + xlen > (16 << 10);  // as rows_q8k_r8
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* w = L.w + n * rb;
+    alignas(32) float s8[R];
+    if (!grouped) row_scales8(L, n, 0, s8);
+    for (int64_t m = m0; m < m1; m++) {
+      const int8_t* x = a.q.data() + m * xlen;
+      const int32_t* ss = a.ssum.data() + m * g.nseg;
+      const float* d8 = a.d8.data() + m * g.nblocks8;
+      typename O::FV y = O::fvzero();
+      for (int64_t j = 0; j < nseg; j++) {
+        if (m == m0) {  // the next block, linearly: 512 of its bytes a window
+          const uint8_t* next = w + R * rb + j * 512;
+          if (to_l2)
+            for (int l = 0; l < 8; l++) __builtin_prefetch(next + 64 * l, 0, 2);
+          else
+            for (int l = 0; l < 8; l++) __builtin_prefetch(next + 64 * l);
+        }
+        const int8_t* xs = x + 256 * j;
+        const typename O::W x0 = O::wxload(xs), x1 = O::wxload(xs + 32),
+                            x2 = O::wxload(xs + 64), x3 = O::wxload(xs + 96);
+        typename O::W acc[R];
+        typename O::TA n8[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+          const typename O::W wr = O::wload(w + r * rb + 64 * j);
+          acc[r] = O::wzero();
+          O::wdot(acc[r], O::wcode(wr, 0), x0);
+          O::wdot(acc[r], O::wcode(wr, 1), x1);
+          O::wdot(acc[r], O::wcode(wr, 2), x2);
+          O::wdot(acc[r], O::wcode(wr, 3), x3);
+          n8[r] = O::wnarrow(acc[r]);
+        }
+        if (grouped) row_scales8(L, n, g.seg_group[j], s8);
+        y = O::tstep_rows(y, O::tsum8(n8), ss[j], d8[g.seg_block[j]], s8);
+      }
+      alignas(32) float out[R];
+      O::fvstore(out, y);
+      for (int r = 0; r < R; r++)
+        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
+    }
+  }
+  if (n < n1)
+    for (int64_t m = m0; m < m1; m++) rows_q8k<O, 4, 1>(L, a, n, n1, m);
+}
+
+// One token (or a few) against rows [n0, n1): the windows where they apply.
+template <class O>
+void rows_q8k_few(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  if constexpr (HasQ8kWide<O>::value)
+    if (L.g.q8k_wide) return rows_q8k_r8w<O>(L, a, n0, n1, m0, m1);
+  rows_q8k_r8<O>(L, a, n0, n1, m0, m1);
+}
+
 // Rows [n0, n1) for all M tokens through the tiles: whole tiles, then a short one of 2 or 3
 // tokens; a last single token goes through rows_q8k_r8, the odd row of the range through
 // rows_q8k.
@@ -451,7 +603,7 @@ void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_
   for (int64_t m = 0; m < M; m += T) {
     const int valid = (int)std::min<int64_t>(T, M - m);
     if (valid == 1) {
-      rows_q8k_r8<O>(L, a, n0, n1, m, m + 1);
+      rows_q8k_few<O>(L, a, n0, n1, m, m + 1);
       break;
     }
     for (int t = 0; t < T; t++) {
@@ -459,7 +611,10 @@ void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_
       for (int64_t j = 0; j < g.nseg; j++) seg4[T * j + t] = ssum[mt * g.nseg + j];
       for (int64_t j = 0; j < g.nblocks8; j++) d4[T * j + t] = d8[mt * g.nblocks8 + j];
     }
-    rows_q8k_tile<O, RP>(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg);
+    bool wide = false;
+    if constexpr (HasQ8kWide<O>::value && RP == 2)
+      if (g.q8k_wide) rows_q8k_wide_tile<O>(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg), wide = true;
+    if (!wide) rows_q8k_tile<O, RP>(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg);
     if (RP > 1 && n4 < n2)
       rows_q8k_tile<O, 1>(L, a, n4, n2, m, valid, seg4, d4, sc + (n4 - n0) * g.nseg, g.nseg);
     if (n2 == n1) continue;

@@ -151,6 +151,29 @@ struct Avx2Ops {
   }
   static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // q8k windows (q8k.h rows_q8k_wide_tile, rows_q8k_r8w): two 32-byte steps of a row in one
+  // 512-bit vector, so that one vpdpbusd does the work of two where the core has 512-bit
+  // data paths. Code v of the window's byte b is column 4 b + v of its 256 columns; the
+  // matching activations are step 2j's 32 bytes of code v, then step 2j + 1's.
+  static constexpr bool has_q8k_wide = true;
+  using W = __m512i;
+  static W wzero() { return _mm512_setzero_si512(); }
+  static W wload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static W wcode(W w, int v) {
+    return _mm512_and_si512(_mm512_srli_epi16(w, 2 * v), _mm512_set1_epi8(3));
+  }
+  static W wxload(const int8_t* x) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x)),
+                              _mm256_loadu_si256((const __m256i*)(x + 128)), 1);
+  }
+  static void wdot(W& a, W c, W x) { a = _mm512_dpbusd_epi32(a, c, x); }
+  // the 16 int32 lanes added pairwise into 8 (a TA for tsum8)
+  static TA wnarrow(W a) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  }
+#endif
+
   // float path: F8 = 8 float lanes
   using F8 = __m256;
   static F8 f8zero() { return _mm256_setzero_ps(); }

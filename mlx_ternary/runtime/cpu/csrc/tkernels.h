@@ -125,6 +125,7 @@ struct Geometry {
   int64_t nseg = 0, nblocks8 = 0;
   bool q8k_ok = false;
   bool q8k_tile = false;  // q8k.h rows_q8k_tile applies
+  bool q8k_wide = false;  // q8k.h rows_q8k_wide_tile / rows_q8k_r8w apply
   std::vector<int32_t> seg_group, seg_block;  // q8k: per segment, its scale group and block
 
   int64_t xlen() const { return (int64_t)steps.size() * nv * 32; }
@@ -488,7 +489,7 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
   if constexpr (NV == 4 && HasQ8kTile<O>::value)
     if (L.q8k && L.g.q8k_tile) {
       if (M >= Q8K_TILE_TOKENS) return rows_q8k_tiled<O>(L, a, M, n0, n1);
-      return rows_q8k_r8<O>(L, a, n0, n1, 0, M);
+      return rows_q8k_few<O>(L, a, n0, n1, 0, M);
     }
   int64_t m = 0;
   auto run = [&](auto tile) {
