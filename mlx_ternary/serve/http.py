@@ -109,8 +109,8 @@ class Handler(BaseHTTPRequestHandler):
         try:
             fn()
         except APIError as e:
-            if not self._body_read:  # an unread body would be taken for the next request
-                self.close_connection = True
+            if not self._body_read and not self._drain():
+                self.close_connection = True  # an unread body would be taken for the next request
             self.send_json(e.status, shape(e), e.headers)
         except (BrokenPipeError, ConnectionResetError, socket.timeout):
             self.close_connection = True
@@ -123,6 +123,21 @@ class Handler(BaseHTTPRequestHandler):
                 )
             except OSError:
                 pass
+
+    def _drain(self) -> bool:
+        """Read the body of a request refused before its body was read (a wrong key, an
+        unknown path), where its Content-Length is within MAX_BODY: the connection then
+        stays usable, and the refusal reaches the client - closing a socket with unread
+        bytes sends a TCP reset, which can arrive before the response. False where the body
+        is not read (no valid length, too large, or the client stops sending)."""
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 <= length <= MAX_BODY:
+                return False
+            self._body_read = len(self.rfile.read(length)) == length
+        except (ValueError, OSError):
+            return False
+        return self._body_read
 
     def _dispatch(self, method: str):
         length = self.headers.get("Content-Length")

@@ -84,6 +84,31 @@ def test_every_listed_name_is_accepted_and_others_404(srv):
     assert e.value.body["error"]["type"] == "not_found_error"
 
 
+def test_a_refused_request_with_a_body_keeps_the_connection(srv):
+    """A wrong key on a POST is refused before its body is read; the body is then read, so
+    the 401 arrives (closing with unread bytes resets the connection, which the SDKs report
+    as a connection error) and the same connection serves the next request."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+    body = json.dumps({"model": "tiny", "prompt": "a" * 100_000, "max_tokens": 1}).encode()
+    for _ in range(3):
+        conn.request("POST", "/v1/completions", body=body, headers={"x-api-key": "nope"})
+        resp = conn.getresponse()
+        assert resp.status == 401 and json.loads(resp.read())["error"]["code"] == "invalid_api_key"
+    conn.request("GET", "/v1/models", headers={"x-api-key": KEY})
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["data"]
+    conn.close()
+    # a body over the limit is not read: that connection is closed after the refusal
+    raw = socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=30)
+    raw.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nx-api-key: nope\r\n"
+        b"Content-Length: 999999999999\r\n\r\n"
+    )
+    reply = raw.recv(65536)
+    assert reply.startswith(b"HTTP/1.") and b" 401 " in reply.split(b"\r\n", 1)[0]
+    raw.close()
+
+
 def test_the_api_key_is_required_on_every_path_but_health(srv):
     assert request(srv, "GET", "/health")[0] == 200
     for (method, path), _ in ROUTES.items():
