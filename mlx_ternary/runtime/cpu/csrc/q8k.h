@@ -258,6 +258,19 @@ inline void copy_tails(const Geometry& g, const uint8_t* w, int R, uint8_t* tail
 // rows at a time (RP = 2 where the ISA has the registers: 16 accumulators). `seg4` holds,
 // per segment, the 4 lanes' segment sums and `d4` their block scales d; `sc` the float32
 // scale of each row of [n0, ...) and segment (row-major, nseg a row).
+// A tile's results for rows n, n + 1 (lanes 0-3 / 4-7 of y: tokens m0 .. m0 + 3) with their
+// biases; the first `valid` tokens are stored.
+template <class O>
+inline void store_pair(const Layer& L, int64_t n, int64_t m0, int valid, typename O::FV y) {
+  alignas(32) float out[8];
+  O::fvstore(out, y);
+  for (int r = 0; r < 2; r++) {
+    const float b = L.bias_at(n + r);
+    for (int t = 0; t < valid; t++)
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.g.n + n + r, out[Q8K_TILE_TOKENS * r + t] + b);
+  }
+}
+
 template <class O, int RP>
 void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int valid,
                    const int32_t* seg4, const float* d4, const float* sc, int64_t nsc) {
@@ -319,16 +332,7 @@ void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_
         y[q] = O::tstep(y[q], O::tsum8(acc[q]), seg4 + T * seg, d4 + T * g.seg_block[seg],
                         scn[2 * q * nsc + seg], scn[(2 * q + 1) * nsc + seg]);
     }
-    for (int q = 0; q < RP; q++) {
-      alignas(32) float out[8];
-      O::fvstore(out, y[q]);
-      for (int r = 0; r < 2; r++) {
-        const int64_t row = n + 2 * q + r;
-        const float b = L.bias_at(row);
-        for (int t = 0; t < valid; t++)
-          store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + row, out[T * r + t] + b);
-      }
-    }
+    for (int q = 0; q < RP; q++) store_pair<O>(L, n + 2 * q, m0, valid, y[q]);
   }
 }
 
@@ -378,6 +382,30 @@ inline void row_scales8(const Layer& L, int64_t n, int64_t gi, float* out) {
   for (int r = 0; r < Q8K_ROW_BLOCK; r++) out[r] = load_as_f32(L.scales, L.scale_dtype, base + r * stride);
 }
 
+// Two blocks and the activations fit half of a 32 KB L1: prefetch into L1; larger ones
+// (rows of 5632 columns: 11 KB a block) into L2, which measured 10-15 % faster there and
+// 20-30 % slower for 2048 columns (Zen 4, one thread).
+inline bool r8_prefetch_to_l2(const Geometry& g) {
+  return 2 * Q8K_ROW_BLOCK * g.row_bytes + g.xlen() > (16 << 10);
+}
+
+// `lines` cache lines from p on, into L2 or L1: the next block's bytes read in step.
+inline void prefetch_lines(const uint8_t* p, int lines, bool to_l2) {
+  if (to_l2)
+    for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l, 0, 2);
+  else
+    for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l);
+}
+
+// Token m's outputs of rows n .. n + 7 (lane r of y = row r), with their biases.
+template <class O>
+inline void store_rows8(const Layer& L, int64_t m, int64_t n, typename O::FV y) {
+  alignas(32) float out[Q8K_ROW_BLOCK];
+  O::fvstore(out, y);
+  for (int r = 0; r < Q8K_ROW_BLOCK; r++)
+    store_from_f32(L.out, L.out_dtype, m * L.g.n + n + r, out[r] + L.bias_at(n + r));
+}
+
 // Rows [n0, n1) for tokens m0 .. m1 - 1, one token at a time per block of 8 rows (a block's
 // rows stay in L1 for the next token); the last n % 8 rows go through rows_q8k.
 template <class O>
@@ -387,10 +415,7 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
   const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size(), rb = g.row_bytes;
   const bool grouped = L.scale_kind == 2;
   alignas(32) uint8_t tail[32 * R];
-  // Two blocks and the activations fit half of a 32 KB L1: prefetch into L1; larger ones
-  // (rows of 5632 columns: 11 KB a block) into L2, which measured 10-15 % faster there and
-  // 20-30 % slower for 2048 columns (Zen 4, one thread).
-  const bool to_l2 = 2 * R * rb + xlen > (16 << 10);
+  const bool to_l2 = r8_prefetch_to_l2(g);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* w = L.w + n * rb;
@@ -411,11 +436,7 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
         if (st.valid != 32) {  // the rows' last step, zero-padded (copy_tails)
           p = tail, stride = 32;
         } else if (m == m0) {  // the next block, linearly: 256 of its bytes a step
-          const uint8_t* next = w + R * rb + s * 256;
-          if (to_l2)
-            for (int l = 0; l < 4; l++) __builtin_prefetch(next + 64 * l, 0, 2);
-          else
-            for (int l = 0; l < 4; l++) __builtin_prefetch(next + 64 * l);
+          prefetch_lines(w + R * rb + s * 256, 4, to_l2);
         }
         const int8_t* xs = x + s * 128;
         const typename O::V x0 = O::xload(xs), x1 = O::xload(xs + 32), x2 = O::xload(xs + 64),
@@ -433,10 +454,7 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
         if (grouped) row_scales8(L, n, g.seg_group[seg], s8);
         y = O::tstep_rows(y, O::tsum8(acc), ss[seg], d8[g.seg_block[seg]], s8);
       }
-      alignas(32) float out[R];
-      O::fvstore(out, y);
-      for (int r = 0; r < R; r++)
-        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
+      store_rows8<O>(L, m, n, y);
     }
   }
   if (n < n1)
@@ -505,16 +523,7 @@ void rows_q8k_wide_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, i
                         scn[2 * q * nsc + j], scn[(2 * q + 1) * nsc + j]);
       }
     }
-    for (int q = 0; q < 2; q++) {
-      alignas(32) float out[8];
-      O::fvstore(out, y[q]);
-      for (int r = 0; r < 2; r++) {
-        const int64_t row = n + 2 * q + r;
-        const float b = L.bias_at(row);
-        for (int t = 0; t < valid; t++)
-          store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + row, out[T * r + t] + b);
-      }
-    }
+    for (int q = 0; q < 2; q++) store_pair<O>(L, n + 2 * q, m0, valid, y[q]);
   }
 }
 
@@ -525,7 +534,7 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
   const Geometry& g = L.g;
   const int64_t xlen = g.xlen(), rb = g.row_bytes, nseg = g.nseg;
   const bool grouped = L.scale_kind == 2;
-  const bool to_l2 = 2 * R * rb + xlen > (16 << 10);  // as rows_q8k_r8
+  const bool to_l2 = r8_prefetch_to_l2(g);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* w = L.w + n * rb;
@@ -537,13 +546,7 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
       const float* d8 = a.d8.data() + m * g.nblocks8;
       typename O::FV y = O::fvzero();
       for (int64_t j = 0; j < nseg; j++) {
-        if (m == m0) {  // the next block, linearly: 512 of its bytes a window
-          const uint8_t* next = w + R * rb + j * 512;
-          if (to_l2)
-            for (int l = 0; l < 8; l++) __builtin_prefetch(next + 64 * l, 0, 2);
-          else
-            for (int l = 0; l < 8; l++) __builtin_prefetch(next + 64 * l);
-        }
+        if (m == m0) prefetch_lines(w + R * rb + j * 512, 8, to_l2);  // the next block
         const int8_t* xs = x + 256 * j;
         const typename O::W x0 = O::wxload(xs), x1 = O::wxload(xs + 32),
                             x2 = O::wxload(xs + 64), x3 = O::wxload(xs + 96);
@@ -562,10 +565,7 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
         if (grouped) row_scales8(L, n, g.seg_group[j], s8);
         y = O::tstep_rows(y, O::tsum8(n8), ss[j], d8[g.seg_block[j]], s8);
       }
-      alignas(32) float out[R];
-      O::fvstore(out, y);
-      for (int r = 0; r < R; r++)
-        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
+      store_rows8<O>(L, m, n, y);
     }
   }
   if (n < n1)
