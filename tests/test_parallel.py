@@ -442,7 +442,8 @@ path = sys.argv[1]
 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, m.local_sum_bytes(1 << 20))
 os.close(fd)
-m.local_sum_attach(path, 0, 1 << 20, 0.3)
+from mlx_ternary.runtime import host
+m.local_sum_attach(path, 0, 1 << 20, 0.3, host.LOCAL_SUM_ADVICE)
 os.unlink(path)
 try:
     mx.eval(m.local_sum(mx.ones((4,))))
@@ -459,6 +460,7 @@ def test_a_rank_whose_peer_never_sums_gets_an_error_not_a_hang(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "raised: [mlx_ternary.native] local_sum: the other rank did not" in done.stdout
+    assert done.stdout.rstrip().endswith("; MLX_TERNARY_LOCAL_SUM=0 sums over MLX's ring instead")
 
 
 def test_large_collectives_complete_over_the_sleeping_sockets(cases):

@@ -50,6 +50,7 @@ ENV_THREADS = "MLX_TERNARY_NUM_THREADS"
 ENV_LOCAL_SUM = "MLX_TERNARY_LOCAL_SUM"
 WAIT_TIMEOUT_S = 0.001
 LOCAL_SUM_TIMEOUT_S = 60.0  # a rank waiting this long for the other's share raises
+LOCAL_SUM_ADVICE = f"{ENV_LOCAL_SUM}=0 sums over MLX's ring instead"  # the end of that error
 LOCAL_SUM_SLOT_BYTES = 1 << 20  # larger sums go in chunks of this
 Address = Tuple[str, int]
 _done: Dict[Tuple[int, int], dict] = {}  # (rank, size) -> what share_host did
@@ -150,10 +151,12 @@ def _attach_local_sum(group, hosts: List[List[Address]]) -> bool:
             os.ftruncate(fd, m.local_sum_bytes(LOCAL_SUM_SLOT_BYTES))
         finally:
             os.close(fd)
-        m.local_sum_attach(path, 0, LOCAL_SUM_SLOT_BYTES, LOCAL_SUM_TIMEOUT_S)
+        m.local_sum_attach(path, 0, LOCAL_SUM_SLOT_BYTES, LOCAL_SUM_TIMEOUT_S, LOCAL_SUM_ADVICE)
     _barrier(group)  # made
     if group.rank() != 0:
-        m.local_sum_attach(path, group.rank(), LOCAL_SUM_SLOT_BYTES, LOCAL_SUM_TIMEOUT_S)
+        m.local_sum_attach(
+            path, group.rank(), LOCAL_SUM_SLOT_BYTES, LOCAL_SUM_TIMEOUT_S, LOCAL_SUM_ADVICE
+        )
     _barrier(group)  # mapped by both
     if group.rank() == 0:
         os.unlink(path)

@@ -131,11 +131,11 @@ class Handler(BaseHTTPRequestHandler):
         bytes sends a TCP reset, which can arrive before the response. False where the body
         is not read (no valid length, too large, or the client stops sending)."""
         try:
-            length = int(self.headers.get("Content-Length") or 0)
+            length = int(self.headers["Content-Length"])  # none: where the body ends is unknown
             if not 0 <= length <= MAX_BODY:
                 return False
             self._body_read = len(self.rfile.read(length)) == length
-        except (ValueError, OSError):
+        except (TypeError, ValueError, OSError):
             return False
         return self._body_read
 

@@ -23,6 +23,7 @@ struct LocalSumState {
   int rank = -1;
   uint64_t n = 0;          // chunks exchanged (stream thread only)
   double timeout_s = 30.0;
+  std::string advice;  // what the timeout error tells the user to do (host.py's words)
   std::atomic<uint64_t> calls{0};
   LsHeader* hdr(int r) const { return reinterpret_cast<LsHeader*>(base) + r; }
   float* slot(int r) const { return reinterpret_cast<float*>(base + 2 * sizeof(LsHeader) + r * cap); }
@@ -35,7 +36,8 @@ LocalSumState& local_state() {
 
 size_t local_sum_bytes(size_t cap) { return 2 * sizeof(LsHeader) + 2 * cap; }
 
-void local_wait(const std::atomic<uint64_t>& v, uint64_t want, double timeout_s, const char* what) {
+void local_wait(const std::atomic<uint64_t>& v, uint64_t want, double timeout_s, const char* what,
+                const std::string& advice) {
   if (v.load(std::memory_order_acquire) >= want) return;
   using clk = std::chrono::steady_clock;
   const auto t0 = clk::now();
@@ -46,8 +48,8 @@ void local_wait(const std::atomic<uint64_t>& v, uint64_t want, double timeout_s,
       if (s > timeout_s) {
         std::string msg = std::string("[mlx_ternary.native] local_sum: the other rank did not ") +
                           what + " within " + std::to_string(timeout_s) +
-                          " s (did it exit, or take another path?); MLX_TERNARY_LOCAL_SUM=0 "
-                          "sums over MLX's ring instead";
+                          " s (did it exit, or take another path?)" +
+                          (advice.empty() ? "" : "; " + advice);
         throw std::runtime_error(msg);
       }
       if (s > 0.01) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -66,10 +68,10 @@ void local_sum_run(const float* src, float* dst, int64_t count) {
   for (int64_t i0 = 0; i0 < count || (count == 0 && i0 == 0); i0 += per) {
     const int64_t len = std::min(per, count - i0);
     const uint64_t n = ++st.n;
-    local_wait(st.hdr(peer)->ack, n - 1, st.timeout_s, "read its share");
+    local_wait(st.hdr(peer)->ack, n - 1, st.timeout_s, "read its share", st.advice);
     if (len > 0) std::memcpy(st.slot(me), src + i0, len * sizeof(float));
     st.hdr(me)->seq.store(n, std::memory_order_release);
-    local_wait(st.hdr(peer)->seq, n, st.timeout_s, "write its share");
+    local_wait(st.hdr(peer)->seq, n, st.timeout_s, "write its share", st.advice);
     const float* a0 = st.slot(0);
     const float* a1 = st.slot(1);
     for (int64_t i = 0; i < len; i++) dst[i0 + i] = a0[i] + a1[i];
@@ -110,7 +112,8 @@ mx::array local_sum(const mx::array& x) {
 }
 
 // Map the segment at `path` (created and sized by the caller to local_sum_bytes(cap)).
-void local_sum_attach(const std::string& path, int rank, int64_t cap, double timeout_s) {
+void local_sum_attach(const std::string& path, int rank, int64_t cap, double timeout_s,
+                      const std::string& advice) {
 #if defined(__linux__)
   auto& st = local_state();
   if (st.base != nullptr) bad("local_sum: a segment is attached already");
@@ -127,7 +130,7 @@ void local_sum_attach(const std::string& path, int rank, int64_t cap, double tim
   ::close(fd);
   if (p == MAP_FAILED) bad("local_sum: cannot map " + path + ": " + std::strerror(errno));
   st.base = (char*)p, st.bytes = bytes, st.cap = (size_t)cap, st.rank = rank, st.n = 0;
-  st.timeout_s = timeout_s;
+  st.timeout_s = timeout_s, st.advice = advice;
 #else
   bad("local_sum needs Linux");
 #endif
@@ -138,7 +141,9 @@ void register_localsum(nb::module_& m) {
         "The sum of this rank's float32 `x` and the other local rank's, over the attached "
         "segment (slot 0 + slot 1: the same bits on both ranks).");
   m.def("local_sum_attach", &local_sum_attach, nb::arg("path"), nb::arg("rank"), nb::arg("cap"),
-        nb::arg("timeout_s"), "Map the shared segment of two local ranks (host.py makes it).");
+        nb::arg("timeout_s"), nb::arg("advice") = "",
+        "Map the shared segment of two local ranks (host.py makes it); `advice` ends the "
+        "timeout's error.");
   m.def("local_sum_bytes", [](int64_t cap) { return (int64_t)local_sum_bytes((size_t)cap); },
         nb::arg("cap"), "The segment's size for data slots of `cap` bytes.");
   m.def("local_sum_calls", []() { return (int64_t)local_state().calls.load(); },
