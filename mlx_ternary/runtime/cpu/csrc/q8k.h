@@ -467,9 +467,9 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
 //
 // The tiles above on windows of two steps: a segment is one window, so its sums are one
 // vpdpbusd per (row, token, code) - half the instructions of the 256-bit tiles - and the
-// accumulators are narrowed to 256 bits at the segment's end and reduced and scaled by the
-// same tsum8 / tstep(_rows) as the tiles: the same integers, the same float32 epilogue in
-// the same order, so the same bits as rows_q8k.
+// accumulators are reduced at the segment's end (wsum8: lane i = the sum of accumulator i,
+// as tsum8's) and scaled by the same tstep(_rows) as the tiles: the same integers, the same
+// float32 epilogue in the same order, so the same bits as rows_q8k.
 
 template <class O, class = void>
 struct HasQ8kWide : std::false_type {};
@@ -515,11 +515,10 @@ void rows_q8k_wide_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, i
       }
 #pragma GCC unroll 2
       for (int q = 0; q < 2; q++) {
-        typename O::TA n8[8];
+        typename O::W n8[8];  // row 2q's tokens, then row 2q + 1's
 #pragma GCC unroll 4
-        for (int t = 0; t < T; t++)
-          n8[t] = O::wnarrow(acc[2 * q][t]), n8[T + t] = O::wnarrow(acc[2 * q + 1][t]);
-        y[q] = O::tstep(y[q], O::tsum8(n8), seg4 + T * j, d4 + T * g.seg_block[j],
+        for (int t = 0; t < T; t++) n8[t] = acc[2 * q][t], n8[T + t] = acc[2 * q + 1][t];
+        y[q] = O::tstep(y[q], O::wsum8(n8), seg4 + T * j, d4 + T * g.seg_block[j],
                         scn[2 * q * nsc + j], scn[(2 * q + 1) * nsc + j]);
       }
     }
@@ -551,7 +550,6 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
         const typename O::W x0 = O::wxload(xs), x1 = O::wxload(xs + 32),
                             x2 = O::wxload(xs + 64), x3 = O::wxload(xs + 96);
         typename O::W acc[R];
-        typename O::TA n8[R];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
           const typename O::W wr = O::wload(w + r * rb + 64 * j);
@@ -560,10 +558,9 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
           O::wdot(acc[r], O::wcode(wr, 1), x1);
           O::wdot(acc[r], O::wcode(wr, 2), x2);
           O::wdot(acc[r], O::wcode(wr, 3), x3);
-          n8[r] = O::wnarrow(acc[r]);
         }
         if (grouped) row_scales8(L, n, g.seg_group[j], s8);
-        y = O::tstep_rows(y, O::tsum8(n8), ss[j], d8[g.seg_block[j]], s8);
+        y = O::tstep_rows(y, O::wsum8(acc), ss[j], d8[g.seg_block[j]], s8);
       }
       store_rows8<O>(L, m, n, y);
     }

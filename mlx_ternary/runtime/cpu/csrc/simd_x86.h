@@ -161,16 +161,37 @@ struct Avx2Ops {
   static W wzero() { return _mm512_setzero_si512(); }
   static W wload(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static W wcode(W w, int v) {
+#if defined(__GFNI__)
+    // (byte >> 2v) & 3 as one GF(2) affine map of each byte: output bit 0 is input bit 2v,
+    // bit 1 is bit 2v + 1 (the matrix's byte 7 - i selects the input bits of output bit i)
+    const uint64_t a = ((uint64_t)(1u << (2 * v)) << 56) | ((uint64_t)(1u << (2 * v + 1)) << 48);
+    return v == 0 ? _mm512_and_si512(w, _mm512_set1_epi8(3))
+                  : _mm512_gf2p8affine_epi64_epi8(w, _mm512_set1_epi64((long long)a), 0);
+#else
     return _mm512_and_si512(_mm512_srli_epi16(w, 2 * v), _mm512_set1_epi8(3));
+#endif
   }
   static W wxload(const int8_t* x) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x)),
                               _mm256_loadu_si256((const __m256i*)(x + 128)), 1);
   }
   static void wdot(W& a, W c, W x) { a = _mm512_dpbusd_epi32(a, c, x); }
-  // the 16 int32 lanes added pairwise into 8 (a TA for tsum8)
-  static TA wnarrow(W a) {
-    return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+  // lane i = the sum of all 16 lanes of a[i] (tsum8 for 512-bit accumulators): a transpose
+  // and add within 128-bit lanes (pairs, then quads), then across them
+  static __m256i wsum8(const W a[8]) {
+    W p[4], q[2];
+    for (int i = 0; i < 4; i++)
+      p[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                              _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  // 128-bit lane l of q[i]: partial sums of a[4i .. 4i + 3]
+      q[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]),
+                              _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+    // [q0 lanes 0+1, q0 2+3, q1 0+1, q1 2+3], then [q0 all, q1 all] in the low 256 bits
+    const W z = _mm512_add_epi32(_mm512_shuffle_i32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const W t = _mm512_add_epi32(_mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_castsi512_si256(t);
   }
 #endif
 
