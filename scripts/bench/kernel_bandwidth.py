@@ -7,7 +7,8 @@ activations (q8k). Printed, medians over the repeats (and the min), each row tim
 mx.eval so no Python runs between the calls:
 
 - decode (1 token) of each layer shape: ms per call and GB/s of packed weights + scales read;
-  weights rotate over enough copies (>= 96 MB) that the last-level cache holds none of them;
+  weights rotate over enough copies (>= 96 MB) that the last-level cache holds none of them
+  (--cached: one copy, so the rows measure the kernel's own speed);
 - "tiny" (16 x 256): the fixed cost of one call (pool wake, activation prep, MLX's primitive);
 - the whole 84-layer sweep of one token (12 x q, k, v, o, gate, up, down; distinct weights);
 - the float16 32000 x 2048 output layer (dense_matmul), one token;
@@ -91,6 +92,11 @@ def main():
         "machine; with more threads it counts the pool's spinning too)",
     )
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument(
+        "--cached",
+        action="store_true",
+        help="decode rows on one copy of each layer (in cache): the kernel's compute, not DRAM",
+    )
     args = ap.parse_args()
     CLOCK[0] = CLOCKS[args.clock]
     if not cpu.available():
@@ -106,7 +112,7 @@ def main():
     weights = {}
     for name, (n, k) in SHAPES.items():
         one = layer(rng, n, k)
-        if name.startswith("tiny"):  # the fixed cost: one cached weight, many calls
+        if name.startswith("tiny") or args.cached:  # one cached weight, many calls
             copies = [one] * 200
         else:
             count = min(800, max(1, ROTATE_BYTES // nbytes(one)))
