@@ -131,11 +131,9 @@ class Handler(BaseHTTPRequestHandler):
         bytes sends a TCP reset, which can arrive before the response. False where the body
         is not read (no valid length, too large, or the client stops sending)."""
         try:
-            length = int(self.headers["Content-Length"])  # none: where the body ends is unknown
-            if not 0 <= length <= MAX_BODY:
-                return False
+            length = self._body_length()
             self._body_read = len(self.rfile.read(length)) == length
-        except (TypeError, ValueError, OSError):
+        except (APIError, OSError):
             return False
         return self._body_read
 
@@ -182,7 +180,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def _read_body(self):
+    def _body_length(self) -> int:
+        """The request's Content-Length, or the APIError that refuses it (none: where the
+        body ends is unknown; not a number; over MAX_BODY)."""
         length = self.headers.get("Content-Length")
         if length is None:
             raise APIError(411, "a Content-Length header is required")
@@ -192,6 +192,10 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(400, "the Content-Length header is not a number") from None
         if length < 0 or length > MAX_BODY:
             raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY}")
+        return length
+
+    def _read_body(self):
+        length = self._body_length()
         raw = self.rfile.read(length)
         self._body_read = True
         try:

@@ -126,9 +126,9 @@ void dense_rows_t512(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
     for (int t = 0; t < T; t++)
       for (int j = 0; j < DENSE_CHAINS; j++) acc[t][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < kv; i += 16 * DENSE_CHAINS) {
-      __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
-      if constexpr (WD == F32)
-        __builtin_prefetch((const char*)L.w + (base + i) * 4 + PREFETCH_BYTES + 128);
+      constexpr int step_bytes = 16 * DENSE_CHAINS * (WD == F32 ? 4 : 2);
+      const char* ahead = (const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES;
+      for (int b = 0; b < step_bytes; b += 64) __builtin_prefetch(ahead + b);  // every line
       for (int j = 0; j < DENSE_CHAINS; j++) {
         __m512 w = load16<WD>(L.w, base + i + 16 * j);
         for (int t = 0; t < T; t++)

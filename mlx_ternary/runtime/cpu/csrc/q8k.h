@@ -253,11 +253,6 @@ inline void copy_tails(const Geometry& g, const uint8_t* w, int R, uint8_t* tail
   }
 }
 
-// Rows [n0, n1) (a multiple of 2 RP) for tokens m0 .. m0 + valid - 1 (valid <= 4; a short
-// tile repeats its last token in the unused lanes and stores nothing from them), RP pairs of
-// rows at a time (RP = 2 where the ISA has the registers: 16 accumulators). `seg4` holds,
-// per segment, the 4 lanes' segment sums and `d4` their block scales d; `sc` the float32
-// scale of each row of [n0, ...) and segment (row-major, nseg a row).
 // A tile's results for rows n, n + 1 (lanes 0-3 / 4-7 of y: tokens m0 .. m0 + 3) with their
 // biases; the first `valid` tokens are stored.
 template <class O>
@@ -271,6 +266,11 @@ inline void store_pair(const Layer& L, int64_t n, int64_t m0, int valid, typenam
   }
 }
 
+// Rows [n0, n1) (a multiple of 2 RP) for tokens m0 .. m0 + valid - 1 (valid <= 4; a short
+// tile repeats its last token in the unused lanes and stores nothing from them), RP pairs of
+// rows at a time (RP = 2 where the ISA has the registers: 16 accumulators). `seg4` holds,
+// per segment, the 4 lanes' segment sums and `d4` their block scales d; `sc` the float32
+// scale of each row of [n0, ...) and segment (row-major, nseg a row).
 template <class O, int RP>
 void rows_q8k_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int valid,
                    const int32_t* seg4, const float* d4, const float* sc, int64_t nsc) {
@@ -578,8 +578,8 @@ void rows_q8k_few(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
 }
 
 // Rows [n0, n1) for all M tokens through the tiles: whole tiles, then a short one of 2 or 3
-// tokens; a last single token goes through rows_q8k_r8, the odd row of the range through
-// rows_q8k.
+// tokens (the 512-bit windows where the rows have them); a last single token goes through
+// rows_q8k_few, the odd row of the range through rows_q8k.
 template <class O>
 void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
   constexpr int T = Q8K_TILE_TOKENS, RP = Q8kTilePairs<O>::value;
