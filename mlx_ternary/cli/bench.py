@@ -4,6 +4,8 @@ import json
 
 import click
 
+from .common import threads_option
+
 
 @click.command(
     epilog="""\b
@@ -125,6 +127,7 @@ Examples:
     is_flag=True,
     help="On a CPU: measure the streaming-read bandwidth for the ceiling column.",
 )
+@threads_option
 def bench(model, kernels, host, backend, quick, json_path, plot_path, markdown, **run):
     """Measure each representation of a model: bytes, peak memory, prefill and decode speed."""
     run["bandwidth_gbs"] = run.pop("bandwidth")
