@@ -185,6 +185,15 @@ threads_option = click.option(
 )
 
 
+def _finite(ctx, param, value):
+    """Refuse nan and inf, which FloatRange lets through."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 def sampling_options(f):
     """--temp, --top-p, --top-k, --min-p, --repetition-penalty, --seed: mlx-lm's sampling
     flags, each refused outside its range."""
@@ -195,6 +204,7 @@ def sampling_options(f):
                 default=0.0,
                 show_default=True,
                 type=click.FloatRange(min=0),
+                callback=_finite,
                 help="Sampling temperature (0: greedy).",
             ),
             click.option(
@@ -202,6 +212,7 @@ def sampling_options(f):
                 default=1.0,
                 show_default=True,
                 type=click.FloatRange(0, 1),
+                callback=_finite,
                 help="Nucleus sampling.",
             ),
             click.option(
@@ -216,15 +227,22 @@ def sampling_options(f):
                 default=0.0,
                 show_default=True,
                 type=click.FloatRange(0, 1),
+                callback=_finite,
                 help="Min-p sampling.",
             ),
             click.option(
                 "--repetition-penalty",
                 default=None,
                 type=click.FloatRange(min=0, min_open=True),
+                callback=_finite,
                 help="Penalty for repeated tokens (e.g. 1.1).",
             ),
-            click.option("--seed", default=None, type=int, help="Random seed for sampling."),
+            click.option(
+                "--seed",
+                default=None,
+                type=click.IntRange(0, 2**64 - 1),
+                help="Random seed for sampling.",
+            ),
         )
     ):
         f = option(f)

@@ -149,7 +149,8 @@ def serve(ctx, model, host, port, memory_limit, prompt_cache, adapter_path, acti
             ctx.exit(2)
     lm, tokenizer = _load_for_serve(local_model(model), group, adapter_path, activations)
     check_kv_groups(lm, sizes["kv_bits"], sizes["kv_group_size"])
-    warning = context_warning(lm, sizes["max_context"])
+    explicit = ctx.get_parameter_source("max_context") != click.core.ParameterSource.DEFAULT
+    warning = explicit and context_warning(lm, sizes["max_context"])
     if warning:
         click.echo(f"WARNING: {warning}", err=True)
     cache_bytes = _prompt_cache_size(lm, prompt_cache, sizes)
