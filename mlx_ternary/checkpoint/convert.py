@@ -101,9 +101,13 @@ def open_input(
 # --------------------------------------------------------------------------- #
 
 
+def _as_float32(a) -> np.ndarray:
+    """numpy float32 of a numpy or MLX array (bfloat16 has no numpy buffer format)."""
+    return np.array(a.astype(mx.float32)) if isinstance(a, mx.array) else np.asarray(a, np.float32)
+
+
 def _max_err(a, b) -> float:
-    a = np.asarray(a, dtype=np.float32)
-    b = np.asarray(b, dtype=np.float32)
+    a, b = _as_float32(a), _as_float32(b)
     return float(np.abs(a - b).max(initial=0.0))
 
 

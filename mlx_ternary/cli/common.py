@@ -33,9 +33,20 @@ class IntChoice(click.Choice):
         return int(super().convert(str(value), param, ctx))
 
 
+class QuantizeBits(IntChoice):
+    """-q/--quantize's bits: `-q 4`, or `-q` alone (0: take --q-bits, as mlx-lm's convert)."""
+
+    name = "bits"
+
+    def convert(self, value, param, ctx):
+        return 0 if value == QUANTIZE_FLAG else super().convert(value, param, ctx)
+
+
+QUANTIZE_FLAG = "flag"
 KV_BITS_TYPE = IntChoice(KV_BITS)
 KV_GROUP_SIZE_TYPE = IntChoice(KV_GROUP_SIZES)
 AFFINE_BITS_TYPE = IntChoice(AFFINE_BITS)
+QUANTIZE_TYPE = QuantizeBits(AFFINE_BITS)
 AFFINE_GROUP_SIZE_TYPE = IntChoice(AFFINE_GROUP_SIZES)
 PACKING_TYPE = click.Choice(PACKINGS)
 
