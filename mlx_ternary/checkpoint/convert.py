@@ -79,21 +79,29 @@ def open_input(
     packing: str = DEFAULT_PACKING,
     revision: Optional[str] = None,
     group_size: int = 128,
+    gguf_file: Optional[str] = None,
+    download_progress=None,
+    notify=None,
 ) -> Source:
     """The Source of a directory, hub repo id or .gguf file (readers.READERS decides).
 
     Args:
         group_size: the column group TriLM-style weights are read at when one scale
             per row does not fit.
+        gguf_file, download_progress, notify: hub.download's gguf_file, progress, notify.
     """
     p = Path(str(hf_path)).expanduser()
+    if not p.is_file():
+        p = model_dir(
+            str(hf_path), revision, gguf_file=gguf_file, progress=download_progress, notify=notify
+        )
     if p.is_file():
         if p.suffix != ".gguf":
             raise TernaryError(
                 f"{p}: a single file must be a .gguf; otherwise pass the model directory"
             )
         return open_source(p, packing)
-    return open_source(model_dir(str(hf_path), revision), packing, group_size)
+    return open_source(p, packing, group_size)
 
 
 # --------------------------------------------------------------------------- #
@@ -601,6 +609,9 @@ def convert(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Optional[Progress] = None,
     to_mlx_lm=None,
+    gguf_file: Optional[str] = None,
+    download_progress=None,
+    notify=None,
 ) -> ConvertReport:
     """Convert a ternary checkpoint to the native format, stock MLX, or GGUF.
 
@@ -629,6 +640,8 @@ def convert(
         to_mlx_lm: write here (instead of mlx_path) what stock `mlx_lm.load` loads: for
             `bitnet` models mlx-lm's packed BitLinear layout (quant_method bitnet), for
             the others the exact affine checkpoint at q_bits (default 2).
+        gguf_file: the GGUF file of a hub repo of several (also `owner/repo:QUANT`).
+        download_progress, notify: hub.download's callbacks for a repo id downloaded.
 
     Returns:
         A ConvertReport (per-tensor round-trip errors, bits per weight, notes).
@@ -645,7 +658,10 @@ def convert(
     _check_activation_bits(activation_bits)
     activations = activations and check_activations(activations)
     read_as = "fast" if (q_bits or dequantize or to_gguf or to_mlx_lm) else packing
-    source = _overridden(open_input(hf_path, read_as, revision, group_size), activation_bits)
+    source = open_input(
+        hf_path, read_as, revision, group_size, gguf_file, download_progress, notify
+    )
+    source = _overridden(source, activation_bits)
     source.activations = activations or source.activations
     target = Target(
         packing,

@@ -9,6 +9,8 @@ from .common import (
     QUANTIZE_FLAG,
     QUANTIZE_TYPE,
     activations_option,
+    download_bar,
+    gguf_file_option,
     kv_bits_option,
     local_model,
     memory_limit_option,
@@ -93,6 +95,7 @@ Examples:
     "default TQ2_0. Only with --to-gguf.",
 )
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@gguf_file_option
 @click.option(
     "--activation-bits",
     type=click.Choice(["8", "0"]),
@@ -112,13 +115,15 @@ def convert(hf_path, mlx_path, quantize, q_bits, q_group_size, activation_bits, 
     if mlx_path is None and options["to_gguf"] is None and options["to_mlx_lm"] is None:
         raise click.UsageError("give --mlx-path DIR, --to-mlx-lm DIR or --to-gguf FILE")
     bits = _affine_bits(quantize, q_bits, q_group_size, options["to_mlx_lm"])
-    with tensor_bar() as progress:
+    with download_bar() as downloads, tensor_bar() as progress:
         report = run_convert(
             hf_path,
             mlx_path,
             bits,
             q_group_size or 64,
             progress=progress,
+            download_progress=downloads,
+            notify=lambda m: click.echo(m, err=True),
             activation_bits=None if activation_bits is None else int(activation_bits),
             **options,
         )
