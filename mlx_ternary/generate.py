@@ -45,13 +45,11 @@ def stream(
     """Yield mlx-lm GenerationResponse objects (text segment, token, speeds, peak memory)."""
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     if seed is not None:
         mx.random.seed(seed)
     tokens = prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template)
-    sampler = make_sampler(temp, top_p, min_p, top_k=top_k)
-    processors = make_logits_processors(repetition_penalty=repetition_penalty)
+    sampler, processors = sampling_processors(temp, top_p, top_k, min_p, repetition_penalty)
     cache = make_prompt_cache(model, max_kv_size=max_kv_size)
     yield from stream_generate(
         model,

@@ -221,7 +221,7 @@ def perplexity(model, data, context, batch_size, max_tokens, as_json, activation
 Examples:
   mlx-ternary lm server --model DIR --port 8080      # mlx-lm's OpenAI-compatible server
   mlx-ternary lm lora --model DIR --train --data DATA --iters 100
-  mlx-ternary lm chat --model DIR --adapter-path adapters
+  mlx-ternary lm chat --model DIR --adapter-path adapters   # or: mlx-ternary chat
   mlx-ternary lm TOOL --help                         # the tool's own flags
 """,
 )
@@ -234,6 +234,7 @@ def lm(ctx, tool, args):
     TOOL is one of mlx-lm's: server, chat, generate, lora, fuse, evaluate, cache_prompt,
     benchmark, perplexity, ... with mlx-lm's own flags. Ternary checkpoints (native,
     Hugging Face BitNet) load through mlx-ternary; other models through mlx-lm unchanged.
+    `mlx-ternary chat` is this project's own chat (the memory plan, /reset, --threads).
     """
     from ..lm import run_tool
 
