@@ -6,6 +6,7 @@ port changes: the server runs on a free one instead of 8080."""
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import mlx_ternary
 from mlx_ternary.generate import EMBEDDED_MODEL
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+OUTPUTS = ("--mlx-path", "--to-mlx-lm", "--to-gguf")
 DEFAULT_PORT = "8080"  # what the README's client snippet connects to
 GGUF_NAME = "ggml-model-i2_s.gguf"  # the file name in microsoft/bitnet-b1.58-2B-4T-gguf
 
@@ -55,6 +57,7 @@ def hub(tmp_path_factory):
     repos = {
         "microsoft/bitnet-b1.58-2B-4T": EMBEDDED_MODEL,
         "microsoft/bitnet-b1.58-2B-4T-gguf": {GGUF_NAME: gguf.read_bytes()},
+        "SpectraSuite/TriLM_99M_Unpacked": EMBEDDED_MODEL,
     }
     with StandinHub(repos) as standin:
         env = {
@@ -160,3 +163,23 @@ def test_python_section_runs_as_written(hub):
     (code,) = blocks(section("Python, in mlx-lm pipelines"), "python")
     r = python(code, env, cwd)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+def test_convert_section_runs_as_written(hub):
+    """Each convert line, its placeholders made real in a fresh folder: DIR a model
+    directory, model.gguf a GGUF file; repo ids come from the stand-in Hub."""
+    standin, env, tmp = hub
+    cwd = tmp / "convert"
+    cwd.mkdir()
+    shutil.copytree(EMBEDDED_MODEL, cwd / "DIR")
+    shutil.copy(tmp / GGUF_NAME, cwd / "model.gguf")
+    cmds = commands(blocks(section("Convert"), "bash")[0])
+    assert cmds and all(c[0] == "convert" for c in cmds)
+    for args in cmds:
+        for rid in repo_ids(args):
+            assert rid in standin.repos, f"the stand-in Hub lacks {rid}"
+        r = cli(args, env, cwd)
+        assert r.returncode == 0, r.stderr
+        out = args[args.index(next(a for a in args if a in OUTPUTS)) + 1]
+        assert (cwd / out).exists(), out
+    assert cli(["verify", "bitnet-native"], env, cwd).returncode == 0
