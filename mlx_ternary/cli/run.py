@@ -127,7 +127,9 @@ def _check_generate_memory(lm, tokenizer, prompt, max_tokens, max_context, sampl
         tokenizer, prompt, sampling["system_prompt"], sampling["ignore_chat_template"]
     )
     if not tokens:
-        raise click.BadParameter("the prompt is no tokens; give some text", param_hint="--prompt")
+        raise click.BadParameter(
+            "the prompt is empty (no tokens); give some text", param_hint="--prompt"
+        )
     if max_context is not None:
         if len(tokens) >= max_context:
             raise TernaryError(

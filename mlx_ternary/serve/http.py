@@ -442,9 +442,14 @@ def bind_error(host: str, port: int) -> Optional[str]:
     if port == 0:
         return None
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, Server.address_family, socket.SOCK_STREAM
+        )[0]
     except OSError as e:
-        return f"cannot listen on {host}:{port}: the host does not resolve ({e.strerror or e})"
+        return (
+            f"cannot listen on {host}:{port}: {e.strerror or e}; --host takes an IPv4 "
+            "address or a name that resolves to one"
+        )
     try:
         with socket.socket(family, kind, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Server does
