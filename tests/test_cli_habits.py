@@ -2,6 +2,7 @@
 plan's exit status, refusals in one line, a warning past the trained context, and no
 traceback on any option a user can type."""
 
+import os
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from click.testing import CliRunner
 from mlx_ternary.cli import main
 from mlx_ternary.cli.model import PLAN_DOES_NOT_FIT
 from mlx_ternary.runtime import cpu
+from mlx_ternary.runtime.host import ENV_THREADS
 
 
 def run(*args, input=None):
@@ -55,7 +57,7 @@ def test_a_context_past_max_position_embeddings_is_warned():
 def test_threads_sets_the_native_kernels_threads_and_keeps_the_output(monkeypatch):
     if not cpu.available():
         pytest.skip(f"no native CPU backend here: {cpu.unavailable_reason()}")
-    monkeypatch.delenv("MLX_TERNARY_NUM_THREADS", raising=False)
+    monkeypatch.setenv(ENV_THREADS, "")  # restored after the test, whatever --threads sets
     before = cpu.info()["threads"]
     try:
         default = run("generate", "-m", "8")
@@ -64,6 +66,7 @@ def test_threads_sets_the_native_kernels_threads_and_keeps_the_output(monkeypatc
         assert one.output == default.output  # the same text on one thread
         run("generate", "-m", "1", "--threads", "3")
         assert cpu.info()["threads"] == 3  # control: the option, not a default, set it
+        assert os.environ[ENV_THREADS] == "3"  # what ranks pinned by mlx.launch keep
     finally:
         cpu.set_num_threads(before)
 
