@@ -22,12 +22,25 @@ The fused path runs only when all of this holds, else mlx-lm's own `__call__` ru
 inside the model's `enabled()` scope (cpu/__init__.py), the setting on (`MLX_TERNARY_FUSED`,
 `set_enabled`), the CPU, float32 input, the block not training, its attention and MLP the
 module's own classes, each projection a plain TernaryLinear on the native kernel
-(`TernaryLinear.native_spec`: no LoRA/DoRA wrapper, no sharded layer), q/k/v (and gate/up)
-sharing one activation preparation, the norms (qwen3's head norms too) nn.RMSNorm with
-float32 weights, a RoPE whose arithmetic the op reproduces (nn.RoPE,
-Llama3RoPE, YarnRoPE with mscale 1), the cache None, a KVCache or a BatchKVCache (so
+(registered: `register_projection`, `TernaryLinear.kernel_spec`; no LoRA/DoRA wrapper, no
+sharded layer), q/k/v (and gate/up) sharing one activation preparation, the norms (qwen3's
+head norms too) nn.RMSNorm with float32 weights, a RoPE whose arithmetic the op reproduces
+(nn.RoPE, Llama3RoPE, YarnRoPE with mscale 1), the cache None, a KVCache or a BatchKVCache (so
 quantized and rotating caches keep mlx-lm's path) that the call does not grow past its
-filled buffers (once every 256 tokens: see `_cache_kind`), the mask None, "causal" or a bool array.
+filled buffers (once every 256 tokens: see `_cache_kind`), the mask None, "causal" or a bool
+array.
+
+The plan: what a block's calls need (the projections' kernel arguments, norms, RoPE,
+head counts, the ops' bound arguments) is derived on its first call into a `BlockPlan` kept
+on the block, as a layer's LayerPlan is (runtime/dispatch.py); a call then checks the
+per-call conditions (the device, x, the cache and mask), looks the plan up and runs the
+three ops. The plan records what it read (`Reads`) and holds while each of those is the same
+object: a projection's LayerPlan (dropped by every TernaryLinear setter: weights, bias,
+settings), the block's child modules (adapters swap them) and the norms' weights
+(`load_weights`, `update`). The native thread count is read by the ops when they run.
+mlx-lm privates read: only `_freqs` of Llama3RoPE and YarnRoPE (no public name holds their
+frequencies), once per plan; the cache's filled length is its public `size()`.
+
 Gradients: a block in training mode (mlx-lm's trainer sets it) runs mlx-lm's block; elsewhere
 (mx.grad of a model in eval mode) the ops' vjp is that of MLX's own ops composing the same
 function, with the layers' straight-through vjp: the unfused block's gradient.
