@@ -67,11 +67,11 @@ ENV_FUSED = "MLX_TERNARY_FUSED"
 # an RMSNorm of each q and k head before RoPE), all with `swiglu` MLPs
 ARCHS = ("llama", "qwen2", "qwen3")
 _state = {"on": None}  # None: $MLX_TERNARY_FUSED decides (default on)
-# The projections the plain fused block runs: exact class -> layer -> its kernel arguments
-# (packed, scales, bias, packing, in_features, group_size, activation_bits) or None where a
-# call of the layer is not the native kernel on its input. Filled from above
-# (runtime/layers.py registers TernaryLinear), so imports point down the layers; a subclass
-# is not registered (it transforms x), nor a wrapper (LoRA, DoRA).
+# The projections the plain fused block runs: exact class -> layer -> (its kernel arguments
+# (packed, scales, bias, packing, in_features, group_size, activation_bits), or None where a
+# call of the layer is not the native kernel on its input; mapping, key: see Reads). Filled
+# from above (runtime/layers.py registers TernaryLinear), so imports point down the layers;
+# a subclass is not registered (it transforms x), nor a wrapper (LoRA, DoRA).
 PROJECTIONS: Dict[type, Callable] = {}
 # Other forms of a block's layers, tried in turn where they are not the plain ones: each
 # (block, mod, reads) -> a run (x, cache, offset, how) -> the block's output, or None where
