@@ -21,7 +21,7 @@ from .format import KV_GROUP_SIZE
 from .runtime.cpu import activation as native_swiglu
 from .runtime.cpu import attention as native_attention
 from .runtime.cpu import block as native_block
-from .runtime.cpu.layers import GGMLEmbedding, GGMLLinear, HalfEmbedding, HalfLinear
+from .runtime.cpu.tables import GGMLEmbedding, GGMLLinear, HalfEmbedding, HalfLinear
 from .runtime.layers import TernaryLinear, ternary_layers
 
 GiB = 1024**3

@@ -27,7 +27,7 @@ from tiny import ternary_checkpoint
 import mlx_ternary
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.parallel import free_ports, local_launch
-from mlx_ternary.runtime import host
+from mlx_ternary.runtime import samehost
 from mlx_ternary.runtime.shard import ternary_bytes
 
 HERE = Path(__file__).parent
@@ -403,11 +403,11 @@ def local_sums(tmp_path_factory):
     runs = {}
     for switch in ("1", "0"):
         out = tmp_path_factory.mktemp(f"local-sum-{switch}")
-        os.environ[host.ENV_LOCAL_SUM] = switch
+        os.environ[samehost.ENV_LOCAL_SUM] = switch
         try:
             run_launch(str(HERE / "local_sum_worker.py"), str(out), timeout=120)
         finally:
-            os.environ.pop(host.ENV_LOCAL_SUM)
+            os.environ.pop(samehost.ENV_LOCAL_SUM)
         runs[switch] = [
             (
                 dict(np.load(out / f"local_sum.rank{r}.npz")),
@@ -442,8 +442,8 @@ path = sys.argv[1]
 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, m.local_sum_bytes(1 << 20))
 os.close(fd)
-from mlx_ternary.runtime import host
-m.local_sum_attach(path, 0, 1 << 20, 0.3, host.LOCAL_SUM_ADVICE)
+from mlx_ternary.runtime import samehost
+m.local_sum_attach(path, 0, 1 << 20, 0.3, samehost.LOCAL_SUM_ADVICE)
 os.unlink(path)
 try:
     mx.eval(m.local_sum(mx.ones((4,))))

@@ -17,7 +17,7 @@ from ..checkpoint.load import get_classes, runtime_packing
 from ..errors import TernaryError
 from ..memory import available_memory
 from ..runtime import dispatch
-from ..runtime.cpu.layers import HalfEmbedding, adopt
+from ..runtime.cpu.tables import HalfEmbedding, adopt
 from ..runtime.layers import TernaryLinear, swap_modules, ternary_layers
 from . import ceiling
 from .report import FormatResult

@@ -18,7 +18,7 @@ from ..format import (
     layer_activation_bits,
 )
 from ..runtime import cpu, dispatch, ggml
-from ..runtime.cpu import layers as native_layers
+from ..runtime.cpu import tables as native_tables
 from ..runtime.layers import (
     HadamardTernaryLinear,
     QuantizedEmbedding,
@@ -106,7 +106,7 @@ def _table(module: nn.Module, gt: GGMLTensor, backend: Optional[str], llama: boo
     numerics when the model runs q8k), else what runs fast there and is exact - MLX affine
     for Q8_0 / Q4_K / Q5_K, float32 for Q6_K."""
     if dispatch.resolve_backend(backend) == "native":
-        return native_layers.ggml_layer(module, gt, llama, name)
+        return native_tables.ggml_layer(module, gt, llama, name)
     if gt.type in gguf_quants.AFFINE_TYPES:
         n, k = gt.shape
         at = gguf_quants.affine(np.asarray(gt.blocks), gt.type, n, k)
@@ -145,7 +145,7 @@ def load_model(
     weights, layers = read_layers(source, model, backend=backend, activations=activations)
     model.update_modules(tree_unflatten(list(layers.items())))
     # The backend's own rule for float tables: the native one keeps float16 ones as stored.
-    keep = native_layers.adopt(model, weights, dtype, backend=dispatch.resolve_backend(backend))
+    keep = native_tables.adopt(model, weights, dtype, backend=dispatch.resolve_backend(backend))
     model.load_weights(list(_cast(model, weights, dtype or default_dtype(), keep)), strict=False)
     model.eval()
     if runtime:

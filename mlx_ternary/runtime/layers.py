@@ -446,7 +446,7 @@ def model_quantization(model: nn.Module) -> fmt.QuantizationConfig:
         for p, m in model.named_modules()
         if type(m) in (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedEmbedding)
     }
-    # llama.cpp tables kept as blocks (runtime/cpu/layers.py GGMLEmbedding / GGMLLinear)
+    # llama.cpp tables kept as blocks (runtime/cpu/tables.py GGMLEmbedding / GGMLLinear)
     affine.update({p: m.entry for p, m in model.named_modules() if hasattr(m, "ggml_type")})
     # (not mlx-lm's own subclasses)
     q8k = first.activation_bits == fmt.Q8K

@@ -25,7 +25,7 @@ from mlx.nn.layers import distributed as mlx_distributed
 
 from .. import format as fmt
 from ..errors import TernaryError
-from . import host
+from . import samehost
 from .layers import TernaryLinear
 from .reference import ACT_EPS, ACT_QMAX, ACT_QMIN
 
@@ -421,7 +421,7 @@ class ShardedToAllTernaryLinear(nn.Module):
         return self.linear(x)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = host.all_sum(self.local_output(x), self.group)
+        y = samehost.all_sum(self.local_output(x), self.group)
         return y + self["bias"] if "bias" in self else y
 
     def _extra_repr(self) -> str:

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from . import host
+from . import samehost
 from .cpu import _require
 from .cpu import block as fused
 from .shard import AllToShardedTernaryLinear, ShardedToAllTernaryLinear
@@ -128,11 +128,11 @@ def sharded_block(block, x, cache, mod, offset, how):
         k, v = cache.update_and_fetch(k, v)
     causal, mask_array = how
     r = m.attn_out(q, k, v, attn.scale, causal, mask_array, *o[:3], *o[3], None)
-    h = x + _plus(host.all_sum(r, group), o_bias)
+    h = x + _plus(samehost.all_sum(r, group), o_bias)
     hr, w2r = _summed_gradients(mlp_group, h, w2)
     r = m.mlp(hr, w2r, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], None)
     _counts["calls"] += 1
-    return h + _plus(host.all_sum(r, mlp_group), down_bias)
+    return h + _plus(samehost.all_sum(r, mlp_group), down_bias)
 
 
 def register() -> None:

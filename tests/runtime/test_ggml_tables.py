@@ -22,7 +22,7 @@ from mlx_ternary.checkpoint.writers.gguf_kquants import encode
 from mlx_ternary.errors import FormatError
 from mlx_ternary.memory import activation_dtype
 from mlx_ternary.runtime import cpu, ggml
-from mlx_ternary.runtime.cpu.layers import GGMLEmbedding, GGMLLinear
+from mlx_ternary.runtime.cpu.tables import GGMLEmbedding, GGMLLinear
 
 TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 F32 = np.float32
