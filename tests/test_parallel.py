@@ -437,7 +437,7 @@ def test_same_host_sum_is_mlxs_all_sum_bit_for_bit(local_sums, switch):
 ALONE = """
 import os, sys, mlx.core as mx
 from mlx_ternary.runtime import cpu
-m = cpu._require()
+m = cpu.require()
 path = sys.argv[1]
 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, m.local_sum_bytes(1 << 20))

@@ -35,7 +35,6 @@ from .writers import gguf as gguf_writer
 from .writers import mlx_affine as affine_writer
 from .writers.native import MAX_SHARD_BYTES, ShardWriter, native_config, write_manifest
 
-DEFAULT_PACKING = getattr(dispatch, "DEFAULT_PACKING", "compact")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
@@ -75,7 +74,7 @@ class ConvertReport:
 
 def open_input(
     hf_path: Union[str, Path],
-    packing: str = DEFAULT_PACKING,
+    packing: str = dispatch.DEFAULT_PACKING,
     revision: Optional[str] = None,
     group_size: int = 128,
 ) -> Source:
@@ -281,7 +280,7 @@ def convert_source(
     *,
     q_bits: Optional[int] = None,
     q_group_size: int = 64,
-    packing: str = DEFAULT_PACKING,
+    packing: str = dispatch.DEFAULT_PACKING,
     dtype: Optional[str] = None,
     dequantize: bool = False,
     to_gguf=None,
@@ -302,7 +301,7 @@ def convert_source(
 class Target:
     """What a conversion writes (see `convert` for the fields)."""
 
-    packing: str = DEFAULT_PACKING
+    packing: str = dispatch.DEFAULT_PACKING
     q_bits: Optional[int] = None
     q_group_size: int = 64
     dequantize: bool = False
@@ -534,7 +533,7 @@ def convert(
             checkpoint (FormatError names the file and tensor). Nothing is left at the
             destination on any error or interrupt.
     """
-    packing = check_packing(packing or DEFAULT_PACKING)
+    packing = check_packing(packing or dispatch.DEFAULT_PACKING)
     dst = destination(mlx_path, to_gguf, force)  # before a hub download
     _check_activation_bits(activation_bits)
     activations = activations and check_activations(activations)

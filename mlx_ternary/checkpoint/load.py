@@ -258,7 +258,7 @@ def load(
     if tokenizer_error is not None:  # the weights' own errors, if any, came first
         raise tokenizer_error
     if tokenizer is None:
-        tokenizer = _tokenizer(model_path, tokenizer_config, config)
+        tokenizer = read_tokenizer(model_path, tokenizer_config, config)
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 
@@ -269,12 +269,12 @@ def _early_tokenizer(model_path: Path, tokenizer_config: Optional[dict]):
     if not (model_path / "config.json").is_file():
         return None, None
     try:
-        return _tokenizer(model_path, tokenizer_config, read_config(model_path)), None
+        return read_tokenizer(model_path, tokenizer_config, read_config(model_path)), None
     except FormatError as e:
         return None, e
 
 
-def _tokenizer(model_path: Path, tokenizer_config: Optional[dict], config: dict):
+def read_tokenizer(model_path: Path, tokenizer_config: Optional[dict], config: dict):
     """mlx-lm's TokenizerWrapper for the model directory, or a FormatError naming it."""
     from mlx_lm.utils import load_tokenizer
 

@@ -237,7 +237,7 @@ class TernaryLinear(nn.Module):
         """native_spec's tuple for this layer's arrays whatever its class: what its own
         forward pass runs them with only where the class adds nothing to it (a sharded
         layer holding a block of rows: runtime/shard_block.py)."""
-        if self._training:
+        if self.training:
             return None
         plan = self._plan or self.plan()
         if plan.backend != "native" or self.__dict__.get("_plan") is None:
@@ -258,7 +258,7 @@ class TernaryLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._plan or self.plan()
-        training = self._training
+        training = self.training
         fn = (plan.train_calls if training else plan.calls).get((x.shape, x.dtype))
         return (fn or plan.plan_call(x, training))(x)
 

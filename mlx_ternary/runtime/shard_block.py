@@ -31,8 +31,8 @@ from functools import lru_cache
 import mlx.core as mx
 
 from . import samehost
-from .cpu import _require
 from .cpu import block as fused
+from .cpu import require
 from .shard import AllToShardedTernaryLinear, ShardedToAllTernaryLinear
 
 # sharded blocks run fused in this process, and gradient-convention nodes built (for tests)
@@ -96,7 +96,7 @@ def _summed_gradients(group, a, w):
     """(a, w) through the gradient node where either is a transform's tracer (a gradient
     may flow to them), else as they are: in decode the nodes would be 72 of a step's 230 on
     the 0.53 G llama, 1-3 ms of CPU a token on the rank's core."""
-    m = _require()
+    m = require()
     if not (m.is_tracer(a) or m.is_tracer(w)):
         return a, w
     _counts["grad_nodes"] += 1
@@ -118,7 +118,7 @@ def sharded_block(block, x, cache, mod, offset, how):
     attn = block.self_attn
     group, mlp_group = attn.o_proj.group, block.mlp.down_proj.group
     head_dim = qkv[0][0].shape[0] // attn.n_heads
-    m = _require()
+    m = require()
     xr, w1r = _summed_gradients(group, x, w1)
     q, k, v = m.attn_in(
         xr, w1r, eps1, *qkv[:3], *qkv[3], attn.n_heads, attn.n_kv_heads, head_dim, *rope,

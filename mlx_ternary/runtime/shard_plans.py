@@ -43,7 +43,7 @@ def _check_heads(model: nn.Module, world: int) -> None:
 
 
 @contextmanager
-def _ternary_aware(fn_globals: dict, names: Dict[int, str], sources: Dict[str, TernaryParts]):
+def ternary_aware(fn_globals: dict, names: Dict[int, str], sources: Dict[str, TernaryParts]):
     """Within the block, the model modules that imported mlx's shard_linear /
     shard_inplace see versions that also know TernaryLinear; restored on exit."""
     mlx_linear, mlx_inplace = mlx_distributed.shard_linear, mlx_distributed.shard_inplace
@@ -143,7 +143,7 @@ def shard_model(
             f"the {model_type(model)!r} architecture has no tensor-parallel "
             "plan in mlx-lm (its model class has no shard method)"
         )
-    with _ternary_aware(method.__globals__, names, sources):
+    with ternary_aware(method.__globals__, names, sources):
         method(model, group)
     shard_output(model, group)
     return model

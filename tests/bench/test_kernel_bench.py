@@ -53,7 +53,7 @@ def test_kernel_bench_smoke_run_checks_every_variant(tmp_path):
 
 
 def test_kernel_bench_reports_a_wrong_kernel_and_does_not_time_it(monkeypatch):
-    real = kernels._variants
+    real = kernels.kernel_variants
 
     def with_broken(*args, **kw):
         out = real(*args, **kw)
@@ -61,7 +61,7 @@ def test_kernel_bench_reports_a_wrong_kernel_and_does_not_time_it(monkeypatch):
         out["fast/default"] = (lambda w: lambda x, fn=make(w): fn(x) * 1.1, arrays)
         return out
 
-    monkeypatch.setattr(kernels, "_variants", with_broken)
+    monkeypatch.setattr(kernels, "kernel_variants", with_broken)
     rows = kernels.measure_point(
         "smoke", 256, 96, 1, False, "row", mx.float32, "emulate", None, None, False, 2, 1, 0
     )
@@ -94,7 +94,7 @@ def test_overhead_bench_measures_every_path_with_stubbed_launches():
     assert all(r.us_min > 0 and r.ratio > 0 for r in rows)
     # The stub restores Metal, the kernel factory and first-use checks afterwards.
     assert mx.fast.metal_kernel.__module__ != overhead.__name__
-    assert not probe._trusted
+    assert not probe.trusting
 
 
 def test_stubbed_launch_plan_builds_the_real_graph_shapes():

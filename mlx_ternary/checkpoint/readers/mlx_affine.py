@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import GROUP_SIZES, AffineTensor, PackedTernary, is_native_config, to_numpy
+from ...format import TERNARY_GROUP_SIZES, AffineTensor, PackedTernary, is_native_config, to_numpy
 from . import arch
 from .common import Source
 
@@ -40,10 +40,10 @@ def _reduce_scales(s: np.ndarray, g: int, name: str) -> Tuple[np.ndarray, Option
         return s[:1, :1], None
     if (s == s[:, :1]).all():
         return s[:, :1], None
-    if g not in GROUP_SIZES:
+    if g not in TERNARY_GROUP_SIZES:
         raise FormatError(
             f"{name}: its scales change every {g} columns, and the native "
-            f"format's groups are {GROUP_SIZES}; this pack cannot be "
+            f"format's groups are {TERNARY_GROUP_SIZES}; this pack cannot be "
             "repacked losslessly"
         )
     return s, g
@@ -128,7 +128,7 @@ def source(path: Path, packing: str = "compact") -> Source:
         config=arch.architecture(config),
         count=count,
         items=lambda: _signs_checked(items, path.name),
-        group_size=g if g in GROUP_SIZES else None,
+        group_size=g if g in TERNARY_GROUP_SIZES else None,
         tokenizer_dir=path,
         model=model,
         targets=targets,

@@ -46,7 +46,7 @@ import mlx.nn as nn
 
 from ...format import Q8K, packing_code
 from .. import patches
-from . import _require, active
+from . import active, require
 
 ENV_FUSED = "MLX_TERNARY_FUSED"
 # mlx-lm's modules whose TransformerBlock is the llama block (qwen2: q/k/v biases; qwen3:
@@ -82,7 +82,7 @@ def _spec(layer):
     if s is None:
         return None
     packed, scales, bias, packing, k, group, bits = s
-    act = _require().ACT_Q8K if bits == Q8K else bits or 0
+    act = require().ACT_Q8K if bits == Q8K else bits or 0
     group = group or 0 if scales.shape[1] > 1 else 0
     return packed, scales, bias, (packing_code(packing), k, group, act)
 
@@ -198,7 +198,7 @@ def _fused(block, x, mask, cache, mod):
     attn = block.self_attn
     n_heads, n_kv_heads = attn.n_heads, attn.n_kv_heads
     head_dim = qkv[0][0].shape[0] // n_heads
-    m = _require()
+    m = require()
     q, k, v = m.attn_in(
         x, w1, eps1, *qkv[:3], *qkv[3], n_heads, n_kv_heads, head_dim, *rope, *offset,
         *head_norms,
