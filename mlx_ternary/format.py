@@ -1,4 +1,4 @@
-"""The native ternary format: the one definition of both packed layouts.
+"""The ternary format (mlx-ternary's own checkpoints): the one definition of both packed layouts.
 
 docs/FORMAT.md describes the layouts in prose with worked examples; this module is
 their executable definition (numpy for readers/writers, MLX for the runtime).
@@ -417,12 +417,12 @@ def _fitted_scales(scales, n: int, k: int, group_size: Optional[int], name: str)
 
 @dataclass
 class PackedTernary:
-    """One ternary weight in the native layout.
+    """One ternary weight in the ternary format's layout.
 
     packed: (N, row_bytes) uint8 for compact, (N, Kp/16) uint32 for fast.
     scales: (1, 1) | (N, 1) | (N, ceil(K / group_size)), float16/bfloat16/float32.
     Both are numpy arrays, or MLX arrays when a reader hands stored tensors on lazily
-    (the native reader): nothing is read from disk until they are used.
+    (the ternary-format reader): nothing is read from disk until they are used.
     """
 
     packing: str
@@ -663,7 +663,7 @@ def layer_entry(entry, where: str) -> dict:
 
 @dataclass
 class QuantizationConfig:
-    """The `quantization` section of a native checkpoint's config.json.
+    """The `quantization` section of a ternary checkpoint's config.json.
 
     `layers` holds the affine-quantized (non-ternary) layers by module path, recorded as
     mlx-lm records per-layer quantization: {"group_size": G, "bits": B, "mode": "affine"}.
@@ -741,6 +741,6 @@ class QuantizationConfig:
         }
 
 
-def is_native_config(config: dict) -> bool:
+def is_ternary_config(config: dict) -> bool:
     q = config.get("quantization")
     return isinstance(q, dict) and q.get("format") == FORMAT_NAME

@@ -118,7 +118,7 @@ CACHES = ("MLX_TERNARY_CONVERTED_CACHE", "MLX_TERNARY_GGUF_CACHE")  # the test's
 
 
 def hf_bitnet_packed(native: Path, out: Path) -> Path:
-    """Hugging Face BitNet's packed layout of a per-tensor-scaled native checkpoint: uint8
+    """Hugging Face BitNet's packed layout of a per-tensor-scaled ternary checkpoint: uint8
     (ceil(N/4), K), field i of row r holding output row r + i * ceil(N/4), and one
     `weight_scale` per tensor (autobitlinear: multiplied)."""
     from mlx_ternary.runtime.layers import ternary_layers
@@ -521,13 +521,13 @@ def test_rank_slice_loading_never_holds_a_whole_tensor(cases):
 
 def _native(path):
     """The cache's native copy of `path`, loaded lazily (its conversion is what is measured)."""
-    from mlx_ternary.parallel import native_source
+    from mlx_ternary.parallel import ternary_source
 
     class Nothing:  # load_peak evaluates a model's parameters
         def parameters(self):
             return {}
 
-    native_source(str(path))
+    ternary_source(str(path))
     return Nothing()
 
 

@@ -39,9 +39,9 @@ def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> 
     cache, or a hub repo id downloaded."""
     p = Path(path_or_hf_repo).expanduser()
     if gguf.detect(p):  # converted once into the cache, then read from there
-        from .gguf_cache import native_dir
+        from .gguf_cache import ternary_dir
 
-        return native_dir(p)
+        return ternary_dir(p)
     return model_dir(path_or_hf_repo, revision)
 
 
@@ -215,7 +215,7 @@ def load(
 ):
     """Load a ternary model as an mlx-lm model plus mlx-lm's TokenizerWrapper.
 
-    Reads every format `convert` reads (readers.READERS, in that order): the native
+    Reads every format `convert` reads (readers.READERS, in that order): the ternary
     format, Hugging Face BitNet (packed or latent, every published config revision),
     mlx-lm quantized BitNet conversions, MLX affine ternary packs (Ternary-Bonsai,
     Bonsai-2) and TriLM-style float checkpoints. Layers stored MLX affine-quantized

@@ -247,7 +247,7 @@ def test_model_keeps_half_tables_and_matches_reference(tmp_path, cpu_default):
     from tiny import float_model
 
     from mlx_ternary.checkpoint.load import load_model
-    from mlx_ternary.checkpoint.writers.native import save_model
+    from mlx_ternary.checkpoint.writers.ternary import save_model
     from mlx_ternary.runtime.cpu.tables import HalfEmbedding, HalfLinear
     from mlx_ternary.runtime.layers import ternarize_model
 

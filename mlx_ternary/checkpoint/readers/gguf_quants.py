@@ -87,7 +87,7 @@ def float_trits(w: np.ndarray):
 
 
 def reduce_scales(d: np.ndarray, block: int) -> Optional[Tuple[np.ndarray, Optional[int]]]:
-    """Per-block scales (rows, n_blocks) -> the coarsest native form, or None.
+    """Per-block scales (rows, n_blocks) -> the coarsest ternary-format form, or None.
 
     Returns (scales, group_size): (1, 1) per tensor, (rows, 1) per row, or
     (rows, ceil(cols / g)) per group of g in TERNARY_GROUP_SIZES (g a multiple of `block`).

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import PackedTernary, ceil_div, is_native_config
+from ...format import PackedTernary, ceil_div, is_ternary_config
 from ...ternarize import read_scales, ternarize_absmean
 from . import arch
 from .common import Source, shard_files, tensor_index
@@ -88,7 +88,7 @@ def detect(path: Path) -> bool:
     if not path.is_dir():
         return False
     config = arch.read_config(path)
-    if is_native_config(config):
+    if is_ternary_config(config):
         return False
     return (
         bool(_bitnet_block(config))

@@ -59,7 +59,7 @@ class Encoding:
         return np.ascontiguousarray(a)
 
     def scales(self, hf: str, scales: np.ndarray, group_size: Optional[int]) -> np.ndarray:
-        """A native scales array (1, 1) | (N, 1) | (N, G) laid out as the weight is."""
+        """A ternary-format scales array (1, 1) | (N, 1) | (N, G) laid out as the weight is."""
         if scales.shape == (1, 1):
             return scales
         if ".mlp.down_proj." in hf:  # padded along its columns only: the scale groups

@@ -130,7 +130,7 @@ def model_card(
             "activation quantization. Stock mlx-lm does not quantize activations, so this "
             "checkpoint computes what the ternary model computes with activation "
             "quantization switched off; outputs differ slightly from the original. "
-            "`mlx_ternary.load` on the native conversion keeps the activation quantization.",
+            "`mlx_ternary.load` on the ternary-format conversion keeps the activation quantization.",
             "",
         ]
     return "\n".join(lines)
