@@ -94,3 +94,36 @@ def test_pre_0_1_module_names_are_gone_and_their_modules_import():
         importlib.import_module(f"mlx_ternary.{new}")  # the control: the module is there
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(f"mlx_ternary.{old}")
+
+
+def _imported_distributions():
+    """Top-level names of the third-party modules the package imports (any depth)."""
+    import ast
+
+    names = set()
+    for path in (ROOT / "mlx_ternary").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names.add((node.module or "").split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n != "mlx_ternary"}
+
+
+def _dependencies(section: str):
+    """Module names of a dependency list of pyproject.toml ("dependencies" or an extra)."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    body = re.search(rf"^{section} = \[(.*?)\]\s*$", text, re.S | re.M).group(1)
+    dists = re.findall(r'(?:^\s*|\[|, )"([A-Za-z0-9_.-]+)', body, re.M)
+    return {d.replace("-", "_").lower() for d in dists}
+
+
+def test_dependencies_match_the_package_imports():
+    runtime = _dependencies("dependencies")
+    # matplotlib: `bench --plot` only, imported when asked for (the bench extra)
+    optional = {"matplotlib"} & _dependencies("bench")
+    imported = _imported_distributions()
+    assert imported - optional == runtime, (imported - optional) ^ runtime
+    assert "safetensors" not in runtime and "pytest" not in runtime  # the controls
