@@ -27,7 +27,7 @@ _PLAN_SETTINGS = (
 class TernaryLinear(nn.Module):
     """A linear layer whose weight is s * t, t in {-1, 0, +1}, kept packed.
 
-    Parameters (the names a native checkpoint stores):
+    Parameters (the names a ternary checkpoint stores):
         packed: (N, row_bytes) uint8 (compact) or (N, Kp/16) uint32 (fast).
         scales: (1, 1) | (N, 1) | (N, ceil(K / group_size)).
         bias:   (N,), optional.
@@ -260,7 +260,7 @@ class TernaryLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._plan or self.plan()
-        training = self._training
+        training = self.training
         fn = (plan.train_calls if training else plan.calls).get((x.shape, x.dtype))
         return (fn or plan.plan_call(x, training))(x)
 
@@ -439,7 +439,7 @@ def ternary_layers(model: nn.Module):
 
 
 def model_quantization(model: nn.Module) -> fmt.QuantizationConfig:
-    """The native `quantization` section describing a model's ternary and affine layers."""
+    """The ternary format's `quantization` section describing a model's ternary and affine layers."""
     layers = [m for _, m in ternary_layers(model)]
     if not layers:
         raise ValueError("the model has no TernaryLinear layers to save")

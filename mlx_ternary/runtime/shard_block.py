@@ -30,9 +30,9 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from . import host
-from .cpu import _require
+from . import samehost
 from .cpu import block as fused
+from .cpu import require
 from .shard import AllToShardedTernaryLinear, ShardedToAllTernaryLinear
 
 # sharded blocks run fused in this process, and gradient-convention nodes built (for tests)
@@ -92,7 +92,7 @@ def _summed_gradients(group, a, w):
     """(a, w) through the gradient node where either is a transform's tracer (a gradient
     may flow to them), else as they are: in decode the nodes would be 72 of a step's 230 on
     the 0.53 G llama, 1-3 ms of CPU a token on the rank's core."""
-    m = _require()
+    m = require()
     if not (m.is_tracer(a) or m.is_tracer(w)):
         return a, w
     _counts["grad_nodes"] += 1
@@ -115,7 +115,7 @@ def sharded_block(block, mod, reads: fused.Reads):
     attn = block.self_attn
     group, mlp_group, scale = attn.o_proj.group, block.mlp.down_proj.group, attn.scale
     head_dim = qkv[0][0].shape[0] // attn.n_heads
-    m = _require()
+    m = require()
     attn_in = (eps1, *qkv[:3], *qkv[3], attn.n_heads, attn.n_kv_heads, head_dim, *rope)
     attn_out = (*o[:3], *o[3], None)
     mlp = (eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], None)
@@ -127,11 +127,11 @@ def sharded_block(block, mod, reads: fused.Reads):
             k, v = cache.update_and_fetch(k, v)
         causal, mask_array = how
         r = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out)
-        h = x + _plus(host.all_sum(r, group), o_bias)
+        h = x + _plus(samehost.all_sum(r, group), o_bias)
         hr, w2r = _summed_gradients(mlp_group, h, w2)
         r = m.mlp(hr, w2r, *mlp)
         _counts["calls"] += 1
-        return h + _plus(host.all_sum(r, mlp_group), down_bias)
+        return h + _plus(samehost.all_sum(r, mlp_group), down_bias)
 
     return run
 

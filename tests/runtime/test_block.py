@@ -70,7 +70,7 @@ def on_cpu():
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the calls of each fused op (the native module's functions, spied on)."""
-    m = cpu._require()
+    m = cpu.require()
     calls = {"attn_in": 0, "attn_out": 0, "mlp": 0}
     for name in calls:
         real = getattr(m, name)
@@ -374,7 +374,7 @@ def test_residual_none_returns_the_partial_projection(tmp_path, on_cpu):
     from mlx_lm.models.cache import KVCache
 
     model = _model(tmp_path, "int8-fast-row")
-    layer, m = model.model.layers[0], cpu._require()
+    layer, m = model.model.layers[0], cpu.require()
     parts = block.parts(layer, llama)
     (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, norms = parts
     attn = layer.self_attn

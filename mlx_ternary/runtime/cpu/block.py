@@ -60,7 +60,7 @@ import mlx.nn as nn
 
 from ...format import Q8K, packing_code
 from .. import patches
-from . import _require, active
+from . import active, require
 
 ENV_FUSED = "MLX_TERNARY_FUSED"
 # mlx-lm's modules whose TransformerBlock is the llama block (qwen2: q/k/v biases; qwen3:
@@ -134,7 +134,7 @@ class Reads:
         if s is None:
             return None
         packed, scales, bias, packing, k, group, bits = s
-        act = _require().ACT_Q8K if bits == Q8K else bits or 0
+        act = require().ACT_Q8K if bits == Q8K else bits or 0
         group = group or 0 if scales.shape[1] > 1 else 0
         return packed, scales, bias, (packing_code(packing), k, group, act)
 
@@ -248,7 +248,7 @@ def _plain_run(attn, found) -> Callable:
     (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = found
     n_heads, n_kv_heads, scale = attn.n_heads, attn.n_kv_heads, attn.scale
     head_dim = qkv[0][0].shape[0] // n_heads
-    m = _require()
+    m = require()
     attn_in = (w1, eps1, *qkv[:3], *qkv[3], n_heads, n_kv_heads, head_dim, *rope)
     attn_out = (*o[:3], *o[3])
     mlp = (w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3])
@@ -293,7 +293,7 @@ def plan(block, mod) -> BlockPlan:
             if run is not None:
                 break
     out = BlockPlan(reads, run)
-    is_tracer = _require().is_tracer
+    is_tracer = require().is_tracer
     if not any(isinstance(v, mx.array) and is_tracer(v) for v in reads.values):
         block.__dict__[_PLAN] = out
     return out
