@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from mlx_ternary.cli import main
 from mlx_ternary.cli.model import PLAN_DOES_NOT_FIT
 from mlx_ternary.runtime import cpu
-from mlx_ternary.runtime.host import ENV_THREADS
+from mlx_ternary.runtime.samehost import ENV_THREADS
 
 
 def run(*args, input=None):

@@ -182,4 +182,4 @@ def test_convert_section_runs_as_written(hub):
         assert r.returncode == 0, r.stderr
         out = args[args.index(next(a for a in args if a in OUTPUTS)) + 1]
         assert (cwd / out).exists(), out
-    assert cli(["verify", "bitnet-native"], env, cwd).returncode == 0
+    assert cli(["verify", "bitnet-ternary"], env, cwd).returncode == 0
