@@ -27,6 +27,7 @@ from ... import paths
 from ...paths import digest, locked, publish
 
 CSRC = Path(__file__).parent / "csrc"
+BINDINGS = "bindings.cpp"  # the one translation unit: it includes ops/, kernels/ and arch/
 MODULE = "_mlx_ternary_native"
 ENV_CXX = "MLX_TERNARY_NATIVE_CXX"
 
@@ -164,9 +165,10 @@ def check_nanobind_abi(mlx: MlxBuild, nb: Nanobind) -> None:
 
 
 def _sources() -> bytes:
+    """Every header and source under csrc/ (ops/, kernels/, arch/ ...), with its path."""
     return b"".join(
-        p.name.encode() + p.read_bytes()
-        for p in sorted(CSRC.iterdir())
+        p.relative_to(CSRC).as_posix().encode() + p.read_bytes()
+        for p in sorted(CSRC.rglob("*"))
         if p.suffix in (".h", ".cpp")
     )
 
@@ -264,10 +266,10 @@ def compile_library(
                     f"nanobind {nb.version}",
                 )
             )
-        ext_obj = Path(tmp) / "ext.o"
+        ext_obj = Path(tmp) / "bindings.o"
         jobs.append(
             (
-                _start([cxx, *flags, "-c", str(CSRC / "ext.cpp"), "-o", str(ext_obj)]),
+                _start([cxx, *flags, "-c", str(CSRC / BINDINGS), "-o", str(ext_obj)]),
                 "the native CPU kernel",
             )
         )

@@ -4,13 +4,17 @@
 // A "step" is 32 packed bytes. Decoding gives NV vectors of 32 unsigned codes c = t + 1 in
 // {0, 1, 2}: 4 vectors for the fast packing (the 2-bit fields at bits 0, 2, 4, 6 of each byte),
 // 5 for compact (base-3 digits 0..4 of each byte). Activations are stored permuted to match
-// (tkernels.h), so code byte b of vector v multiplies activation x[32 v + b] of the step.
+// (kernels/layer.h), so code byte b of vector v multiplies activation x[32 v + b] of the step.
 // Integer accumulators keep 8 int32 lanes, lane j summing bytes 4j..4j+3 of every vector:
 // lanes 0-3 cover bytes 0-15 ("lo"), lanes 4-7 bytes 16-31 ("hi"), which is how a step of
 // the fast packing holds two groups of 64 columns.
+//
+// KqScalar is the same for llama.cpp's quantized tables (kernels/kquants.h): the portable
+// definition of their inner operations that arch/x86.h's KqAvx2 must match bit for bit.
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 namespace tk {
@@ -109,6 +113,37 @@ struct ScalarOps {
   static void fexpand(const V& c, F8 w[4]) {
     for (int b = 0; b < 32; b++) w[b / 8].l[b % 8] = (float)((int)c.b[b] - 1);
   }
+};
+
+// llama.cpp tables (kernels/kquants.h): lanes of int32 and float32, 8 each
+struct KqScalar {
+  static constexpr const char* name = "scalar";
+  struct I8 { int32_t l[8]; };
+  struct F8 { float l[8]; };
+  static I8 izero() { return I8{}; }
+  // lane c mod 8 += s * a[c] q[c] over n (16 or 32) columns
+  template <int N>
+  static I8 lanes(I8 acc, const int8_t* a, const int8_t* q, int32_t s) {
+    for (int i = 0; i < N; i++) acc.l[i & 7] += s * (int32_t)(int16_t)(a[i] * q[i]);
+    return acc;
+  }
+  static int32_t dot32(const int8_t* a, const int8_t* q) {
+    int32_t s = 0;
+    for (int i = 0; i < 32; i++) s += (int32_t)a[i] * q[i];
+    return s;
+  }
+  // sums[l] += d * float(aux[l]) (a product, then a sum: no FMA, as ggml's C)
+  static F8 scale_add(F8 sums, I8 aux, float d) {
+    for (int l = 0; l < 8; l++) sums.l[l] += d * (float)aux.l[l];
+    return sums;
+  }
+  static F8 fzero() { return F8{}; }
+  // 8 float lanes: acc[i mod 8] = fma(w[i], x[i], acc) over n (a multiple of 8) columns
+  static F8 fdot(F8 acc, const float* w, const float* x, int n) {
+    for (int i = 0; i < n; i++) acc.l[i & 7] = std::fma(w[i], x[i], acc.l[i & 7]);
+    return acc;
+  }
+  static void fstore(F8 v, float* out) { std::memcpy(out, v.l, 32); }
 };
 
 }  // namespace tk

@@ -1,10 +1,10 @@
 // x86-64 ternary inner operations: AVX2 (+ FMA), with the VNNI dot product where the CPU has
-// it (AVX-VNNI, or AVX-512 VNNI on 256-bit vectors). Same contract as simd_scalar.h.
+// it (AVX-VNNI, or AVX-512 VNNI on 256-bit vectors). Same contract as arch/scalar.h.
 //
 // Integer dot: unsigned codes c in {0,1,2} times signed int8 activations. AVX2 has no 8-bit
 // multiply-accumulate, so pmaddubsw (u8 x s8 -> pairwise s16; |sum| <= 2*2*128 per pair, no
 // saturation) feeds pmaddwd against ones (-> s32). VNNI does the same in one vpdpbusd.
-// The -1 of t = c - 1 is applied once per row/group as - sum(x) (tkernels.h).
+// The -1 of t = c - 1 is applied once per row/group as - sum(x) (kernels/layer.h).
 #pragma once
 
 #include <immintrin.h>
@@ -216,6 +216,49 @@ struct Avx2Ops {
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
   }
+};
+
+// llama.cpp tables (kernels/kquants.h): KqScalar's contract on AVX2 lanes
+struct KqAvx2 {
+  static constexpr const char* name = "avx2";
+  using I8 = __m256i;
+  using F8 = __m256;
+  static I8 izero() { return _mm256_setzero_si256(); }
+  // int16 products (|a q| <= 32 * 127), lanes i and i + 8 folded (then 16 more for N = 32):
+  // at most 4 products per int16 before the widening, so no overflow.
+  static __m256i prod16(const int8_t* a, const int8_t* q) {
+    return _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)a)),
+                              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q)));
+  }
+  template <int N>
+  static I8 lanes(I8 acc, const int8_t* a, const int8_t* q, int32_t s) {
+    __m256i p = prod16(a, q);
+    if constexpr (N == 32) p = _mm256_add_epi16(p, prod16(a + 16, q + 16));
+    __m128i f = _mm_add_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    return _mm256_add_epi32(
+        acc, _mm256_mullo_epi32(_mm256_cvtepi16_epi32(f), _mm256_set1_epi32(s)));
+  }
+  static int32_t dot32(const int8_t* a, const int8_t* q) {
+    __m256i s = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)a)),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q))),
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a + 16))),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16)))));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
+    return _mm_cvtsi128_si32(h);
+  }
+  static F8 scale_add(F8 sums, I8 aux, float d) {
+    return _mm256_add_ps(sums, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(aux)));
+  }
+  static F8 fzero() { return _mm256_setzero_ps(); }
+  static F8 fdot(F8 acc, const float* w, const float* x, int n) {
+    for (int i = 0; i < n; i += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
+    return acc;
+  }
+  static void fstore(F8 v, float* out) { _mm256_storeu_ps(out, v); }
 };
 
 }  // namespace tk

@@ -21,17 +21,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <random>
-#include <string>
 #include <type_traits>
 #include <vector>
 
-#include "tkernels.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TK_KQ_AVX2 1
-#endif
+#include "../arch/select.h"
+#include "layer.h"
+#include "q8k.h"
 
 namespace tk {
 
@@ -191,86 +186,6 @@ inline void quantize_q8_0_row(const float* x, int64_t k, int8_t* q, float* d) {
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Inner operations: the portable definition and AVX2
-// ---------------------------------------------------------------------------------------------
-
-struct KqScalar {
-  static constexpr const char* name = "scalar";
-  struct I8 { int32_t l[8]; };
-  struct F8 { float l[8]; };
-  static I8 izero() { return I8{}; }
-  // lane c mod 8 += s * a[c] q[c] over n (16 or 32) columns
-  template <int N>
-  static I8 lanes(I8 acc, const int8_t* a, const int8_t* q, int32_t s) {
-    for (int i = 0; i < N; i++) acc.l[i & 7] += s * (int32_t)(int16_t)(a[i] * q[i]);
-    return acc;
-  }
-  static int32_t dot32(const int8_t* a, const int8_t* q) {
-    int32_t s = 0;
-    for (int i = 0; i < 32; i++) s += (int32_t)a[i] * q[i];
-    return s;
-  }
-  // sums[l] += d * float(aux[l]) (a product, then a sum: no FMA, as ggml's C)
-  static F8 scale_add(F8 sums, I8 aux, float d) {
-    for (int l = 0; l < 8; l++) sums.l[l] += d * (float)aux.l[l];
-    return sums;
-  }
-  static F8 fzero() { return F8{}; }
-  // 8 float lanes: acc[i mod 8] = fma(w[i], x[i], acc) over n (a multiple of 8) columns
-  static F8 fdot(F8 acc, const float* w, const float* x, int n) {
-    for (int i = 0; i < n; i++) acc.l[i & 7] = std::fma(w[i], x[i], acc.l[i & 7]);
-    return acc;
-  }
-  static void fstore(F8 v, float* out) { std::memcpy(out, v.l, 32); }
-};
-
-#if defined(TK_KQ_AVX2)
-struct KqAvx2 {
-  static constexpr const char* name = "avx2";
-  using I8 = __m256i;
-  using F8 = __m256;
-  static I8 izero() { return _mm256_setzero_si256(); }
-  // int16 products (|a q| <= 32 * 127), lanes i and i + 8 folded (then 16 more for N = 32):
-  // at most 4 products per int16 before the widening, so no overflow.
-  static __m256i prod16(const int8_t* a, const int8_t* q) {
-    return _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)a)),
-                              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q)));
-  }
-  template <int N>
-  static I8 lanes(I8 acc, const int8_t* a, const int8_t* q, int32_t s) {
-    __m256i p = prod16(a, q);
-    if constexpr (N == 32) p = _mm256_add_epi16(p, prod16(a + 16, q + 16));
-    __m128i f = _mm_add_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-    return _mm256_add_epi32(
-        acc, _mm256_mullo_epi32(_mm256_cvtepi16_epi32(f), _mm256_set1_epi32(s)));
-  }
-  static int32_t dot32(const int8_t* a, const int8_t* q) {
-    __m256i s = _mm256_add_epi32(
-        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)a)),
-                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q))),
-        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a + 16))),
-                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16)))));
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
-    return _mm_cvtsi128_si32(h);
-  }
-  static F8 scale_add(F8 sums, I8 aux, float d) {
-    return _mm256_add_ps(sums, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(aux)));
-  }
-  static F8 fzero() { return _mm256_setzero_ps(); }
-  static F8 fdot(F8 acc, const float* w, const float* x, int n) {
-    for (int i = 0; i < n; i += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
-    return acc;
-  }
-  static void fstore(F8 v, float* out) { _mm256_storeu_ps(out, v); }
-};
-using KqNative = KqAvx2;
-#else
-using KqNative = KqScalar;
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // The layer: rows [n0, n1) of y (M, N) = x (M, K) @ W.T
@@ -362,7 +277,7 @@ void ggml_rows_float(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int
   }
 }
 
-#if defined(TK_KQ_AVX2)
+#if defined(TK_X86)
 // The AVX2 llama numerics: the same integer lanes as KqScalar's definition, computed on codes
 // decoded straight into the kq_source order (qp) against the permuted activations.
 namespace kqx {
@@ -583,7 +498,7 @@ template <class O>
 void ggml_rows(const GgmlLayer& L, bool llama, int64_t M, int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < M; m0 += KQ_TILE) {
     const int64_t m1 = std::min(M, m0 + KQ_TILE);
-#if defined(TK_KQ_AVX2)
+#if defined(TK_X86)
     if (llama && std::is_same_v<O, KqAvx2>) {
       kqx::rows_llama(L, m0, m1, n0, n1);
       continue;
@@ -614,54 +529,6 @@ inline void quantize_token_ggml(int type, const float* x, int64_t k, int64_t m, 
 inline void size_acts(int type, int64_t M, int64_t k, KActs& a) {
   a.q.resize(M * k), a.qp.resize(M * k);
   a.d.resize(M * (k / ggml_geom(type).block)), a.bsum.resize(M * (k / 16));
-}
-
-// ---------------------------------------------------------------------------------------------
-// Self-check: KqNative against KqScalar (bit for bit, both numerics) on random blocks
-// ---------------------------------------------------------------------------------------------
-
-inline std::string kq_check_case(int type, int64_t M, int64_t N, int64_t K, uint32_t seed) {
-  std::mt19937 rng(seed);
-  const GgmlGeom g = ggml_geom(type);
-  const int64_t nb = K / g.block;
-  std::vector<uint8_t> w(N * nb * g.bytes);
-  for (auto& b : w) b = (uint8_t)(rng() & 0xFF);
-  for (int64_t i = 0; i < N * nb; i++) {  // finite scales: d (and dmin) small float16s
-    uint8_t* blk = w.data() + i * g.bytes;
-    const int off = type == GQ6_K ? 208 : 0;
-    const uint16_t h = f32_to_f16(std::ldexp((float)(rng() % 1000) + 1.f, -16));
-    std::memcpy(blk + off, &h, 2);
-    if (type == GQ4_K || type == GQ5_K) std::memcpy(blk + 2, &h, 2);
-  }
-  std::vector<float> x(M * K);
-  std::normal_distribution<float> nd(0.f, 1.f);
-  for (auto& v : x) v = nd(rng);
-  KActs a;
-  size_acts(type, M, K, a);
-  for (int64_t m = 0; m < M; m++) quantize_token_ggml(type, x.data(), K, m, a);
-  for (int llama = 0; llama < 2; llama++) {
-    std::vector<float> y0(M * N), y1(M * N);
-    GgmlLayer L;
-    L.w = w.data(), L.type = type, L.n = N, L.k = K, L.x = x.data(), L.acts = &a;
-    L.out = y0.data();
-    ggml_rows<KqScalar>(L, llama, M, 0, N);
-    L.out = y1.data();
-    ggml_rows<KqNative>(L, llama, M, 0, N);
-    if (std::memcmp(y0.data(), y1.data(), y0.size() * 4) != 0)
-      return std::string("ggml table kernel (") + KqNative::name + ") differs from the portable one (type " +
-             std::to_string(type) + (llama ? ", llama" : ", float") + " numerics)";
-  }
-  return "";
-}
-
-inline std::string kq_selfcheck() {
-  uint32_t seed = 7;
-  for (int type : {GQ8_0, GQ4_K, GQ5_K, GQ6_K})
-    for (int64_t M : {1, 3, 9}) {
-      std::string e = kq_check_case(type, M, 5, 512, seed++);
-      if (!e.empty()) return e;
-    }
-  return "";
 }
 
 }  // namespace tk

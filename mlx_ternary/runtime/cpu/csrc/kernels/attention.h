@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../arch/select.h"
 #include "activation.h"  // exp8 where AVX2 is there
 
 namespace tk {
@@ -82,7 +83,7 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
     // Sum from the first key kept: a left-padded row then groups its keys into lanes as the
     // sequence alone does, and gets the same sum bit for bit.
     for (; mi && j < n && scores[j] == -INFINITY; j++) scores[j] = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(TK_X86)
     __m256 acc8 = _mm256_setzero_ps();
     for (; j + 8 <= n; j += 8) {
       const __m256 sv = _mm256_loadu_ps(scores + j);

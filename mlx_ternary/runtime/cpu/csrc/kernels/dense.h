@@ -10,18 +10,8 @@
 
 #include <cstdint>
 
-#include "tkernels.h"
-
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#include <immintrin.h>
-#define TK_DENSE_AVX2 1
-#if defined(__AVX512F__)
-#define TK_DENSE_AVX512 1  // 16 lanes a vector (cores with 512-bit data paths: half the ops)
-#endif
-#elif defined(__aarch64__)
-#include <arm_neon.h>
-#define TK_DENSE_NEON 1
-#endif
+#include "../arch/select.h"
+#include "layer.h"
 
 namespace tk {
 
@@ -35,11 +25,11 @@ struct DenseLayer {
 };
 
 inline const char* dense_isa() {
-#if defined(TK_DENSE_AVX512)
+#if defined(TK_X86_AVX512)
   return "avx512-f16c";
-#elif defined(TK_DENSE_AVX2)
+#elif defined(TK_X86)
   return "avx2-f16c";
-#elif defined(TK_DENSE_NEON)
+#elif defined(TK_NEON)
   return "neon";
 #else
   return "scalar";
@@ -49,13 +39,13 @@ inline const char* dense_isa() {
 // DENSE_CHAINS accumulation chains per token hide the FMA latency; the T * DENSE_CHAINS
 // accumulators of a block of T tokens must fit the vector registers (16 AVX2, 32 NEON).
 constexpr int DENSE_CHAINS = 4;
-#if defined(TK_DENSE_NEON)
+#if defined(TK_NEON)
 constexpr int DENSE_TOKENS = 4;
 #else
 constexpr int DENSE_TOKENS = 3;
 #endif
 
-#if defined(TK_DENSE_AVX2)
+#if defined(TK_X86)
 template <int WD>
 inline __m256 load8(const void* w, int64_t i) {
   if constexpr (WD == F16) {
@@ -103,7 +93,7 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
   }
 }
 
-#if defined(TK_DENSE_AVX512)
+#if defined(TK_X86_AVX512)
 template <int WD>
 inline __m512 load16(const void* w, int64_t i) {
   if constexpr (WD == F16) {
@@ -146,7 +136,7 @@ void dense_rows_t512(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
   }
 }
 #endif
-#elif defined(TK_DENSE_NEON)
+#elif defined(TK_NEON)
 template <int WD>
 inline float32x4_t load4(const void* w, int64_t i) {
   if constexpr (WD == F16) {
@@ -198,7 +188,7 @@ void dense_rows_t(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
 
 template <int WD, int T>
 void dense_rows_tt(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
-#if defined(TK_DENSE_AVX512)
+#if defined(TK_X86_AVX512)
   dense_rows_t512<WD, T>(L, n0, n1, m0);
 #else
   dense_rows_t<WD, T>(L, n0, n1, m0);

@@ -9,9 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "../arch/select.h"
 
 namespace tk {
 
@@ -22,7 +20,7 @@ inline float silu_mul_scalar(float g, float x) {
   return g * (1.f / (1.f + e)) * x;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(TK_X86)
 inline __m256 exp8(__m256 v) {
   v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-EXP_CLAMP)), _mm256_set1_ps(EXP_CLAMP));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
@@ -49,7 +47,7 @@ inline __m256 exp8(__m256 v) {
 // out[i] = silu(g[i]) * x[i] for i in [i0, i1)
 inline void silu_mul(const float* g, const float* x, float* out, int64_t i0, int64_t i1) {
   int64_t i = i0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(TK_X86)
   const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
   for (; i + 8 <= i1; i += 8) {
     const __m256 gv = _mm256_loadu_ps(g + i);

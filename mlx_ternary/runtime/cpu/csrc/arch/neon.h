@@ -1,5 +1,5 @@
 // arm64 ternary inner operations: NEON, with the SDOT dot product where the CPU has it
-// (ARMv8.2 dotprod: every Apple M-series core). Same contract as simd_scalar.h; a 32-byte
+// (ARMv8.2 dotprod: every Apple M-series core). Same contract as arch/scalar.h; a 32-byte
 // step is two 16-byte registers, the first holding bytes 0-15 ("lo").
 //
 // Codes c in {0,1,2} are valid signed bytes, so sdot multiplies them with the int8
