@@ -14,8 +14,12 @@
 #pragma once
 
 #include <cstdint>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
+
+#include "../kernels/layer.h"  // dtypes, their conversions, PREFETCH_BYTES
 
 namespace tk {
 
@@ -145,5 +149,48 @@ struct KqScalar {
   }
   static void fstore(F8 v, float* out) { std::memcpy(out, v.l, 32); }
 };
+
+// ---------------------------------------------------------------------------------------------
+// The kernels' vector pieces, portable: each "head" does the whole vectors of a loop and returns
+// where the caller's scalar tail starts, so here it does nothing. arch/x86.h and arch/neon.h
+// define the same names in their namespaces; arch/select.h aliases one as tk::native.
+// ---------------------------------------------------------------------------------------------
+
+// exp's input clamp (kernels/activation.h; the vector exps clamp the same way).
+constexpr float EXP_CLAMP = 88.f;
+// Accumulation chains per token of the dense kernel: they hide the FMA latency (kernels/dense.h).
+constexpr int DENSE_CHAINS = 4;
+
+namespace portable {
+
+// A spin-wait's pause (kernels/threadpool.h, ops/localsum.h).
+inline void cpu_pause() { std::this_thread::yield(); }
+
+inline int64_t silu_mul_head(const float*, const float*, float*, int64_t i, int64_t) { return i; }
+inline int64_t softmax_exp_head(float*, int64_t j, int64_t, float, float&) { return j; }
+inline int64_t absmax_head(const float*, int64_t, float&) { return 0; }
+inline int64_t round_clamp_head(float*, int64_t, float, float) { return 0; }
+inline int64_t fast_order_head(const int8_t*, int64_t, int8_t*) { return 0; }
+inline bool f16x8_finite_to_f32(const uint16_t*, float*) { return false; }
+
+// llama.cpp's tables: no rows of the ISA's own (kernels/kquants.h runs its generic loops)
+template <class GL>
+inline bool ggml_tile(const GL&, bool, int64_t, int64_t, int64_t, int64_t) { return false; }
+
+constexpr const char* DENSE_ISA = "scalar";
+constexpr int DENSE_TOKENS = 3;
+
+template <int WD, int T, class DL>
+void dense_block(const DL& L, int64_t n0, int64_t n1, int64_t m0) {
+  for (int64_t n = n0; n < n1; n++)
+    for (int t = 0; t < T; t++) {
+      float y = 0.f;
+      for (int64_t i = 0; i < L.k; i++)
+        y += load_as_f32(L.w, WD, n * L.k + i) * L.x[(m0 + t) * L.k + i];
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
+    }
+}
+
+}  // namespace portable
 
 }  // namespace tk

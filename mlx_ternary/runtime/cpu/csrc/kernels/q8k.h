@@ -27,14 +27,7 @@ namespace tk {
 inline float q8k_block(float* x, int64_t n) {
   float amax = 0.f;
   int64_t i = 0;
-#if defined(TK_X86)
-  __m256 vm = _mm256_setzero_ps();
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vm);
-  for (float v : lanes) amax = std::max(amax, v);
-#endif
+  i = native::absmax_head(x, n, amax);
   for (; i < n; i++) amax = std::max(amax, std::fabs(x[i]));
   if (!(amax > 0.f)) {
     std::fill(x, x + n, 0.f);
@@ -48,14 +41,7 @@ inline float q8k_block(float* x, int64_t n) {
     }
   const float iscale = -Q8K_QMAX / top;
   i = 0;
-#if defined(TK_X86)
-  const __m256 vs = _mm256_set1_ps(iscale), vmax = _mm256_set1_ps(Q8K_QMAX);
-  for (; i + 8 <= n; i += 8) {
-    __m256 r = _mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + i)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_ps(x + i, _mm256_min_ps(r, vmax));
-  }
-#endif
+  i = native::round_clamp_head(x, n, iscale, Q8K_QMAX);
   for (; i < n; i++) x[i] = std::min(Q8K_QMAX, std::nearbyint(iscale * x[i]));
   return 1.f / iscale;
 }
@@ -64,24 +50,7 @@ inline float q8k_block(float* x, int64_t n) {
 // codes c: position 32 v + b of a step holds column 4 b + v. Returns the positions written.
 inline int64_t fast_order(const int8_t* c, int64_t k, int8_t* q) {
   int64_t s = 0;
-#if defined(TK_X86)
-  // per 16 columns: bytes grouped by v (4 each), then a 4 x 4 transpose of those dwords
-  const __m128i by_v = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  for (; 128 * (s + 1) <= k; s++) {
-    for (int half = 0; half < 2; half++) {
-      __m128i y[4];
-      for (int i = 0; i < 4; i++)
-        y[i] = _mm_shuffle_epi8(
-            _mm_loadu_si128((const __m128i*)(c + 128 * s + 64 * half + 16 * i)), by_v);
-      __m128i a0 = _mm_unpacklo_epi32(y[0], y[1]), a1 = _mm_unpackhi_epi32(y[0], y[1]);
-      __m128i a2 = _mm_unpacklo_epi32(y[2], y[3]), a3 = _mm_unpackhi_epi32(y[2], y[3]);
-      __m128i t[4] = {_mm_unpacklo_epi64(a0, a2), _mm_unpackhi_epi64(a0, a2),
-                      _mm_unpacklo_epi64(a1, a3), _mm_unpackhi_epi64(a1, a3)};
-      for (int v = 0; v < 4; v++)
-        _mm_storeu_si128((__m128i*)(q + 128 * s + 32 * v + 16 * half), t[v]);
-    }
-  }
-#endif
+  s = native::fast_order_head(c, k, q) / 128;
   return 128 * s;
 }
 
@@ -290,19 +259,12 @@ inline void row_scales8(const Layer& L, int64_t n, int64_t gi, float* out) {
     return;
   }
   const int64_t stride = L.scale_kind == 1 ? 1 : L.g.ngroups, base = L.scale_kind == 1 ? n : n * stride + gi;
-#if defined(TK_X86)
   if (L.scale_dtype == F16) {
     const uint16_t* h = (const uint16_t*)L.scales + base;
     alignas(16) uint16_t v[8];
     for (int r = 0; r < 8; r++) v[r] = h[r * stride];
-    const __m128i hv = _mm_load_si128((const __m128i*)v);
-    const __m128i ex = _mm_set1_epi16(0x7C00);
-    if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hv, ex), ex)) == 0) {
-      _mm256_storeu_ps(out, _mm256_cvtph_ps(hv));
-      return;
-    }
+    if (native::f16x8_finite_to_f32(v, out)) return;
   }
-#endif
   for (int r = 0; r < Q8K_ROW_BLOCK; r++) out[r] = load_as_f32(L.scales, L.scale_dtype, base + r * stride);
 }
 

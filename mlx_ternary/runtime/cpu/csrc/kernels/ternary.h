@@ -13,7 +13,6 @@
 // give exactly the reference twin's float32 epilogue ((y * s) * x_scale) + bias. Group scales
 // are applied in float32 per group; float activations accumulate in float32 (FMA).
 #pragma once
-#pragma once
 
 #include <algorithm>
 #include <cstdint>

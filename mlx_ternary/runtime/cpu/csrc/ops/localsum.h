@@ -24,7 +24,7 @@
 #include <unistd.h>
 #endif
 
-#include "../kernels/threadpool.h"  // TK_PAUSE
+#include "../arch/select.h"  // native::cpu_pause
 #include "primitive.h"
 
 namespace mlxt {
@@ -71,9 +71,9 @@ void local_wait(const std::atomic<uint64_t>& v, uint64_t want, double timeout_s,
       }
       if (s > 0.01) std::this_thread::sleep_for(std::chrono::microseconds(50));
       else if (s > 0.0002) std::this_thread::yield();
-      else TK_PAUSE();
+      else tk::native::cpu_pause();
     } else {
-      TK_PAUSE();
+      tk::native::cpu_pause();
     }
   }
 }
