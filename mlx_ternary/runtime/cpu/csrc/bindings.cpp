@@ -10,7 +10,6 @@
 //   AttnIn, AttnOut, Mlp  a llama-family decoder block in three ops (ops/block.h)
 //   LocalSum        two local ranks' all_sum over shared memory (ops/localsum.h)
 //
-//
 // This file is the Python module only: the primitives live in ops/ (over ops/primitive.h),
 // the kernels in kernels/, the ISA-specific bodies in arch/ (arch/select.h chooses them). It is
 // the one file build.py compiles: one translation unit, as before the split.

@@ -1,4 +1,4 @@
-// The MLX primitives of llama.cpp's quantized tables (kquants.h) (kernels/kquants.h):
+// The MLX primitives of llama.cpp's quantized tables (kernels/kquants.h):
 //
 //   GgmlDequantize  (..., row_bytes) uint8 blocks -> (..., K) float32 (the embedding lookup)
 //   GgmlMatmul      y = x @ W.T, W (N, row_bytes) blocks, float or llama numerics
