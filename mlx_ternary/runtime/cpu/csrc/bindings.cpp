@@ -100,7 +100,7 @@ NB_MODULE(_mlx_ternary_native, m) {
         "segment (slot 0 + slot 1: the same bits on both ranks).");
   m.def("local_sum_attach", &local_sum_attach, nb::arg("path"), nb::arg("rank"), nb::arg("cap"),
         nb::arg("timeout_s"), nb::arg("advice") = "",
-        "Map the shared segment of two local ranks (host.py makes it); `advice` ends the "
+        "Map the shared segment of two local ranks (samehost.py makes it); `advice` ends the "
         "timeout's error.");
   m.def("local_sum_bytes", [](int64_t cap) { return (int64_t)local_sum_bytes((size_t)cap); },
         nb::arg("cap"), "The segment's size for data slots of `cap` bytes.");

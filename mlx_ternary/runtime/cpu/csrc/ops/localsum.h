@@ -1,5 +1,5 @@
 // LocalSum: the sum of two ranks' float32 arrays over a shared-memory segment both map
-// (runtime/host.py creates it), on the calling stream thread: no ring threads, no sockets.
+// (runtime/samehost.py creates it), on the calling stream thread: no ring threads, no sockets.
 //
 // Segment: two 128-byte headers {seq, ack} then two data slots of `cap` bytes. A sum goes in
 // chunks of at most `cap` bytes; for chunk n a rank waits until the peer has acked n - 1 (done
@@ -42,7 +42,7 @@ struct LocalSumState {
   int rank = -1;
   uint64_t n = 0;          // chunks exchanged (stream thread only)
   double timeout_s = 30.0;
-  std::string advice;  // what the timeout error tells the user to do (host.py's words)
+  std::string advice;  // what the timeout error tells the user to do (samehost.py's words)
   std::atomic<uint64_t> calls{0};
   LsHeader* hdr(int r) const { return reinterpret_cast<LsHeader*>(base) + r; }
   float* slot(int r) const { return reinterpret_cast<float*>(base + 2 * sizeof(LsHeader) + r * cap); }
