@@ -90,9 +90,9 @@ def test_the_cache_key_covers_every_source_under_csrc(tmp_path, monkeypatch):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(f"// {rel}\n")
     monkeypatch.setattr(build, "CSRC", tmp_path)
-    before = build._sources()
+    before = build.sources()
     (tmp_path / "notes.txt").write_text("not a source")
-    assert build._sources() == before
+    assert build.sources() == before
     (tmp_path / "arch" / "x86.h").write_text("// changed\n")
-    changed = build._sources()
+    changed = build.sources()
     assert changed != before and b"arch/x86.h// changed" in changed

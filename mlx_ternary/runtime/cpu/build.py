@@ -164,7 +164,7 @@ def check_nanobind_abi(mlx: MlxBuild, nb: Nanobind) -> None:
         )
 
 
-def _sources() -> bytes:
+def sources() -> bytes:
     """Every header and source under csrc/ (ops/, kernels/, arch/ ...), with its path."""
     return b"".join(
         p.relative_to(CSRC).as_posix().encode() + p.read_bytes()
@@ -197,7 +197,7 @@ def build_key(mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str]) -> str:
     is not in it, so a cached library still loads where the compiler has since been removed."""
     lib = mlx.library.stat()
     return digest(
-        _sources(),
+        sources(),
         flags,
         cxx,
         cpu_fingerprint(),
