@@ -17,10 +17,10 @@ def _sleeper():
 
 
 def test_a_failed_sibling_kills_the_compilers_still_running():
-    failing = build._start([sys.executable, "-c", "import sys; sys.exit('error: no')"])
+    failing = build.start_job([sys.executable, "-c", "import sys; sys.exit('error: no')"])
     slow = _sleeper()
     with pytest.raises(NativeBuildError, match="compiling a failed"):
-        build._run([(failing, "a"), (slow, "b")])
+        build.run_jobs([(failing, "a"), (slow, "b")])
     assert slow.poll() is not None  # killed and reaped, not left running
 
 
@@ -32,14 +32,14 @@ def test_an_interrupted_build_kills_its_compilers(monkeypatch):
 
     monkeypatch.setattr(build, "_finish", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        build._run([(p, "x") for p in slow])
+        build.run_jobs([(p, "x") for p in slow])
     assert all(p.poll() is not None for p in slow)
 
 
 def test_run_waits_for_a_good_build():
     """Negative control: compilers that succeed are waited for, nothing raised."""
-    ok = build._start([sys.executable, "-c", "pass"])
-    build._run([(ok, "ok")])
+    ok = build.start_job([sys.executable, "-c", "pass"])
+    build.run_jobs([(ok, "ok")])
     assert ok.returncode == 0
 
 

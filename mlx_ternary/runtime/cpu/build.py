@@ -214,7 +214,7 @@ def library_path(key: str, mlx: MlxBuild) -> Path:
     return cache_dir() / f"{MODULE}-{key}{suffix(mlx)}"
 
 
-def _start(cmd: List[str]) -> subprocess.Popen:
+def start_job(cmd: List[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -227,7 +227,7 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
         )
 
 
-def _run(jobs) -> None:
+def run_jobs(jobs) -> None:
     """Wait for the compiler processes; on any error or interruption (Ctrl-C, a failed
     sibling) the ones still running are killed and reaped: no compiler outlives a build."""
     try:
@@ -260,7 +260,7 @@ def compile_library(
             nb_tmp = Path(tmp) / "nanobind.o"
             jobs.append(
                 (
-                    _start(
+                    start_job(
                         [cxx, *nb_flags, "-c", str(nb.src / "nb_combined.cpp"), "-o", str(nb_tmp)]
                     ),
                     f"nanobind {nb.version}",
@@ -269,16 +269,16 @@ def compile_library(
         ext_obj = Path(tmp) / "bindings.o"
         jobs.append(
             (
-                _start([cxx, *flags, "-c", str(CSRC / BINDINGS), "-o", str(ext_obj)]),
+                start_job([cxx, *flags, "-c", str(CSRC / BINDINGS), "-o", str(ext_obj)]),
                 "the native CPU kernel",
             )
         )
-        _run(jobs)
+        run_jobs(jobs)
         if not nb_obj.exists():
             publish(nb_tmp, nb_obj)
         lib = Path(tmp) / path.name
         link = [cxx, "-shared", str(ext_obj), str(nb_obj), "-o", str(lib), *link_flags(mlx)]
-        _run([(_start(link), "the native CPU kernel (link)")])
+        run_jobs([(start_job(link), "the native CPU kernel (link)")])
         publish(lib, path)
 
 
