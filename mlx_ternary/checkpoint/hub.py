@@ -10,14 +10,17 @@ blob id otherwise) and a mismatch is removed and refused. Files already in the c
 not downloaded or hashed again.
 
 Timeouts are huggingface_hub's: HF_HUB_ETAG_TIMEOUT (default 10 s) for the listing and
-each file's metadata, HF_HUB_DOWNLOAD_TIMEOUT (default 10 s) without a byte before a
-transfer is retried (5 times, resuming). The library reports through callbacks; the CLI
-prints.
+each file's metadata, HF_HUB_DOWNLOAD_TIMEOUT for a transfer without a byte, after which
+it retries 5 times, resuming, a second apart. Its default (10 s) makes a stalled transfer
+fail after 6 x 11 = 66 s; unless HF_HUB_DOWNLOAD_TIMEOUT is set, downloads here wait
+STALL_TIMEOUT (7 s: 48 s in all; 55 s measured with the 8 s this started at). The library reports through callbacks; the CLI prints.
 """
 
 import fnmatch
 import hashlib
+import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
@@ -26,6 +29,7 @@ from ..errors import TernaryError
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 GGUF_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
+STALL_TIMEOUT = 7  # s without a byte, unless HF_HUB_DOWNLOAD_TIMEOUT says otherwise
 Progress = Callable[[str, int, int], None]  # (file name, bytes done, bytes total)
 Notify = Callable[[str], None]  # one line: what is downloaded, and where
 
@@ -72,6 +76,21 @@ def _callback_bar(name: str, progress: Optional[Progress]):
             pass
 
     return Bar
+
+
+@contextmanager
+def _stall_limit():
+    """huggingface_hub's transfer timeout at STALL_TIMEOUT for the block, unless the user
+    set HF_HUB_DOWNLOAD_TIMEOUT (it reads the module constant at each transfer)."""
+    from huggingface_hub import constants
+
+    old = constants.HF_HUB_DOWNLOAD_TIMEOUT
+    if "HF_HUB_DOWNLOAD_TIMEOUT" not in os.environ:
+        constants.HF_HUB_DOWNLOAD_TIMEOUT = min(old, STALL_TIMEOUT)
+    try:
+        yield
+    finally:
+        constants.HF_HUB_DOWNLOAD_TIMEOUT = old
 
 
 def _errors():
@@ -244,6 +263,11 @@ def download(
         TernaryError: an unknown, gated or unreachable repository, a revision not found,
             no (or several) GGUF files matching, a file whose hash differs from the Hub's.
     """
+    with _stall_limit():  # errors name the limit that applied
+        return _fetch(spec, revision, gguf_file, progress, notify)
+
+
+def _fetch(spec, revision, gguf_file, progress, notify) -> Path:
     import httpx2
     from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
 

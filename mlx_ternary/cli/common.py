@@ -160,6 +160,8 @@ def download_bar():
                 total=total or None, unit="B", unit_scale=True, desc=name[-40:], file=sys.stderr
             )
         bar.update(done - bar.n)
+        if total and done >= total:
+            bar.close()
 
     try:
         yield progress
