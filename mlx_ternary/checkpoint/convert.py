@@ -701,6 +701,9 @@ def _check_options(packing, q_bits, dequantize, to_gguf, to_mlx_lm, gguf_type) -
             f"--packing sets the native format's layout; {other} writes another format; "
             "drop --packing"
         )
+    if to_gguf is not None and (q_bits or dequantize):
+        flag = "-q/--quantize" if q_bits else "-d/--dequantize"
+        raise TernaryError(f"{flag} writes an MLX directory, --to-gguf a GGUF file; give one")
     if gguf_type is not None and to_gguf is None:
         raise TernaryError("--gguf-type applies to --to-gguf only; add --to-gguf FILE or drop it")
 

@@ -182,6 +182,10 @@ def test_generate_from_a_gguf_repo_then_models_lists_removes_and_prunes(tmp_path
     with StandinHub({"o/g": gguf_repo}) as hub:
         run = cli(hub, tmp_path, "generate", "--model", "o/g:TQ2_0", "-p", "hi", "-m", "2")
         assert run.returncode == 0, run.stderr[-3000:]
+        local = cli(hub, tmp_path, "plan", "--model", "nowhere", "--gguf-file", "x.gguf")
+        assert local.returncode == 2 and "--gguf-file picks a file of a Hugging Face repo" in (
+            local.stderr
+        )
         assert "o/g:TQ2_0: downloading 1 file(s)" in run.stderr
         assert "converting the GGUF file" in run.stderr
         listed = cli(hub, tmp_path, "models")
@@ -193,14 +197,18 @@ def test_generate_from_a_gguf_repo_then_models_lists_removes_and_prunes(tmp_path
     lines = listed.stdout.splitlines()
     assert lines[0].split()[:2] == ["o/g", "downloaded"] and "GGUF: tiny-TQ2_0.gguf" in lines[0]
     assert lines[1].startswith("tiny-TQ2_0-") and "converted" in lines[1] and "llama" in lines[1]
-    assert lines[2] == "2 models, " + lines[2].split(", ")[1]
+    hf, gguf_cache = tmp_path / "hf" / "hub", tmp_path / "gguf-cache"
+    assert (
+        lines[2].startswith("2 models, ")
+        and f"(downloads in {hf}; conversions in {gguf_cache}" in (lines[2])
+    )
     assert refused.returncode == 1 and "Aborted" in refused.stderr
     assert pruned.returncode == 0 and pruned.stdout.startswith("Removed 1 converted copies")
     assert removed.returncode == 0 and removed.stdout.startswith("Removed o/g (downloaded")
     assert unknown.returncode == 1 and "o/nothing: no downloaded or converted model" in (
         unknown.stderr
     )
-    assert empty.stdout.strip() == "No models downloaded or converted yet."
+    assert empty.stdout.startswith("No models downloaded or converted yet (downloads in")
 
 
 def test_generate_from_a_repo_id_shows_the_download(tmp_path):

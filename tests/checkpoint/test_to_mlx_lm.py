@@ -179,6 +179,7 @@ def test_cli_quantize_forms(tmp_path, llama_src, args, bits):
         (["-d", "--packing", "fast"], "drop --packing"),
         (["--gguf-type", "TQ1_0"], "--gguf-type applies to --to-gguf only"),
         (["-d", "--to-mlx-lm", "x"], "give exactly one destination"),
+        (["-q", "--to-gguf", "x.gguf"], "--to-gguf a GGUF file; give one"),
     ],
 )
 def test_cli_refuses_options_that_do_nothing(tmp_path, llama_src, args, message):
