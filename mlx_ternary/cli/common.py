@@ -20,7 +20,9 @@ MODEL_HELP = (
     "Model directory, .gguf file or Hugging Face repo id; owner/repo:QUANT picks one GGUF "
     "file of a GGUF repo (default: the embedded tiny model)."
 )
-GGUF_FILE_HELP = "The GGUF file to download from a --model repo of several (as owner/repo:QUANT)."
+GGUF_FILE_HELP = (
+    "The GGUF file to download from a Hugging Face repo of several (or give owner/repo:QUANT)."
+)
 
 
 class IntChoice(click.Choice):
