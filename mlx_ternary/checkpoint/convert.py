@@ -693,17 +693,13 @@ def _one_directory(mlx_path, to_mlx_lm, to_gguf):
 
 def _check_options(packing, q_bits, dequantize, to_gguf, to_mlx_lm, gguf_type) -> None:
     """Refuse options the chosen output ignores (one line naming the option)."""
-    other = (
-        "-q/--quantize"
-        if q_bits
-        else "-d/--dequantize"
-        if dequantize
-        else "--to-gguf"
-        if to_gguf is not None
-        else "--to-mlx-lm"
-        if to_mlx_lm is not None
-        else None
+    outputs = (
+        (q_bits, "-q/--quantize"),
+        (dequantize, "-d/--dequantize"),
+        (to_gguf is not None, "--to-gguf"),
+        (to_mlx_lm is not None, "--to-mlx-lm"),
     )
+    other = next((flag for given, flag in outputs if given), None)
     if packing is not None and other:
         raise TernaryError(
             f"--packing sets the native format's layout; {other} writes another format; "

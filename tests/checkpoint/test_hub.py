@@ -36,7 +36,8 @@ def env_for(hub, tmp, **extra):
     env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HOME=str(tmp / "hf"), **extra)
     env["MLX_TERNARY_GGUF_CACHE"] = str(tmp / "gguf-cache")
     env["MLX_TERNARY_CONVERTED_CACHE"] = str(tmp / "converted-cache")
-    env.pop("HF_HUB_OFFLINE", None)
+    if "HF_HUB_OFFLINE" not in extra:
+        env.pop("HF_HUB_OFFLINE", None)
     return env
 
 
@@ -165,7 +166,7 @@ def test_one_file_of_a_multi_quant_gguf_repo(tmp_path, gguf_repo):
         got = download(hub, tmp_path, "o/g:tq1_0")
         assert got["path"].endswith("/tiny-TQ1_0.gguf")
         gets = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
-        assert gets == [f"/o/g/resolve/{hub.repos['o/g'].sha}/tiny-TQ1_0.gguf"]
+        assert gets == ["/o/g/resolve/main/tiny-TQ1_0.gguf"]
         named = download(hub, tmp_path, "o/g", gguf_file="tiny-TQ2_0.gguf")
         assert named["path"].endswith("/tiny-TQ2_0.gguf")
         several = download(hub, tmp_path, "o/g")
@@ -220,3 +221,17 @@ def test_generate_from_a_repo_id_shows_the_download(tmp_path):
     assert "o/tiny: downloading 5 file(s)" in run.stderr and str(folder) in run.stderr
     assert "model.safetensors" in run.stderr and "B/s" in run.stderr  # the byte bar
     assert not list(folder.glob("*.gguf"))
+
+
+def test_unknown_repo_and_the_cache_without_a_hub(tmp_path):
+    with StandinHub({"o/r": weights_repo()}) as hub:
+        first = download(hub, tmp_path, "o/r")
+        unknown = download(hub, tmp_path, "o/nothing")
+    assert "o/nothing: no such model directory here and no such repository" in unknown["error"]
+    # the server is gone (connection refused): what the cache holds, with no line
+    gone = download(hub, tmp_path, "o/r")
+    assert gone["path"] == first["path"] and gone["notes"] == []
+    offline = download(hub, tmp_path, "o/r", HF_HUB_OFFLINE="1")
+    assert offline["path"] == first["path"]
+    never = download(hub, tmp_path, "o/other")
+    assert "downloading it from the Hugging Face Hub (http://127.0.0.1:" in never["error"]
