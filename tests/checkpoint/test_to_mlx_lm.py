@@ -138,10 +138,12 @@ def test_llama_to_mlx_lm_is_the_exact_affine_checkpoint(tmp_path):
     assert mx.abs(back - w[p0]).max().item() > 1e-2
 
 
-def test_gguf_bitnet_to_mlx_lm(tmp_path):
+def test_gguf_bitnet_to_mlx_lm(tmp_path, monkeypatch):
     """bitnet.cpp's architecture (relu2) is written; llama.cpp's `bitnet` (1bitLLM: silu)
     is refused, since mlx-lm's bitnet class computes relu2 whatever the config says."""
     import gguf_build as gb
+
+    monkeypatch.setenv("MLX_TERNARY_GGUF_CACHE", str(tmp_path / "cache"))  # load() converts
 
     src, _, _ = gb.write(tmp_path / "b.gguf", "bitnet-b1.58", ternary=("TQ2_0", "TQ1_0"))
     out = tmp_path / "out"
