@@ -1,4 +1,4 @@
-"""convert(): any ternary checkpoint in, the native format or a stock MLX / GGUF file out.
+"""convert(): any ternary checkpoint in, the ternary format or a stock MLX / GGUF file out.
 
 Data path: a reader yields (name, tensor | PackedTernary) one at a time -> the writer
 streams it into a temporary directory beside the destination -> manifest -> rename.
@@ -34,9 +34,8 @@ from .readers.common import TOKENIZER_FILES, Source
 from .writers import gguf as gguf_writer
 from .writers import mlx_affine as affine_writer
 from .writers import mlx_bitnet as bitnet_writer
-from .writers.native import MAX_SHARD_BYTES, ShardWriter, native_config, write_manifest
+from .writers.ternary import MAX_SHARD_BYTES, ShardWriter, ternary_config, write_manifest
 
-DEFAULT_PACKING = getattr(dispatch, "DEFAULT_PACKING", "compact")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
@@ -76,7 +75,7 @@ class ConvertReport:
 
 def open_input(
     hf_path: Union[str, Path],
-    packing: str = DEFAULT_PACKING,
+    packing: str = dispatch.DEFAULT_PACKING,
     revision: Optional[str] = None,
     group_size: int = 128,
     gguf_file: Optional[str] = None,
@@ -145,7 +144,7 @@ def _ternary_tensors(
 ):
     """The tensors one ternary layer becomes, with its round-trip error recorded.
 
-    The native target is repacked and checked a block of rows at a time (no float copy of
+    The ternary-format target is repacked and checked a block of rows at a time (no float copy of
     the layer); the affine, BitLinear and float targets compare against the layer's float
     values (BitLinear's read back by the Hugging Face BitNet reader's unpacking)."""
     if bitlinear:
@@ -280,7 +279,7 @@ def _quantization(source: Source, packing: str, written: dict) -> QuantizationCo
     if len(groups) > 1:
         raise FormatError(
             f"{source.path}: layers use scale groups of {sorted(groups)} "
-            "columns; the native format holds one group size per model"
+            "columns; the ternary format holds one group size per model"
         )
     g = groups.pop() if groups else None
     return QuantizationConfig(
@@ -309,7 +308,7 @@ def convert_source(
     *,
     q_bits: Optional[int] = None,
     q_group_size: int = 64,
-    packing: str = DEFAULT_PACKING,
+    packing: str = dispatch.DEFAULT_PACKING,
     dtype: Optional[str] = None,
     dequantize: bool = False,
     to_gguf=None,
@@ -339,7 +338,7 @@ def convert_source(
 class Target:
     """What a conversion writes (see `convert` for the fields)."""
 
-    packing: str = DEFAULT_PACKING
+    packing: str = dispatch.DEFAULT_PACKING
     q_bits: Optional[int] = None
     q_group_size: int = 64
     dequantize: bool = False
@@ -371,7 +370,7 @@ class Target:
                 raise TernaryError(
                     f"{source.path}: a bitnet model with hidden_act {act!r}; mlx-lm's "
                     "bitnet class computes relu2 and has no setting for it, so stock "
-                    "mlx-lm would compute another model; convert to the native format "
+                    "mlx-lm would compute another model; convert to the ternary format "
                     "(--mlx-path) and load it with mlx_ternary.load"
                 )
             if not self.bitlinear:
@@ -386,7 +385,7 @@ class Target:
                         "`--to-mlx-lm DIR` without -q writes mlx-lm's own BitLinear "
                         "layout, which stock mlx-lm loads"
                         if model_type == "bitnet"
-                        else "convert to the native format instead"
+                        else "convert to the ternary format instead"
                     )
                 )
 
@@ -405,7 +404,7 @@ class Target:
             return "mlx-lm BitLinear (quant_method bitnet)"
         if self.q_bits:
             return f"MLX affine {self.q_bits}-bit, group size {self.q_group_size}"
-        return "float (dequantized)" if self.dequantize else f"mlx-ternary native ({self.packing})"
+        return "float (dequantized)" if self.dequantize else f"mlx-ternary ({self.packing})"
 
 
 def _convert(
@@ -486,7 +485,7 @@ def _write_directory(
         )
         _write_model_card(source, tmp, t, report)
     else:
-        config = native_config(source.config, _quantization(source, t.packing, written))
+        config = ternary_config(source.config, _quantization(source, t.packing, written))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(source, tmp)
     write_manifest(tmp)
@@ -621,7 +620,7 @@ def convert(
     download_progress=None,
     notify=None,
 ) -> ConvertReport:
-    """Convert a ternary checkpoint to the native format, stock MLX, or GGUF.
+    """Convert a ternary checkpoint to the ternary format, stock MLX, or GGUF.
 
     Reads every format readers.READERS lists (docs/CONVERT.md has the table).
 
@@ -631,7 +630,7 @@ def convert(
         q_bits: write a stock MLX affine checkpoint at this many bits (2, 3, 4, 5, 6, 8),
             ternary values exact, loadable by plain `mlx_lm.load`.
         q_group_size: its group size (32, 64, 128).
-        packing: native packing, "compact" or "fast" (default: dispatch.DEFAULT_PACKING).
+        packing: the ternary format's packing, "compact" or "fast" (default: dispatch.DEFAULT_PACKING).
         dtype: "float16", "bfloat16" or "float32" for float tensors.
         dequantize: write a float checkpoint (ternary weights as s * t).
         to_gguf: write a llama.cpp GGUF file here instead of a directory.
@@ -660,7 +659,7 @@ def convert(
             destination on any error or interrupt.
     """
     _check_options(packing, q_bits, dequantize, to_gguf, to_mlx_lm, gguf_type)
-    packing = check_packing(packing or DEFAULT_PACKING)
+    packing = check_packing(packing or dispatch.DEFAULT_PACKING)
     mlx_path = _one_directory(mlx_path, to_mlx_lm, to_gguf)
     dst = destination(mlx_path, to_gguf, force)  # before a hub download
     _check_activation_bits(activation_bits)
@@ -702,7 +701,7 @@ def _check_options(packing, q_bits, dequantize, to_gguf, to_mlx_lm, gguf_type) -
     other = next((flag for given, flag in outputs if given), None)
     if packing is not None and other:
         raise TernaryError(
-            f"--packing sets the native format's layout; {other} writes another format; "
+            f"--packing sets the ternary format's layout; {other} writes another format; "
             "drop --packing"
         )
     if to_gguf is not None and (q_bits or dequantize):

@@ -16,11 +16,11 @@ from typing import List
 
 from ..errors import TernaryError
 from .gguf_cache import cache_root
-from .readers import READERS, gguf, hf_bitnet, mlx_affine, native, trilm
+from .readers import READERS, gguf, hf_bitnet, mlx_affine, ternary, trilm
 from .readers.arch import read_config
 
 FORMATS = {
-    native: "mlx-ternary native",
+    ternary: "mlx-ternary format",
     hf_bitnet: "Hugging Face BitNet",
     mlx_affine: "MLX affine pack",
     gguf: "GGUF",
@@ -111,7 +111,7 @@ def stored() -> List[StoredModel]:
 
 @contextmanager
 def _locked(folder: Path):
-    """gguf_cache.native_dir's lock on a cache folder: no conversion runs meanwhile."""
+    """gguf_cache.ternary_dir's lock on a cache folder: no conversion runs meanwhile."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

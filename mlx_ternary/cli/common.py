@@ -199,11 +199,11 @@ def local_model(model: str) -> str:
     model = downloaded(model, ctx.meta.get("mlx_ternary.gguf_file") if ctx else None)
     if not detect(Path(model).expanduser()):
         return model
-    from ..checkpoint.gguf_cache import native_dir
+    from ..checkpoint.gguf_cache import ternary_dir
 
     with tensor_bar(file=sys.stderr) as progress:
         return str(
-            native_dir(Path(model).expanduser(), lambda m: click.echo(m, err=True), progress)
+            ternary_dir(Path(model).expanduser(), lambda m: click.echo(m, err=True), progress)
         )
 
 

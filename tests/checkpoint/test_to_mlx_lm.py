@@ -157,7 +157,7 @@ def test_gguf_bitnet_to_mlx_lm(tmp_path, monkeypatch):
 
 def test_per_row_scales_cannot_be_bitlinear(tmp_path):
     src, _ = ternary_checkpoint(tmp_path, "bitnet", "compact", "row")
-    with pytest.raises(TernaryError, match=r"q_proj: its ternary scales vary .* native format"):
+    with pytest.raises(TernaryError, match=r"q_proj: its ternary scales vary .* ternary format"):
         convert(str(src), to_mlx_lm=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
