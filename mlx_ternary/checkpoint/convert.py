@@ -144,9 +144,9 @@ def _ternary_tensors(
 ):
     """The tensors one ternary layer becomes, with its round-trip error recorded.
 
-    The ternary-format target is repacked and checked a block of rows at a time (no float copy of
-    the layer); the affine, BitLinear and float targets compare against the layer's float
-    values (BitLinear's read back by the Hugging Face BitNet reader's unpacking)."""
+    The ternary-format target is repacked and checked a block of rows at a time (no float
+    copy of the layer); the affine, BitLinear and float targets compare against the layer's
+    float values (BitLinear's read back by the Hugging Face BitNet reader's unpacking)."""
     if bitlinear:
         from .readers.hf_bitnet import unpack_hf
 

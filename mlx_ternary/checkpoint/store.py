@@ -20,7 +20,7 @@ from .readers import READERS, gguf, hf_bitnet, mlx_affine, ternary, trilm
 from .readers.arch import read_config
 
 FORMATS = {
-    ternary: "mlx-ternary format",
+    ternary: "mlx-ternary ternary format",
     hf_bitnet: "Hugging Face BitNet",
     mlx_affine: "MLX affine pack",
     gguf: "GGUF",
