@@ -33,6 +33,7 @@ from .readers.arch import Checker, is_hadamard
 from .readers.common import TOKENIZER_FILES, Source
 from .writers import gguf as gguf_writer
 from .writers import mlx_affine as affine_writer
+from .writers import mlx_bitnet as bitnet_writer
 from .writers.ternary import MAX_SHARD_BYTES, ShardWriter, ternary_config, write_manifest
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -77,21 +78,29 @@ def open_input(
     packing: str = dispatch.DEFAULT_PACKING,
     revision: Optional[str] = None,
     group_size: int = 128,
+    gguf_file: Optional[str] = None,
+    download_progress=None,
+    notify=None,
 ) -> Source:
     """The Source of a directory, hub repo id or .gguf file (readers.READERS decides).
 
     Args:
         group_size: the column group TriLM-style weights are read at when one scale
             per row does not fit.
+        gguf_file, download_progress, notify: hub.download's gguf_file, progress, notify.
     """
     p = Path(str(hf_path)).expanduser()
+    if not p.is_file():
+        p = model_dir(
+            str(hf_path), revision, gguf_file=gguf_file, progress=download_progress, notify=notify
+        )
     if p.is_file():
         if p.suffix != ".gguf":
             raise TernaryError(
                 f"{p}: a single file must be a .gguf; otherwise pass the model directory"
             )
         return open_source(p, packing)
-    return open_source(model_dir(str(hf_path), revision), packing, group_size)
+    return open_source(p, packing, group_size)
 
 
 # --------------------------------------------------------------------------- #
@@ -99,9 +108,13 @@ def open_input(
 # --------------------------------------------------------------------------- #
 
 
+def _as_float32(a) -> np.ndarray:
+    """numpy float32 of a numpy or MLX array (bfloat16 has no numpy buffer format)."""
+    return np.array(a.astype(mx.float32)) if isinstance(a, mx.array) else np.asarray(a, np.float32)
+
+
 def _max_err(a, b) -> float:
-    a = np.asarray(a, dtype=np.float32)
-    b = np.asarray(b, dtype=np.float32)
+    a, b = _as_float32(a), _as_float32(b)
     return float(np.abs(a - b).max(initial=0.0))
 
 
@@ -127,12 +140,23 @@ def _ternary_tensors(
     q_group_size,
     dequantize,
     dtype,
+    bitlinear=False,
 ):
     """The tensors one ternary layer becomes, with its round-trip error recorded.
 
-    The ternary-format target is repacked and checked a block of rows at a time (no float copy of
-    the layer); the affine and float targets compare against the layer's float values."""
-    if q_bits or dequantize:
+    The ternary-format target is repacked and checked a block of rows at a time (no float
+    copy of the layer); the affine, BitLinear and float targets compare against the layer's
+    float values (BitLinear's read back by the Hugging Face BitNet reader's unpacking)."""
+    if bitlinear:
+        from .readers.hf_bitnet import unpack_hf
+
+        tensors = bitnet_writer.bitlinear_tensors(name, item, dtype)
+        (_, packed), (_, ws) = tensors
+        back = unpack_hf(np.array(packed), item.out_features) * np.array(ws.astype(mx.float32))
+        err = _max_err(back, item.dequantize(np.float32))
+        kind = "ternary BitLinear (mlx-lm)"
+        written.setdefault("bitlinear", set()).add(name)
+    elif q_bits or dequantize:
         ref = item.dequantize(np.float32)
         tensors = (
             affine_writer.affine_tensors(name, item, q_bits, q_group_size, dtype)
@@ -198,6 +222,7 @@ def _write_tensors(
     dtype,
     max_shard_bytes: int,
     progress: Optional[Progress],
+    bitlinear: bool = False,
 ) -> dict:
     """Stream every item of `source` into shards in `out`.
 
@@ -219,16 +244,19 @@ def _write_tensors(
                 q_group_size=q_group_size,
                 dequantize=dequantize,
                 dtype=dtype,
+                bitlinear=bitlinear,
             )
-        elif isinstance(item, AffineTensor):
+        elif isinstance(item, AffineTensor):  # BitLinear checkpoints hold no affine layers
             tensors = _affine_tensors(
-                name, item, report, written, dequantize=dequantize, dtype=dtype
+                name, item, report, written, dequantize=dequantize or bitlinear, dtype=dtype
             )
         elif isinstance(item, GGMLTensor):
             # a stock MLX checkpoint (q_bits) has no place for the blocks: floats
             tensors = _ggml_tensors(
-                name, item, report, written, dequantize=dequantize or bool(q_bits)
+                name, item, report, written, dequantize=dequantize or bool(q_bits) or bitlinear
             )
+            if bitlinear:
+                tensors = [(n, _float(t, dtype)) for n, t in tensors]
         else:
             arr = _float(item, dtype)
             err = _max_err(arr, item) if arr.dtype != item.dtype else 0.0
@@ -288,11 +316,20 @@ def convert_source(
     force: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Optional[Progress] = None,
+    to_mlx_lm=None,
 ) -> ConvertReport:
     """Write an opened Source (see `convert` for the arguments)."""
+    mlx_path = _one_directory(mlx_path, to_mlx_lm, to_gguf)
     dst = destination(mlx_path, to_gguf, force)
     target = Target(
-        check_packing(packing), q_bits, q_group_size, dequantize, dtype, gguf_type, max_shard_bytes
+        check_packing(packing),
+        q_bits,
+        q_group_size,
+        dequantize,
+        dtype,
+        gguf_type,
+        max_shard_bytes,
+        to_mlx_lm=to_mlx_lm is not None,
     )
     return _convert(with_model(source), dst, target, to_gguf is not None, force, progress)
 
@@ -308,25 +345,63 @@ class Target:
     dtype: Optional[str] = None
     gguf_type: str = "TQ2_0"
     max_shard_bytes: int = MAX_SHARD_BYTES
+    to_mlx_lm: bool = False  # stock mlx-lm: BitLinear for bitnet, else affine (2-bit default)
+    bitlinear: bool = False  # set by check(): mlx-lm's packed BitLinear layout
 
     def check(self, source: Source) -> None:
-        """Refuse options that exclude each other or that the source cannot take."""
+        """Refuse options that exclude each other or that the source cannot take; for
+        --to-mlx-lm, pick the layout stock mlx-lm loads this model type from."""
         if self.dtype is not None and self.dtype not in DTYPES:
             raise TernaryError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.q_bits and self.dequantize:
             raise TernaryError("-q/--q-bits and -d/--dequantize exclude each other")
+        model_type = source.config.get("model_type")
+        if self.to_mlx_lm:
+            if self.dequantize:
+                raise TernaryError("--to-mlx-lm and -d/--dequantize exclude each other")
+            if is_hadamard(source.config):
+                raise TernaryError(
+                    f"{source.path}: a {model_type} pack already is what stock mlx-lm "
+                    "loads (mlx_lm.models.prism_hadamard_qwen35); use it as it is"
+                )
+            self.bitlinear = model_type == "bitnet" and not self.q_bits
+            act = source.config.get("hidden_act", "relu2")
+            if self.bitlinear and act != "relu2":  # 1bitLLM-style BitNet (llama.cpp's bitnet)
+                raise TernaryError(
+                    f"{source.path}: a bitnet model with hidden_act {act!r}; mlx-lm's "
+                    "bitnet class computes relu2 and has no setting for it, so stock "
+                    "mlx-lm would compute another model; convert to the ternary format "
+                    "(--mlx-path) and load it with mlx_ternary.load"
+                )
+            if not self.bitlinear:
+                self.q_bits = self.q_bits or 2
         if self.q_bits:
             affine_writer.check_args(self.q_bits, self.q_group_size)
-            if source.config.get("model_type") == "bitnet" or is_hadamard(source.config):
+            if model_type == "bitnet" or is_hadamard(source.config):
                 raise TernaryError(
-                    f"{source.path}: mlx-lm's {source.config['model_type']} class "
-                    "has no stock quantized layers to load an affine checkpoint "
-                    "into; convert to the ternary format instead"
+                    f"{source.path}: mlx-lm's {model_type} class has no stock quantized "
+                    "layers to load an affine (-q) checkpoint into; "
+                    + (
+                        "`--to-mlx-lm DIR` without -q writes mlx-lm's own BitLinear "
+                        "layout, which stock mlx-lm loads"
+                        if model_type == "bitnet"
+                        else "convert to the ternary format instead"
+                    )
                 )
+
+    def float_dtype(self, source: Source) -> Optional[str]:
+        """The dtype float tensors are written in: --dtype, else as stored; a BitLinear
+        checkpoint needs one dtype for all (the source's torch_dtype, else bfloat16)."""
+        if self.dtype or not self.bitlinear:
+            return self.dtype
+        stored = source.config.get("torch_dtype") or source.config.get("dtype")
+        return stored if stored in DTYPES else "bfloat16"
 
     def describe(self, gguf: bool) -> str:
         if gguf:
             return f"GGUF {self.gguf_type}"
+        if self.bitlinear:
+            return "mlx-lm BitLinear (quant_method bitnet)"
         if self.q_bits:
             return f"MLX affine {self.q_bits}-bit, group size {self.q_group_size}"
         return "float (dequantized)" if self.dequantize else f"mlx-ternary ({self.packing})"
@@ -392,11 +467,15 @@ def _write_directory(
         q_bits=t.q_bits,
         q_group_size=t.q_group_size,
         dequantize=t.dequantize,
-        dtype=DTYPES.get(t.dtype),
+        dtype=DTYPES.get(t.float_dtype(source)),
         max_shard_bytes=t.max_shard_bytes,
         progress=progress,
+        bitlinear=t.bitlinear,
     )
-    if t.q_bits or t.dequantize:
+    if t.bitlinear:
+        config = _bitlinear_config(source, t, report, written.get("bitlinear", set()))
+        _write_model_card(source, tmp, t, report)
+    elif t.q_bits or t.dequantize:
         config = (
             affine_writer.affine_config(
                 source.config, t.q_bits, t.q_group_size, written.get("affine", {})
@@ -412,8 +491,37 @@ def _write_directory(
     write_manifest(tmp)
 
 
+def _bitlinear_config(source: Source, target: Target, report: ConvertReport, packed) -> dict:
+    """config.json of mlx-lm's BitLinear layout (its README.md is written beside it);
+    `packed`: the layers written as BitLinear."""
+    # an lm_head kept in floats must stay nn.Linear (bitnet_quantize makes the others BitLinear)
+    float_head = not source.config.get("tie_word_embeddings", True) and "lm_head" not in packed
+    dtype = target.float_dtype(source)
+    config = bitnet_writer.bitnet_config(
+        source.config, source.activation_bits, ("lm_head",) if float_head else ()
+    )
+    config["torch_dtype"] = dtype
+    report.notes.append(
+        f"float tensors and weight scales written as {dtype} (mlx-lm's BitLinear computes "
+        "in one dtype); loads with stock mlx_lm.load, whose BitLinear kernel needs Metal"
+    )
+    if source.activation_bits:
+        report.notes.append(
+            f"the source quantizes activations to int{source.activation_bits}; stock "
+            "mlx-lm's BitLinear does not (stated in its README.md)"
+        )
+    return config
+
+
 def _write_model_card(source: Source, tmp: Path, target: Target, report: ConvertReport) -> None:
-    """README.md of a stock MLX checkpoint, saying what it keeps of the source."""
+    """README.md of a stock MLX (or float) checkpoint: what loads it, what it keeps."""
+    if target.bitlinear:
+        card = bitnet_writer.model_card(
+            source.path.name, source.kind, target.float_dtype(source), source.activation_bits
+        )
+        (tmp / "README.md").write_text(card)
+        return
+    model_type = source.config.get("model_type")
     (tmp / "README.md").write_text(
         affine_writer.model_card(
             source.path.name,
@@ -421,8 +529,15 @@ def _write_model_card(source: Source, tmp: Path, target: Target, report: Convert
             target.q_bits,
             target.q_group_size,
             source.activation_bits,
+            model_type,
         )
     )
+    if model_type == "bitnet":  # -d: mlx-lm's bitnet class has only BitLinear layers
+        report.notes.append(
+            "stock mlx-lm cannot load a float bitnet checkpoint (its bitnet class holds "
+            "only packed BitLinear layers); mlx_ternary.load reads it; for stock mlx-lm "
+            "use --to-mlx-lm (stated in its README.md)"
+        )
     if source.activation_bits:
         report.notes.append(
             f"the source quantizes activations to int{source.activation_bits}; "
@@ -492,7 +607,7 @@ def convert(
     dtype: Optional[str] = None,
     dequantize: bool = False,
     to_gguf=None,
-    gguf_type: str = "TQ2_0",
+    gguf_type: Optional[str] = None,
     force: bool = False,
     revision: Optional[str] = None,
     group_size: int = 128,
@@ -500,6 +615,10 @@ def convert(
     activations: Optional[str] = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Optional[Progress] = None,
+    to_mlx_lm=None,
+    gguf_file: Optional[str] = None,
+    download_progress=None,
+    notify=None,
 ) -> ConvertReport:
     """Convert a ternary checkpoint to the ternary format, stock MLX, or GGUF.
 
@@ -515,7 +634,8 @@ def convert(
         dtype: "float16", "bfloat16" or "float32" for float tensors.
         dequantize: write a float checkpoint (ternary weights as s * t).
         to_gguf: write a llama.cpp GGUF file here instead of a directory.
-        gguf_type: "TQ1_0" or "TQ2_0" for the GGUF ternary tensors.
+        gguf_type: "TQ1_0" or "TQ2_0" (default) for the GGUF ternary tensors; only
+            with to_gguf.
         force: replace an existing destination. revision: hub revision of a repo id.
         group_size: column group of TriLM-style weights whose scales vary along a row.
         activation_bits: 8 or 0 over the source's activation quantization (a float copy of
@@ -524,6 +644,11 @@ def convert(
             the source's default ("q8k" for llama.cpp's GGUF files, else "model").
         max_shard_bytes: largest safetensors shard (default 5 GB).
         progress: called as (tensor name, done, total) after each tensor.
+        to_mlx_lm: write here (instead of mlx_path) what stock `mlx_lm.load` loads: for
+            `bitnet` models mlx-lm's packed BitLinear layout (quant_method bitnet), for
+            the others the exact affine checkpoint at q_bits (default 2).
+        gguf_file: the GGUF file of a hub repo of several (also `owner/repo:QUANT`).
+        download_progress, notify: hub.download's callbacks for a repo id downloaded.
 
     Returns:
         A ConvertReport (per-tensor round-trip errors, bits per weight, notes).
@@ -533,15 +658,57 @@ def convert(
             checkpoint (FormatError names the file and tensor). Nothing is left at the
             destination on any error or interrupt.
     """
+    _check_options(packing, q_bits, dequantize, to_gguf, to_mlx_lm, gguf_type)
     packing = check_packing(packing or dispatch.DEFAULT_PACKING)
+    mlx_path = _one_directory(mlx_path, to_mlx_lm, to_gguf)
     dst = destination(mlx_path, to_gguf, force)  # before a hub download
     _check_activation_bits(activation_bits)
     activations = activations and check_activations(activations)
-    read_as = "fast" if (q_bits or dequantize or to_gguf) else packing
-    source = _overridden(open_input(hf_path, read_as, revision, group_size), activation_bits)
+    read_as = "fast" if (q_bits or dequantize or to_gguf or to_mlx_lm) else packing
+    source = open_input(
+        hf_path, read_as, revision, group_size, gguf_file, download_progress, notify
+    )
+    source = _overridden(source, activation_bits)
     source.activations = activations or source.activations
-    target = Target(packing, q_bits, q_group_size, dequantize, dtype, gguf_type, max_shard_bytes)
+    target = Target(
+        packing,
+        q_bits,
+        q_group_size,
+        dequantize,
+        dtype,
+        gguf_type or "TQ2_0",
+        max_shard_bytes,
+        to_mlx_lm=to_mlx_lm is not None,
+    )
     return _convert(with_model(source), dst, target, to_gguf is not None, force, progress)
+
+
+def _one_directory(mlx_path, to_mlx_lm, to_gguf):
+    """The output directory: mlx_path or to_mlx_lm (one of them), unless to_gguf."""
+    if to_mlx_lm is not None and (mlx_path is not None or to_gguf is not None):
+        raise TernaryError("give exactly one destination: --mlx-path, --to-mlx-lm or --to-gguf")
+    return to_mlx_lm if to_mlx_lm is not None else mlx_path
+
+
+def _check_options(packing, q_bits, dequantize, to_gguf, to_mlx_lm, gguf_type) -> None:
+    """Refuse options the chosen output ignores (one line naming the option)."""
+    outputs = (
+        (q_bits, "-q/--quantize"),
+        (dequantize, "-d/--dequantize"),
+        (to_gguf is not None, "--to-gguf"),
+        (to_mlx_lm is not None, "--to-mlx-lm"),
+    )
+    other = next((flag for given, flag in outputs if given), None)
+    if packing is not None and other:
+        raise TernaryError(
+            f"--packing sets the ternary format's layout; {other} writes another format; "
+            "drop --packing"
+        )
+    if to_gguf is not None and (q_bits or dequantize):
+        flag = "-q/--quantize" if q_bits else "-d/--dequantize"
+        raise TernaryError(f"{flag} writes an MLX directory, --to-gguf a GGUF file; give one")
+    if gguf_type is not None and to_gguf is None:
+        raise TernaryError("--gguf-type applies to --to-gguf only; add --to-gguf FILE or drop it")
 
 
 def _check_activation_bits(activation_bits) -> None:

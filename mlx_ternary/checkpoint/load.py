@@ -34,15 +34,20 @@ from .readers.arch import Checker, get_classes, hadamard_paths, normalize_config
 from .readers.common import Source
 
 
-def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
+def resolve_model_path(
+    path_or_hf_repo: str, revision: Optional[str] = None, gguf_file: Optional[str] = None
+) -> Path:
     """A local model directory: the directory itself, a .gguf file's converted copy in the
-    cache, or a hub repo id downloaded."""
+    cache, or a hub repo id downloaded (`owner/repo:Q` or gguf_file: one GGUF file of it,
+    then converted)."""
     p = Path(path_or_hf_repo).expanduser()
+    if not gguf.detect(p):
+        p = model_dir(path_or_hf_repo, revision, gguf_file=gguf_file)
     if gguf.detect(p):  # converted once into the cache, then read from there
         from .gguf_cache import ternary_dir
 
         return ternary_dir(p)
-    return model_dir(path_or_hf_repo, revision)
+    return p
 
 
 def default_dtype():

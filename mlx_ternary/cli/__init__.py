@@ -8,6 +8,7 @@ import click
 from ..errors import TernaryError
 from .bench import bench
 from .model import convert, plan, verify
+from .models import models
 from .run import generate, lm, perplexity
 from .serve import serve
 
@@ -48,5 +49,5 @@ def _build_native():
         cpu.available(lambda s: click.echo(f"mlx-ternary: {s}", err=True))
 
 
-for _command in (generate, perplexity, convert, verify, serve, lm, plan, bench):
+for _command in (generate, perplexity, convert, verify, serve, lm, plan, bench, models):
     main.add_command(_command)

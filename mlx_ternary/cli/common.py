@@ -17,7 +17,11 @@ from ..format import (
 )
 
 MODEL_HELP = (
-    "Model directory, .gguf file or Hugging Face repo id (default: the embedded tiny model)."
+    "Model directory, .gguf file or Hugging Face repo id; owner/repo:QUANT picks one GGUF "
+    "file of a GGUF repo (default: the embedded tiny model)."
+)
+GGUF_FILE_HELP = (
+    "The GGUF file to download from a Hugging Face repo of several (or give owner/repo:QUANT)."
 )
 
 
@@ -33,9 +37,20 @@ class IntChoice(click.Choice):
         return int(super().convert(str(value), param, ctx))
 
 
+class QuantizeBits(IntChoice):
+    """-q/--quantize's bits: `-q 4`, or `-q` alone (0: take --q-bits, as mlx-lm's convert)."""
+
+    name = "bits"
+
+    def convert(self, value, param, ctx):
+        return 0 if value == QUANTIZE_FLAG else super().convert(value, param, ctx)
+
+
+QUANTIZE_FLAG = "flag"
 KV_BITS_TYPE = IntChoice(KV_BITS)
 KV_GROUP_SIZE_TYPE = IntChoice(KV_GROUP_SIZES)
 AFFINE_BITS_TYPE = IntChoice(AFFINE_BITS)
+QUANTIZE_TYPE = QuantizeBits(AFFINE_BITS)
 AFFINE_GROUP_SIZE_TYPE = IntChoice(AFFINE_GROUP_SIZES)
 PACKING_TYPE = click.Choice(PACKINGS)
 
@@ -80,8 +95,21 @@ adapter_option = click.option(
 
 
 def model_option(f):
-    """--model, defaulting to the embedded model (see `or_embedded`)."""
+    """--model, defaulting to the embedded model (see `or_embedded`), and --gguf-file,
+    which `local_model` reads from the context (commands need no parameter for it)."""
+
+    def keep(ctx, param, value):
+        ctx.meta["mlx_ternary.gguf_file"] = value
+
+    f = click.option(
+        "--gguf-file", default=None, expose_value=False, callback=keep, help=GGUF_FILE_HELP
+    )(f)
     return click.option("--model", default=None, help=MODEL_HELP)(f)
+
+
+def gguf_file_option(f):
+    """--gguf-file for a command whose model option is not --model (convert's --hf-path)."""
+    return click.option("--gguf-file", default=None, help=GGUF_FILE_HELP)(f)
 
 
 def or_embedded(model: str | None) -> str:
@@ -119,10 +147,56 @@ def tensor_bar(desc: str = "convert", file=None):
             bar.close()
 
 
+@contextmanager
+def download_bar():
+    """hub.download's progress(file, done, total) as one byte-counting tqdm bar per file,
+    on stderr."""
+    from tqdm import tqdm
+
+    bars = {}
+
+    def progress(name, done, total):
+        bar = bars.get(name)
+        if bar is None:
+            bar = bars[name] = tqdm(
+                total=total or None, unit="B", unit_scale=True, desc=name[-40:], file=sys.stderr
+            )
+        bar.update(done - bar.n)
+        if total and done >= total:
+            bar.close()
+
+    try:
+        yield progress
+    finally:
+        for bar in bars.values():
+            bar.close()
+
+
+def downloaded(model: str, gguf_file=None) -> str:
+    """A hub repo id (not a local path) downloaded with progress on stderr; a local path or
+    anything else passes as given (the loader explains what it is not)."""
+    from ..checkpoint import hub
+
+    if Path(model).expanduser().exists() or not hub.is_repo_id(model):
+        if gguf_file is not None:
+            raise click.UsageError(
+                "--gguf-file picks a file of a Hugging Face repo given as --model"
+            )
+        return model
+    with download_bar() as progress:
+        path = hub.download(
+            model, gguf_file=gguf_file, progress=progress, notify=lambda m: click.echo(m, err=True)
+        )
+    return str(path)
+
+
 def local_model(model: str) -> str:
-    """A GGUF file is converted once into the cache, saying so on stderr; others pass as given."""
+    """A hub repo id is downloaded (progress on stderr), a GGUF file converted once into
+    the cache (saying so); a local directory passes as given."""
     from ..checkpoint.readers.gguf import detect
 
+    ctx = click.get_current_context(silent=True)
+    model = downloaded(model, ctx.meta.get("mlx_ternary.gguf_file") if ctx else None)
     if not detect(Path(model).expanduser()):
         return model
     from ..checkpoint.gguf_cache import ternary_dir

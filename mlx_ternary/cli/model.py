@@ -6,7 +6,11 @@ from .common import (
     AFFINE_BITS_TYPE,
     AFFINE_GROUP_SIZE_TYPE,
     PACKING_TYPE,
+    QUANTIZE_FLAG,
+    QUANTIZE_TYPE,
     activations_option,
+    download_bar,
+    gguf_file_option,
     kv_bits_option,
     local_model,
     memory_limit_option,
@@ -22,7 +26,8 @@ from .common import (
     epilog="""\b
 Examples:
   mlx-ternary convert --hf-path microsoft/bitnet-b1.58-2B-4T --mlx-path bitnet-ternary
-  mlx-ternary convert --hf-path DIR --mlx-path out-4bit -q 4 --q-group-size 64
+  mlx-ternary convert --hf-path DIR --mlx-path out-4bit -q --q-bits 4 --q-group-size 64
+  mlx-ternary convert --hf-path microsoft/bitnet-b1.58-2B-4T --to-mlx-lm bitnet-mlx-lm
   mlx-ternary convert --hf-path model.gguf --mlx-path out --packing fast
   mlx-ternary convert --hf-path DIR --to-gguf model-tq2.gguf
 """
@@ -30,7 +35,8 @@ Examples:
 @click.option(
     "--hf-path",
     required=True,
-    help="Source: a model directory, a Hugging Face repo id, or a .gguf file.",
+    help="Source: a model directory, a Hugging Face repo id (owner/repo:QUANT: one GGUF "
+    "file of it), or a .gguf file.",
 )
 @click.option(
     "--mlx-path",
@@ -46,18 +52,33 @@ Examples:
     help="Native packing (default: the kernels' default).",
 )
 @click.option(
+    "--to-mlx-lm",
+    default=None,
+    metavar="DIR",
+    help="Write what stock mlx_lm.load (and LM Studio's MLX engine) loads: mlx-lm's "
+    "BitLinear layout for bitnet models, else the exact 2-bit (or -q) checkpoint.",
+)
+@click.option(
     "-q",
+    "--quantize",
+    type=QUANTIZE_TYPE,
+    is_flag=False,
+    flag_value=QUANTIZE_FLAG,
+    default=None,
+    help="Write a stock MLX affine checkpoint (exact ternary) at --q-bits; `-q N` "
+    "sets the bits too.",
+)
+@click.option(
     "--q-bits",
     type=AFFINE_BITS_TYPE,
     default=None,
-    help="Write a stock MLX affine checkpoint at this many bits (exact ternary).",
+    help="Bits of the MLX affine checkpoint (default 4; implies -q).",
 )
 @click.option(
     "--q-group-size",
     type=AFFINE_GROUP_SIZE_TYPE,
-    default=64,
-    show_default=True,
-    help="Group size of the MLX affine checkpoint.",
+    default=None,
+    help="Group size of the MLX affine checkpoint (default 64).",
 )
 @click.option(
     "--dtype",
@@ -70,11 +91,12 @@ Examples:
 @click.option(
     "--gguf-type",
     type=click.Choice(["TQ1_0", "TQ2_0"]),
-    default="TQ2_0",
-    show_default=True,
-    help="GGUF type of ternary rows of whole 256-weight blocks (others: Q8_0 codes).",
+    default=None,
+    help="GGUF type of ternary rows of whole 256-weight blocks (others: Q8_0 codes); "
+    "default TQ2_0. Only with --to-gguf.",
 )
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@gguf_file_option
 @click.option(
     "--activation-bits",
     type=click.Choice(["8", "0"]),
@@ -87,19 +109,22 @@ Examples:
 @activations_option(
     "Recorded in the checkpoint. Default: q8k from llama.cpp's GGUF files, else model."
 )
-def convert(hf_path, mlx_path, q_bits, q_group_size, activation_bits, verbose, **options):
+def convert(hf_path, mlx_path, quantize, q_bits, q_group_size, activation_bits, verbose, **options):
     """Convert a ternary checkpoint to the ternary format, stock MLX or GGUF."""
     from ..checkpoint.convert import convert as run_convert
 
-    if mlx_path is None and options["to_gguf"] is None:
-        raise click.UsageError("give --mlx-path DIR or --to-gguf FILE")
-    with tensor_bar() as progress:
+    if mlx_path is None and options["to_gguf"] is None and options["to_mlx_lm"] is None:
+        raise click.UsageError("give --mlx-path DIR, --to-mlx-lm DIR or --to-gguf FILE")
+    bits = _affine_bits(quantize, q_bits, q_group_size, options["to_mlx_lm"])
+    with download_bar() as downloads, tensor_bar() as progress:
         report = run_convert(
             hf_path,
             mlx_path,
-            q_bits,
-            q_group_size,
+            bits,
+            q_group_size or 64,
             progress=progress,
+            download_progress=downloads,
+            notify=lambda m: click.echo(m, err=True),
             activation_bits=None if activation_bits is None else int(activation_bits),
             **options,
         )
@@ -117,6 +142,17 @@ def convert(hf_path, mlx_path, q_bits, q_group_size, activation_bits, verbose, *
         from ..memory import fmt_bytes
 
         click.echo(f"Peak memory: {fmt_bytes(report.peak_rss)} resident (the whole process)")
+
+
+def _affine_bits(quantize, q_bits, q_group_size, to_mlx_lm):
+    """The affine bits asked for: `-q N`, `-q --q-bits N` (mlx-lm's form), `--q-bits N`
+    alone, or `-q` alone (4); None when no affine checkpoint is asked for."""
+    if quantize and q_bits and quantize != q_bits:
+        raise click.UsageError(f"-q {quantize} and --q-bits {q_bits} disagree; give one")
+    bits = (quantize or q_bits or 4) if quantize is not None else q_bits
+    if q_group_size is not None and bits is None and to_mlx_lm is None:
+        raise click.UsageError("--q-group-size applies to -q/--quantize or --to-mlx-lm only")
+    return bits
 
 
 @click.command()

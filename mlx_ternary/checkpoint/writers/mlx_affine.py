@@ -109,9 +109,19 @@ def model_card(
     bits: Optional[int],
     group_size: Optional[int],
     activation_bits: Optional[int],
+    model_type: Optional[str] = None,
 ) -> str:
-    """README.md for a stock MLX checkpoint written by convert."""
+    """README.md for a stock MLX checkpoint written by convert, saying what loads it."""
     what = f"MLX affine {bits}-bit, group size {group_size}" if bits else "float (dequantized)"
+    loads = "loads with plain `mlx_lm.load`, no mlx-ternary needed."
+    if model_type == "bitnet":  # mlx-lm's bitnet class builds only packed BitLinear layers
+        loads = (
+            "loads with `mlx_ternary.load` (or `mlx-ternary generate --model DIR`). Stock "
+            "`mlx_lm.load` does not load it: mlx-lm's bitnet class holds only packed "
+            "BitLinear layers, with no place for float weights. For stock mlx-lm, convert "
+            "with `mlx-ternary convert --hf-path SRC --to-mlx-lm DIR` (mlx-lm's BitLinear "
+            "layout)."
+        )
     lines = [
         "---",
         "library_name: mlx",
@@ -121,7 +131,7 @@ def model_card(
         f"# {source} ({what})",
         "",
         f"Converted by `mlx-ternary convert` from {kind}. The ternary weights s * t are "
-        "represented exactly: loads with plain `mlx_lm.load`, no mlx-ternary needed.",
+        f"represented exactly: {loads}",
         "",
     ]
     if activation_bits:
