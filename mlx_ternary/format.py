@@ -51,7 +51,7 @@ class GGMLTable:
 
     block: int  # weights per block, along a row
     bytes: int  # bytes per block
-    code: int  # the native kernel's code (runtime/cpu/csrc/kquants.h GgmlType)
+    code: int  # the native kernel's code (runtime/cpu/csrc/kernels/ggml_blocks.h GgmlType)
 
 
 # llama.cpp's quantized tables kept as their GGUF blocks (per-layer mode "ggml").
@@ -64,7 +64,7 @@ GGML_TABLES = {
 }
 # The integer code of each packing, the one table both kernel families read: the Metal
 # kernels' PACKING template constant and the native CPU backend's `Packing` enum
-# (runtime/cpu/csrc/tkernels.h).
+# (runtime/cpu/csrc/kernels/layer.h).
 PACKING_CODES = {"compact": 0, "fast": 1}
 PACKINGS = tuple(PACKING_CODES)
 SCALE_KINDS = ("tensor", "row", "group")

@@ -25,7 +25,8 @@ Faults for tests, each settable while the server runs:
   (constants.DOWNLOAD_CHUNK_SIZE), so a resume from a non-zero offset needs a cut past one;
 - `corrupt`: file names served with one byte flipped (headers still carry the true
   sha256 and size, as a damaged transfer or disk would);
-- `stall`: every request is read and then never answered (until the server stops).
+- `stall`: every request is read and then never answered (until the server stops);
+- `stall_body`: file names whose GETs send half the body, then nothing more.
 
 `requests` records (method, path, Range header) of every request.
 
@@ -131,6 +132,7 @@ class StandinHub:
         self.cut_after = None  # bytes sent before a cut; None: half the body
         self.corrupt: set = set()
         self.stall = False
+        self.stall_body: set = set()
         self.requests: list = []
         self._stopped = threading.Event()
         self._lock = threading.Lock()
@@ -281,6 +283,12 @@ def _handler(hub: StandinHub):
             self.send_header("Content-Length", str(len(chunk)))
             self.end_headers()
             if not body:
+                return
+            if name in hub.stall_body:  # half the bytes, then silence
+                self.wfile.write(chunk[: len(chunk) // 2])
+                self.wfile.flush()
+                hub._stopped.wait()
+                self.close_connection = True
                 return
             if hub._take_cut(name):  # some bytes, then the connection goes away
                 cut = len(chunk) // 2 if hub.cut_after is None else hub.cut_after

@@ -155,6 +155,7 @@ def _ternary_tensors(
         back = unpack_hf(np.array(packed), item.out_features) * np.array(ws.astype(mx.float32))
         err = _max_err(back, item.dequantize(np.float32))
         kind = "ternary BitLinear (mlx-lm)"
+        written.setdefault("bitlinear", set()).add(name)
     elif q_bits or dequantize:
         ref = item.dequantize(np.float32)
         tensors = (
@@ -364,6 +365,14 @@ class Target:
                     "loads (mlx_lm.models.prism_hadamard_qwen35); use it as it is"
                 )
             self.bitlinear = model_type == "bitnet" and not self.q_bits
+            act = source.config.get("hidden_act", "relu2")
+            if self.bitlinear and act != "relu2":  # 1bitLLM-style BitNet (llama.cpp's bitnet)
+                raise TernaryError(
+                    f"{source.path}: a bitnet model with hidden_act {act!r}; mlx-lm's "
+                    "bitnet class computes relu2 and has no setting for it, so stock "
+                    "mlx-lm would compute another model; convert to the ternary format "
+                    "(--mlx-path) and load it with mlx_ternary.load"
+                )
             if not self.bitlinear:
                 self.q_bits = self.q_bits or 2
         if self.q_bits:
@@ -464,7 +473,7 @@ def _write_directory(
         bitlinear=t.bitlinear,
     )
     if t.bitlinear:
-        config = _bitlinear_config(source, t, report)
+        config = _bitlinear_config(source, t, report, written.get("bitlinear", set()))
         _write_model_card(source, tmp, t, report)
     elif t.q_bits or t.dequantize:
         config = (
@@ -482,12 +491,11 @@ def _write_directory(
     write_manifest(tmp)
 
 
-def _bitlinear_config(source: Source, target: Target, report: ConvertReport) -> dict:
-    """config.json of mlx-lm's BitLinear layout (its README.md is written beside it)."""
-    # a float lm_head must stay nn.Linear (bitnet_quantize would make it a BitLinear)
-    float_head = not source.config.get("tie_word_embeddings", True) and (
-        "lm_head" not in source.targets
-    )
+def _bitlinear_config(source: Source, target: Target, report: ConvertReport, packed) -> dict:
+    """config.json of mlx-lm's BitLinear layout (its README.md is written beside it);
+    `packed`: the layers written as BitLinear."""
+    # an lm_head kept in floats must stay nn.Linear (bitnet_quantize makes the others BitLinear)
+    float_head = not source.config.get("tie_word_embeddings", True) and "lm_head" not in packed
     dtype = target.float_dtype(source)
     config = bitnet_writer.bitnet_config(
         source.config, source.activation_bits, ("lm_head",) if float_head else ()
@@ -684,22 +692,21 @@ def _one_directory(mlx_path, to_mlx_lm, to_gguf):
 
 def _check_options(packing, q_bits, dequantize, to_gguf, to_mlx_lm, gguf_type) -> None:
     """Refuse options the chosen output ignores (one line naming the option)."""
-    other = (
-        "-q/--quantize"
-        if q_bits
-        else "-d/--dequantize"
-        if dequantize
-        else "--to-gguf"
-        if to_gguf is not None
-        else "--to-mlx-lm"
-        if to_mlx_lm is not None
-        else None
+    outputs = (
+        (q_bits, "-q/--quantize"),
+        (dequantize, "-d/--dequantize"),
+        (to_gguf is not None, "--to-gguf"),
+        (to_mlx_lm is not None, "--to-mlx-lm"),
     )
+    other = next((flag for given, flag in outputs if given), None)
     if packing is not None and other:
         raise TernaryError(
-            f"--packing sets the native format's layout; {other} writes another format; "
+            f"--packing sets the ternary format's layout; {other} writes another format; "
             "drop --packing"
         )
+    if to_gguf is not None and (q_bits or dequantize):
+        flag = "-q/--quantize" if q_bits else "-d/--dequantize"
+        raise TernaryError(f"{flag} writes an MLX directory, --to-gguf a GGUF file; give one")
     if gguf_type is not None and to_gguf is None:
         raise TernaryError("--gguf-type applies to --to-gguf only; add --to-gguf FILE or drop it")
 

@@ -10,14 +10,19 @@ blob id otherwise) and a mismatch is removed and refused. Files already in the c
 not downloaded or hashed again.
 
 Timeouts are huggingface_hub's: HF_HUB_ETAG_TIMEOUT (default 10 s) for the listing and
-each file's metadata, HF_HUB_DOWNLOAD_TIMEOUT (default 10 s) without a byte before a
-transfer is retried (5 times, resuming). The library reports through callbacks; the CLI
-prints.
+each file's metadata, HF_HUB_DOWNLOAD_TIMEOUT for a transfer without a byte, after which
+it retries 5 times, resuming, a second apart. Its default (10 s) makes a stalled transfer
+fail after 6 x 11 = 66 s; unless HF_HUB_DOWNLOAD_TIMEOUT is set, downloads here wait
+STALL_TIMEOUT (7 s: 48 s in all). The library reports through callbacks; the CLI prints.
+Written against huggingface_hub 2.4 (httpx); nothing here names its HTTP library, so
+the requests-based 0.x releases answer the same way.
 """
 
 import fnmatch
 import hashlib
+import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
@@ -26,6 +31,8 @@ from ..errors import TernaryError
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 GGUF_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
+HTTP_MODULES = ("huggingface_hub", "httpx", "httpx2", "httpcore", "requests", "urllib3")
+STALL_TIMEOUT = 7  # s without a byte, unless HF_HUB_DOWNLOAD_TIMEOUT says otherwise
 Progress = Callable[[str, int, int], None]  # (file name, bytes done, bytes total)
 Notify = Callable[[str], None]  # one line: what is downloaded, and where
 
@@ -74,6 +81,21 @@ def _callback_bar(name: str, progress: Optional[Progress]):
     return Bar
 
 
+@contextmanager
+def _stall_limit():
+    """huggingface_hub's transfer timeout at STALL_TIMEOUT for the block, unless the user
+    set HF_HUB_DOWNLOAD_TIMEOUT (it reads the module constant at each transfer)."""
+    from huggingface_hub import constants
+
+    old = constants.HF_HUB_DOWNLOAD_TIMEOUT
+    if "HF_HUB_DOWNLOAD_TIMEOUT" not in os.environ:
+        constants.HF_HUB_DOWNLOAD_TIMEOUT = min(old, STALL_TIMEOUT)
+    try:
+        yield
+    finally:
+        constants.HF_HUB_DOWNLOAD_TIMEOUT = old
+
+
 def _errors():
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -85,9 +107,27 @@ def _errors():
     return GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
 
+def _timed_out(e: BaseException) -> bool:
+    """A timeout anywhere in the exception's chain (httpx's or requests' *Timeout*)."""
+    while e is not None:
+        if isinstance(e, TimeoutError) or any("Timeout" in c.__name__ for c in type(e).__mro__):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _from_http(e: BaseException) -> bool:
+    """Raised by huggingface_hub or the HTTP library under it (not a bug of ours)."""
+    return type(e).__module__.split(".")[0] in HTTP_MODULES
+
+
+def _unanswered(e: BaseException) -> bool:
+    """No HTTP answer at all (connection refused or reset, a timeout), not an HTTP error."""
+    return getattr(e, "response", None) is None
+
+
 def _hub_error(repo: str, revision: Optional[str], e: Exception) -> TernaryError:
     """One line for what huggingface_hub raised."""
-    import httpx2
     from huggingface_hub import constants
 
     gated, local_missing, not_found, bad_revision = _errors()
@@ -103,17 +143,14 @@ def _hub_error(repo: str, revision: Optional[str], e: Exception) -> TernaryError
         )
     if isinstance(e, bad_revision):
         return TernaryError(f"{repo}: revision {revision!r} not found on the Hub")
-    cause = e
-    while cause is not None and not isinstance(cause, httpx2.TimeoutException):
-        cause = cause.__cause__ or cause.__context__
-    if cause is not None:  # a timeout, perhaps under the cache fallback's error
+    if _timed_out(e):  # perhaps under the cache fallback's error
         return TernaryError(
             f"{repo}: the Hugging Face Hub ({constants.ENDPOINT}) stopped answering "
             f"(no reply within {constants.HF_HUB_ETAG_TIMEOUT} s for the file list, "
             f"{constants.HF_HUB_DOWNLOAD_TIMEOUT} s for file data; HF_HUB_ETAG_TIMEOUT and "
             "HF_HUB_DOWNLOAD_TIMEOUT set them); check the network, or pass a local copy"
         )
-    if isinstance(e, (local_missing, OSError, httpx2.HTTPError)):
+    if isinstance(e, (local_missing, OSError)) or _from_http(e):
         return TernaryError(
             f"{repo}: not a local directory, and downloading it from the Hugging "
             f"Face Hub ({constants.ENDPOINT}) failed ({type(e).__name__}); check the "
@@ -244,7 +281,11 @@ def download(
         TernaryError: an unknown, gated or unreachable repository, a revision not found,
             no (or several) GGUF files matching, a file whose hash differs from the Hub's.
     """
-    import httpx2
+    with _stall_limit():  # errors name the limit that applied
+        return _fetch(spec, revision, gguf_file, progress, notify)
+
+
+def _fetch(spec, revision, gguf_file, progress, notify) -> Path:
     from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
 
     repo, quant = split_spec(spec)
@@ -257,13 +298,13 @@ def download(
         info = HfApi().model_info(
             repo, revision=revision, files_metadata=True, timeout=constants.HF_HUB_ETAG_TIMEOUT
         )
-    except (httpx2.TransportError, OSError) as e:  # no answer: what the cache holds
-        try:
+    except Exception as e:
+        if not (_from_http(e) and _unanswered(e)) or isinstance(e, _errors()):
+            raise _hub_error(repo, revision, e) from None
+        try:  # no answer: what the cache holds
             return _cached(repo, revision, quant, gguf_file)
         except Exception:
             raise _hub_error(repo, revision, e) from None
-    except Exception as e:
-        raise _hub_error(repo, revision, e) from None
     siblings = {s.rfilename: s for s in info.siblings or []}
     files = _wanted(repo, list(siblings), quant, gguf_file)
     missing = [
@@ -279,7 +320,7 @@ def download(
                 hf_hub_download(
                     repo,
                     f,
-                    revision=info.sha,
+                    revision=revision,  # a branch name: its ref is kept, for offline use
                     tqdm_class=_callback_bar(f, progress),
                     etag_timeout=constants.HF_HUB_ETAG_TIMEOUT,
                 )

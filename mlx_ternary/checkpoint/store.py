@@ -97,6 +97,14 @@ def converted() -> List[StoredModel]:
     return out
 
 
+def locations() -> List[Path]:
+    """Where downloads and conversions live: the Hugging Face hub cache, then the
+    conversion caches."""
+    from huggingface_hub import constants
+
+    return [Path(constants.HF_HUB_CACHE), *_cache_roots()]
+
+
 def stored() -> List[StoredModel]:
     return downloaded() + converted()
 

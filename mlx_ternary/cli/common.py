@@ -20,7 +20,9 @@ MODEL_HELP = (
     "Model directory, .gguf file or Hugging Face repo id; owner/repo:QUANT picks one GGUF "
     "file of a GGUF repo (default: the embedded tiny model)."
 )
-GGUF_FILE_HELP = "The GGUF file to download from a --model repo of several (as owner/repo:QUANT)."
+GGUF_FILE_HELP = (
+    "The GGUF file to download from a Hugging Face repo of several (or give owner/repo:QUANT)."
+)
 
 
 class IntChoice(click.Choice):
@@ -160,6 +162,8 @@ def download_bar():
                 total=total or None, unit="B", unit_scale=True, desc=name[-40:], file=sys.stderr
             )
         bar.update(done - bar.n)
+        if total and done >= total:
+            bar.close()
 
     try:
         yield progress

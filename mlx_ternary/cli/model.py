@@ -37,7 +37,8 @@ Examples:
 @click.option(
     "--hf-path",
     required=True,
-    help="Source: a model directory, a Hugging Face repo id, or a .gguf file.",
+    help="Source: a model directory, a Hugging Face repo id (owner/repo:QUANT: one GGUF "
+    "file of it), or a .gguf file.",
 )
 @click.option(
     "--mlx-path",

@@ -26,16 +26,16 @@ def models(ctx):
     if ctx.invoked_subcommand is not None:
         return
     from ..checkpoint import store
-
-    entries = store.stored()
-    if not entries:
-        click.echo("No models downloaded or converted yet.")
-        return
-    _table(entries)
-    total = sum(e.size for e in entries)
     from ..checkpoint.hub import fmt_size
 
-    click.echo(f"{len(entries)} models, {fmt_size(total)}")
+    entries = store.stored()
+    hf, *converted = store.locations()
+    where = f"downloads in {hf}; conversions in {', '.join(map(str, converted))}"
+    if not entries:
+        click.echo(f"No models downloaded or converted yet ({where}).")
+        return
+    _table(entries)
+    click.echo(f"{len(entries)} models, {fmt_size(sum(e.size for e in entries))} ({where})")
 
 
 @models.command("rm")

@@ -138,9 +138,26 @@ def test_llama_to_mlx_lm_is_the_exact_affine_checkpoint(tmp_path):
     assert mx.abs(back - w[p0]).max().item() > 1e-2
 
 
+def test_gguf_bitnet_to_mlx_lm(tmp_path, monkeypatch):
+    """bitnet.cpp's architecture (relu2) is written; llama.cpp's `bitnet` (1bitLLM: silu)
+    is refused, since mlx-lm's bitnet class computes relu2 whatever the config says."""
+    import gguf_build as gb
+
+    monkeypatch.setenv("MLX_TERNARY_GGUF_CACHE", str(tmp_path / "cache"))  # load() converts
+
+    src, _, _ = gb.write(tmp_path / "b.gguf", "bitnet-b1.58", ternary=("TQ2_0", "TQ1_0"))
+    out = tmp_path / "out"
+    assert convert(str(src), to_mlx_lm=out, dtype="float32").max_error == 0.0
+    got = stock_logits(tmp_path, out)[out]
+    np.testing.assert_allclose(got, our_logits(src), atol=1e-4, rtol=1e-4)
+    silu, _, _ = gb.write(tmp_path / "s.gguf", "bitnet", ternary=("TQ2_0",))
+    with pytest.raises(TernaryError, match="hidden_act 'silu'; mlx-lm's bitnet class computes"):
+        convert(str(silu), to_mlx_lm=tmp_path / "silu")
+
+
 def test_per_row_scales_cannot_be_bitlinear(tmp_path):
     src, _ = ternary_checkpoint(tmp_path, "bitnet", "compact", "row")
-    with pytest.raises(TernaryError, match=r"q_proj: its ternary scales vary .* native format"):
+    with pytest.raises(TernaryError, match=r"q_proj: its ternary scales vary .* ternary format"):
         convert(str(src), to_mlx_lm=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -179,6 +196,7 @@ def test_cli_quantize_forms(tmp_path, llama_src, args, bits):
         (["-d", "--packing", "fast"], "drop --packing"),
         (["--gguf-type", "TQ1_0"], "--gguf-type applies to --to-gguf only"),
         (["-d", "--to-mlx-lm", "x"], "give exactly one destination"),
+        (["-q", "--to-gguf", "x.gguf"], "--to-gguf a GGUF file; give one"),
     ],
 )
 def test_cli_refuses_options_that_do_nothing(tmp_path, llama_src, args, message):

@@ -1,4 +1,4 @@
-"""The fused native decoder block (runtime/cpu/block.py, csrc/block.h) against mlx-lm's own
+"""The fused native decoder block (runtime/cpu/block.py, csrc/ops/block.h) against mlx-lm's own
 block on the same model: logits over a prefill and 8 greedy decode steps, the cache, the
 tokens; a negative control; and the cases that must keep mlx-lm's path."""
 

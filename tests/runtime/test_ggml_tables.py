@@ -4,7 +4,7 @@ References: gguf-py's `dequantize` (llama.cpp's own Python package) for the weig
 numpy transcription, written here from ggml's generic C, of quantize_row_q8_K_ref /
 quantize_row_q8_0_ref and ggml_vec_dot_{q4_K,q5_K,q6_K}_q8_K / ggml_vec_dot_q8_0_q8_0 for
 llama.cpp's numerics. Both the pure-MLX twin (runtime/ggml.py) and the native kernels
-(csrc/kquants.h) are checked against them, and against each other.
+(csrc/kernels/kquants.h) are checked against them, and against each other.
 """
 
 import json

@@ -278,7 +278,7 @@ def test_build_key_follows_mlx_version_and_sources(monkeypatch):
     other = build.MlxBuild("0.0.1", mlx.include, mlx.libdir, mlx.library, mlx.core, False)
     assert build.build_key(other, nb, "c++", flags) != key
     assert build.build_key(mlx, nb, "g++", flags) != key
-    monkeypatch.setattr(build, "_sources", lambda: b"changed")
+    monkeypatch.setattr(build, "sources", lambda: b"changed")
     assert build.build_key(mlx, nb, "c++", flags) != key
 
 

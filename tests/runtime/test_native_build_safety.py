@@ -17,10 +17,10 @@ def _sleeper():
 
 
 def test_a_failed_sibling_kills_the_compilers_still_running():
-    failing = build._start([sys.executable, "-c", "import sys; sys.exit('error: no')"])
+    failing = build.start_job([sys.executable, "-c", "import sys; sys.exit('error: no')"])
     slow = _sleeper()
     with pytest.raises(NativeBuildError, match="compiling a failed"):
-        build._run([(failing, "a"), (slow, "b")])
+        build.run_jobs([(failing, "a"), (slow, "b")])
     assert slow.poll() is not None  # killed and reaped, not left running
 
 
@@ -32,14 +32,14 @@ def test_an_interrupted_build_kills_its_compilers(monkeypatch):
 
     monkeypatch.setattr(build, "_finish", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        build._run([(p, "x") for p in slow])
+        build.run_jobs([(p, "x") for p in slow])
     assert all(p.poll() is not None for p in slow)
 
 
 def test_run_waits_for_a_good_build():
     """Negative control: compilers that succeed are waited for, nothing raised."""
-    ok = build._start([sys.executable, "-c", "pass"])
-    build._run([(ok, "ok")])
+    ok = build.start_job([sys.executable, "-c", "pass"])
+    build.run_jobs([(ok, "ok")])
     assert ok.returncode == 0
 
 
@@ -81,3 +81,18 @@ def test_a_damaged_cached_library_is_reported_once_and_rebuilt(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rebuilt, warned, isa = out.stdout.splitlines()[-1].split("|")
     assert (rebuilt, warned) == ("1", "1") and isa
+
+
+def test_the_cache_key_covers_every_source_under_csrc(tmp_path, monkeypatch):
+    """A change to a header in a subfolder (kernels/, arch/, ops/) is a new library; a file
+    that is not a source is not."""
+    for rel in ("bindings.cpp", "kernels/layer.h", "arch/x86.h", "ops/primitive.h"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"// {rel}\n")
+    monkeypatch.setattr(build, "CSRC", tmp_path)
+    before = build.sources()
+    (tmp_path / "notes.txt").write_text("not a source")
+    assert build.sources() == before
+    (tmp_path / "arch" / "x86.h").write_text("// changed\n")
+    changed = build.sources()
+    assert changed != before and b"arch/x86.h// changed" in changed

@@ -33,7 +33,7 @@ def one_scale(pt: PackedTernary, name: str) -> float:
         raise TernaryError(
             f"{name}: its ternary scales vary ({s.size} distinct values, {pt.scale} "
             "scales); mlx-lm's BitLinear holds one scale per tensor, so this model cannot "
-            "be written in its layout exactly; convert to the native format (--mlx-path) "
+            "be written in its layout exactly; convert to the ternary format (--mlx-path) "
             "and load it with mlx_ternary.load"
         )
     return float(s[0])
@@ -51,7 +51,7 @@ def check_shape(pt: PackedTernary, name: str) -> None:
     if pt.out_features % 4 or pt.in_features % 4:
         raise TernaryError(
             f"{name}: shape ({pt.out_features}, {pt.in_features}); mlx-lm's BitLinear "
-            "kernel needs both dimensions to be multiples of 4; convert to the native "
+            "kernel needs both dimensions to be multiples of 4; convert to the ternary "
             "format (--mlx-path) instead"
         )
 

@@ -14,7 +14,7 @@ TransformerBlock: ARCHS) for a subclass of the same name whose
     out = mlp(h, residual=h)                 RMSNorm, gate+up sharing their activations,
                                              the native SwiGLU, down
 
-(csrc/block.h). The ops reproduce MLX's CPU arithmetic step by step (its RMSNorm and RoPE
+(csrc/ops/block.h). The ops reproduce MLX's CPU arithmetic step by step (its RMSNorm and RoPE
 fallbacks, with MLX's own sin/cos/exp) and use the kernels the unfused path routes to, so a
 fused block returns the unfused block's bits (tests/runtime/test_block.py).
 

@@ -27,6 +27,7 @@ from ... import paths
 from ...paths import digest, locked, publish
 
 CSRC = Path(__file__).parent / "csrc"
+BINDINGS = "bindings.cpp"  # the one translation unit: it includes ops/, kernels/ and arch/
 MODULE = "_mlx_ternary_native"
 ENV_CXX = "MLX_TERNARY_NATIVE_CXX"
 
@@ -163,10 +164,11 @@ def check_nanobind_abi(mlx: MlxBuild, nb: Nanobind) -> None:
         )
 
 
-def _sources() -> bytes:
+def sources() -> bytes:
+    """Every header and source under csrc/ (ops/, kernels/, arch/ ...), with its path."""
     return b"".join(
-        p.name.encode() + p.read_bytes()
-        for p in sorted(CSRC.iterdir())
+        p.relative_to(CSRC).as_posix().encode() + p.read_bytes()
+        for p in sorted(CSRC.rglob("*"))
         if p.suffix in (".h", ".cpp")
     )
 
@@ -195,7 +197,7 @@ def build_key(mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str]) -> str:
     is not in it, so a cached library still loads where the compiler has since been removed."""
     lib = mlx.library.stat()
     return digest(
-        _sources(),
+        sources(),
         flags,
         cxx,
         cpu_fingerprint(),
@@ -212,7 +214,7 @@ def library_path(key: str, mlx: MlxBuild) -> Path:
     return cache_dir() / f"{MODULE}-{key}{suffix(mlx)}"
 
 
-def _start(cmd: List[str]) -> subprocess.Popen:
+def start_job(cmd: List[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -225,7 +227,7 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
         )
 
 
-def _run(jobs) -> None:
+def run_jobs(jobs) -> None:
     """Wait for the compiler processes; on any error or interruption (Ctrl-C, a failed
     sibling) the ones still running are killed and reaped: no compiler outlives a build."""
     try:
@@ -258,25 +260,25 @@ def compile_library(
             nb_tmp = Path(tmp) / "nanobind.o"
             jobs.append(
                 (
-                    _start(
+                    start_job(
                         [cxx, *nb_flags, "-c", str(nb.src / "nb_combined.cpp"), "-o", str(nb_tmp)]
                     ),
                     f"nanobind {nb.version}",
                 )
             )
-        ext_obj = Path(tmp) / "ext.o"
+        ext_obj = Path(tmp) / "bindings.o"
         jobs.append(
             (
-                _start([cxx, *flags, "-c", str(CSRC / "ext.cpp"), "-o", str(ext_obj)]),
+                start_job([cxx, *flags, "-c", str(CSRC / BINDINGS), "-o", str(ext_obj)]),
                 "the native CPU kernel",
             )
         )
-        _run(jobs)
+        run_jobs(jobs)
         if not nb_obj.exists():
             publish(nb_tmp, nb_obj)
         lib = Path(tmp) / path.name
         link = [cxx, "-shared", str(ext_obj), str(nb_obj), "-o", str(lib), *link_flags(mlx)]
-        _run([(_start(link), "the native CPU kernel (link)")])
+        run_jobs([(start_job(link), "the native CPU kernel (link)")])
         publish(lib, path)
 
 
