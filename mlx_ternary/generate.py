@@ -7,7 +7,7 @@ import mlx.core as mx
 
 from .errors import TernaryError
 from .format import KV_GROUP_SIZE
-from .speculative import DEFAULT_DRAFT_TOKENS, check_draft_tokens
+from .speculative import DEFAULT_DRAFT_TOKENS, check_draft_tokens, check_rewindable
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-shakespeare"
 
@@ -68,6 +68,7 @@ def stream(
                 "drop it or --draft-model"
             )
         cache += make_prompt_cache(draft_model)  # mlx-lm's layout: target's, then draft's
+        check_rewindable(cache)
         speculative = dict(
             draft_model=draft_model, num_draft_tokens=check_draft_tokens(num_draft_tokens)
         )

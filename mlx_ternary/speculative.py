@@ -46,6 +46,16 @@ def check_draft(tokenizer, draft_tokenizer, model=None, draft=None, name: str = 
         )
 
 
+def check_rewindable(cache: list, name: str = "the model"):
+    """Refuse a KV cache that cannot drop rejected draft tokens (mlx-lm trims it)."""
+    kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+    if kinds:
+        raise TernaryError(
+            f"{name}'s KV cache ({', '.join(kinds)}) cannot rewind rejected draft tokens, "
+            "which speculative decoding needs; run without --draft-model"
+        )
+
+
 def check_draft_tokens(n: int) -> int:
     """--num-draft-tokens must be at least 1."""
     if n < 1:
