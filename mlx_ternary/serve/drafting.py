@@ -12,7 +12,6 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..speculative import Acceptance
 from .kv_quant import make_cache
 
 
@@ -40,7 +39,7 @@ class Speculation:
         max_tokens: int,
         sampler,
         processors: list,
-        num_draft_tokens: int,
+        acceptance,
         eos_ids,
         prefill_step_size: int,
         kv_bits: Optional[int],
@@ -55,13 +54,13 @@ class Speculation:
         with mx.stream(stream):
             _prefill(draft, self.draft_cache, prompt[:cached], prefill_step_size)
         self.generated: List[int] = []
-        self.acceptance = Acceptance(num_draft_tokens, max_tokens)
+        self.acceptance = acceptance  # a speculative.Acceptance, counting as tokens come
         self._steps = speculative_generate_step(
             mx.array(prompt[cached:]),
             model,
             draft,
             stream,
-            num_draft_tokens=num_draft_tokens,
+            num_draft_tokens=acceptance.num_draft_tokens,
             max_tokens=max_tokens,
             sampler=sampler,
             logits_processors=processors,

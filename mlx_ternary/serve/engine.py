@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from ..errors import TernaryError
 from ..format import KV_GROUP_SIZE
-from ..speculative import DEFAULT_DRAFT_TOKENS
+from ..speculative import DEFAULT_DRAFT_TOKENS, Acceptance
 from .drafting import Speculation
 from .kv_quant import make_cache
 from .prompt_cache import PromptCache
@@ -410,7 +410,7 @@ class Engine:
             max_tokens=job.max_tokens,
             sampler=make_sampler(job.sampling),
             processors=procs,
-            num_draft_tokens=self.num_draft_tokens,
+            acceptance=Acceptance(self.num_draft_tokens, job.max_tokens),
             eos_ids=self.tokenizer.eos_token_ids,
             prefill_step_size=self.prefill_step_size,
             kv_bits=self.kv_bits,
