@@ -150,3 +150,33 @@ def test_serve_refuses_an_incompatible_draft(path):
     )
     assert res.exit_code == 1
     assert "vocabulary differs from the target model's" in res.output
+
+
+def test_quantized_kv_and_a_cancelled_speculation(tmp_path):
+    """With --kv-bits 8 the speculating job equals the same engine's batch decoding
+    without a draft; a speculating job cancelled mid-answer frees the engine for the next."""
+    path, _ = ternary_checkpoint(tmp_path, "llama", num_attention_heads=2, num_key_value_heads=1)
+    model, tok = mlx_ternary.load(str(path))  # head size 32: one KV quantization group
+    draft, _ = mlx_ternary.load(str(path))
+    prompt = [9, 40, 77, 3, 101, 55, 12]
+    plain = Engine(model, tok, 2, 8, kv_bits=8, kv_group_size=32)
+    spec = Engine(model, tok, 2, 8, kv_bits=8, kv_group_size=32, draft_model=draft)
+    plain.start()
+    spec.start()
+    try:
+        plain_job, first = job(prompt, 24), job(prompt, 24)
+        plain.submit(plain_job)
+        spec.submit(first)
+        assert tokens(first) == tokens(plain_job)
+        assert spec.draft_tokens_accepted == spec.draft_tokens_proposed > 0
+        gone = job(prompt, 200)
+        spec.submit(gone)
+        assert gone.events.get(timeout=60)[0] == "text"
+        gone.cancelled.set()
+        after = job(prompt[:4], 12)
+        spec.submit(after)
+        assert tokens(after) == greedy(model, tok, prompt[:4], 12)
+        assert spec.speculation is None and not spec.active
+    finally:
+        plain.stop()
+        spec.stop()
