@@ -23,8 +23,8 @@
 // 1-element dummy otherwise); wq (N, W) uint32 (fast) | (N, W) uint8 (compact); scales ST;
 // bias (N,) BT (dummy when !HAS_BIAS); params int32 [M, N, K, W, SC, B, BPB, NB, AW].
 // Output: y (M, N) T. Templates: T, ST, BT, TT, PACKING, SMODE, G, ACTQ, HAS_BIAS, MMA.
-
-#define TERNARY_UNROLL _Pragma("clang loop unroll(full)")
+// Geometry macros (TERNARY_*: the tile, thread count, step, TERNARY_UNROLL) come from the
+// prelude runtime/metal/geometry.py generates; the numbers above are their values today.
 
 //// BODY ////
   const int M = params[0];
@@ -36,50 +36,66 @@
   const int BPB = params[6];
   const int NB = params[7];
   const int AW = params[8];
+  constexpr int TN = TERNARY_GEMM_TOKENS;        // tokens per tile
+  constexpr int TR = TERNARY_GEMM_ROWS;          // rows per tile
+  constexpr int NT = TERNARY_GEMM_THREADS;
+  constexpr int SB = TERNARY_GEMM_STEP_BYTES;    // bytes of a row per K step
+  constexpr int LD = TERNARY_GEMM_TILE_STRIDE;   // elements per tile row
+  constexpr int SGT = TERNARY_GEMM_SG_TILE;      // a SIMD group's tokens and rows
+  constexpr int MT = TERNARY_MMA_TILE;           // simdgroup matrix side
+  constexpr int SF = SGT / MT;                    // matrices per side of a SIMD group's tile
+  constexpr int CB = TERNARY_WORD_CODES / TERNARY_WORD_BYTES;  // codes per byte (fast)
+  constexpr int TB = TERNARY_BYTE_TRITS;         // trits per byte (compact)
+  constexpr int FR = TERNARY_GEMM_FMA_ROWS;      // FMA: rows per thread
+  constexpr int FX = TR / FR;                    // FMA: threads along the rows
+  constexpr int FT = TN * FX / NT;               // FMA: tokens per thread
+  static_assert(NT == TR * SB, "one packed byte per thread per step");
+  static_assert(FT * NT == TN * FX, "the FMA threads cover the tile");
+  static_assert(CB * SB <= LD && TB * SB < LD, "a step's columns fit a tile row");
   const int tid = int(thread_index_in_threadgroup);
   const int lane = int(thread_index_in_simdgroup);
-  const int n0 = int(threadgroup_position_in_grid.y) * 32;
-  const int m0 = int(threadgroup_position_in_grid.z) * 64;
-  const int mc = min(64, M - m0);         // tokens of this tile
-  const int mc16 = (mc + 15) / 16 * 16;   // staged token rows (whole 16-token sub-tiles)
-  const int ty = tid / 8;
-  const int tx = tid % 8;
+  const int n0 = int(threadgroup_position_in_grid.y) * TR;
+  const int m0 = int(threadgroup_position_in_grid.z) * TN;
+  const int mc = min(TN, M - m0);         // tokens of this tile
+  const int mc16 = (mc + SGT - 1) / SGT * SGT;  // staged token rows (whole SGT-token sub-tiles)
+  const int ty = tid / FX;
+  const int tx = tid % FX;
 
-  threadgroup TT ws[32][41];
-  threadgroup TT xs[64][41];
+  threadgroup TT ws[TR][LD];
+  threadgroup TT xs[TN][LD];
 
   const int sg = int(simdgroup_index_in_threadgroup);
-  const int tb = 16 * (sg / 2);
-  const int rb = 16 * (sg % 2);
+  const int tb = SGT * (sg / (TR / SGT));
+  const int rb = SGT * (sg % (TR / SGT));
   const bool live = tb < mc;  // uniform per SIMD group
-  simdgroup_float8x8 macc[2][2];
+  simdgroup_matrix<float, MT, MT> macc[SF][SF];
   TERNARY_UNROLL
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < SF; i++) {
     TERNARY_UNROLL
-    for (int j = 0; j < 2; j++) {
-      macc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int j = 0; j < SF; j++) {
+      macc[i][j] = make_filled_simdgroup_matrix<float, MT, MT>(0.0f);
     }
   }
-  float acc[2][4];
+  float acc[FT][FR];
   TERNARY_UNROLL
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < FT; i++) {
     TERNARY_UNROLL
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < FR; r++) {
       acc[i][r] = 0.0f;
     }
   }
 
   // This thread's weight byte in every step: row dr of the tile, byte db of the step.
-  const int dr = tid / 8;
-  const int db = tid % 8;
+  const int dr = tid / SB;
+  const int db = tid % SB;
   const int dn = min(n0 + dr, N - 1);
   const bool drow = n0 + dr < N;
   const device uchar* wbytes = (const device uchar*)wq;
-  const int RBY = PACKING == 1 ? 4 * W : W;  // bytes per row
+  const int RBY = PACKING == 1 ? TERNARY_WORD_BYTES * W : W;  // bytes per row
 
-  // Steps: fast walks 8 bytes at a time; compact walks (block, 8-byte chunk) pairs.
-  const int per_blk = (BPB + 7) / 8;
-  const int steps = PACKING == 1 ? (RBY + 7) / 8 : NB * per_blk;
+  // Steps: fast walks SB bytes at a time; compact walks (block, SB-byte chunk) pairs.
+  const int per_blk = (BPB + SB - 1) / SB;
+  const int steps = PACKING == 1 ? (RBY + SB - 1) / SB : NB * per_blk;
   for (int step = 0; step < steps; step++) {
     int kbase;   // first column of the step
     int kc;      // columns in the step
@@ -87,21 +103,21 @@
     int byte;    // this thread's byte in the row, or -1 when the step has none
     int blk;
     if (PACKING == 1) {
-      kbase = step * 32;
-      kc = 32;
+      kbase = step * SB * CB;
+      kc = SB * CB;
       klimit = K;
-      byte = 8 * step + db < RBY ? 8 * step + db : -1;
+      byte = SB * step + db < RBY ? SB * step + db : -1;
       blk = 0;
     } else {
       blk = step / per_blk;
-      const int c0 = (step % per_blk) * 8;
-      kbase = blk * B + 5 * c0;
-      kc = 5 * min(8, BPB - c0);
+      const int c0 = (step % per_blk) * SB;
+      kbase = blk * B + TB * c0;
+      kc = TB * min(SB, BPB - c0);
       klimit = min(blk * B + B, K);
       byte = c0 + db < BPB ? blk * BPB + c0 + db : -1;
     }
-    // Columns staged: kc rounded up to the 8 of a matrix tile (zeros past kc).
-    const int kc8 = MMA ? (kc + 7) / 8 * 8 : kc;
+    // Columns staged: kc rounded up to the MT of a matrix tile (zeros past kc).
+    const int kc8 = MMA ? (kc + MT - 1) / MT * MT : kc;
 
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // Decode the weight tile once, every thread one byte: ws[row][col] = t * (group scale).
@@ -114,25 +130,25 @@
       const float s = SMODE == 2 ? static_cast<float>(scales[dn * SC + min(g, SC - 1)]) : 1.0f;
       if (PACKING == 1) {
         TERNARY_UNROLL
-        for (int c = 0; c < 4; c++) {
-          ws[dr][4 * db + c] = static_cast<TT>(float(int((q >> (2 * c)) & 3u) - 1) * s);
+        for (int c = 0; c < CB; c++) {
+          ws[dr][CB * db + c] = static_cast<TT>(float(int((q >> (2 * c)) & 3u) - 1) * s);
         }
       } else {
         TERNARY_UNROLL
-        for (int d = 0; d < 5; d++) {
+        for (int d = 0; d < TB; d++) {
           const int digit = int(((q & 0xFFu) * 3u) >> 8);
-          ws[dr][5 * db + d] = static_cast<TT>(float(digit - 1) * s);
+          ws[dr][TB * db + d] = static_cast<TT>(float(digit - 1) * s);
           q = q * 3u;
         }
       }
     }
     if (kc8 > kc) {
-      for (int e = tid; e < 32 * (kc8 - kc); e += 256) {
+      for (int e = tid; e < TR * (kc8 - kc); e += NT) {
         ws[e / (kc8 - kc)][kc + e % (kc8 - kc)] = static_cast<TT>(0.0f);
       }
     }
     // Stage the tile's tokens (whole 16-token sub-tiles; zeros past M) x kc8 columns.
-    for (int e = tid; e < mc16 * kc8; e += 256) {
+    for (int e = tid; e < mc16 * kc8; e += NT) {
       const int mi = e / kc8;
       const int c = e % kc8;
       const int k = kbase + c;
@@ -146,33 +162,38 @@
 
     if (MMA) {
       if (live) {
-        for (int kk = 0; kk < kc8; kk += 8) {
-          simdgroup_matrix<TT, 8, 8> a[2];
-          simdgroup_matrix<TT, 8, 8> b[2];
+        for (int kk = 0; kk < kc8; kk += MT) {
+          simdgroup_matrix<TT, MT, MT> a[SF];
+          simdgroup_matrix<TT, MT, MT> b[SF];
           TERNARY_UNROLL
-          for (int i = 0; i < 2; i++) {
-            simdgroup_load(a[i], &xs[tb + 8 * i][kk], 41);
+          for (int i = 0; i < SF; i++) {
+            simdgroup_load(a[i], &xs[tb + MT * i][kk], LD);
             // b[j] (k, n) = ws[n][k]: the weight tile read transposed.
-            simdgroup_load(b[i], &ws[rb + 8 * i][kk], 41, ulong2(0, 0), true);
+            simdgroup_load(b[i], &ws[rb + MT * i][kk], LD, ulong2(0, 0), true);
           }
           TERNARY_UNROLL
-          for (int i = 0; i < 2; i++) {
+          for (int i = 0; i < SF; i++) {
             TERNARY_UNROLL
-            for (int j = 0; j < 2; j++) {
+            for (int j = 0; j < SF; j++) {
               simdgroup_multiply_accumulate(macc[i][j], a[i], b[j], macc[i][j]);
             }
           }
         }
       }
-    } else if (2 * ty < mc) {
+    } else if (FT * ty < mc) {
       for (int c = 0; c < kc; c++) {
-        const float x0 = static_cast<float>(xs[2 * ty][c]);
-        const float x1 = static_cast<float>(xs[2 * ty + 1][c]);
+        float xv[FT];
         TERNARY_UNROLL
-        for (int r = 0; r < 4; r++) {
-          const float wv = static_cast<float>(ws[tx + 8 * r][c]);
-          acc[0][r] = fma(x0, wv, acc[0][r]);
-          acc[1][r] = fma(x1, wv, acc[1][r]);
+        for (int i = 0; i < FT; i++) {
+          xv[i] = static_cast<float>(xs[FT * ty + i][c]);
+        }
+        TERNARY_UNROLL
+        for (int r = 0; r < FR; r++) {
+          const float wv = static_cast<float>(ws[tx + FX * r][c]);
+          TERNARY_UNROLL
+          for (int i = 0; i < FT; i++) {
+            acc[i][r] = fma(xv[i], wv, acc[i][r]);
+          }
         }
       }
     }
@@ -181,19 +202,20 @@
   // Epilogue per element: row scale, 1 / activation scale, bias.
   if (MMA) {
     if (live) {
-      // Lane layout of an 8x8 simdgroup matrix: row fm, columns fn and fn + 1.
+      // Lane layout of an 8x8 simdgroup matrix (fixed by the hardware): row fm, columns fn
+      // and fn + 1.
       const int qid = lane / 4;
       const int fm = (qid & 4) + (lane / 2) % 4;
       const int fn = (qid & 2) * 2 + (lane % 2) * 2;
       TERNARY_UNROLL
-      for (int i = 0; i < 2; i++) {
-        const int m = m0 + tb + 8 * i + fm;
+      for (int i = 0; i < SF; i++) {
+        const int m = m0 + tb + MT * i + fm;
         TERNARY_UNROLL
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < SF; j++) {
           const auto e = macc[i][j].thread_elements();
           TERNARY_UNROLL
-          for (int c = 0; c < 2; c++) {
-            const int n = n0 + rb + 8 * j + fn + c;
+          for (int c = 0; c < MT * MT / TERNARY_SIMD_WIDTH; c++) {
+            const int n = n0 + rb + MT * j + fn + c;
             if (m < M && n < N) {
               float out = e[c];
               if (SMODE == 0) {
@@ -215,11 +237,11 @@
     }
   } else {
     TERNARY_UNROLL
-    for (int i = 0; i < 2; i++) {
-      const int m = m0 + 2 * ty + i;
+    for (int i = 0; i < FT; i++) {
+      const int m = m0 + FT * ty + i;
       TERNARY_UNROLL
-      for (int r = 0; r < 4; r++) {
-        const int n = n0 + tx + 8 * r;
+      for (int r = 0; r < FR; r++) {
+        const int n = n0 + tx + FX * r;
         if (m < M && n < N) {
           float out = acc[i][r];
           if (SMODE == 0) {

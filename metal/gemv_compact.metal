@@ -23,8 +23,8 @@
 // 1-element dummy otherwise); wq (N, RB) uint8; scales ST; bias (N,) BT (dummy when
 // !HAS_BIAS); params int32 [M, N, K, RB, SC, AW, VB (valid bytes per row)].
 // Output: y (M, N) T. Templates: T, XT, ST, BT, TM (1..4), SMODE, G, ACTQ, HAS_BIAS.
-
-#define TERNARY_UNROLL _Pragma("clang loop unroll(full)")
+// Geometry macros (TERNARY_*: SIMD groups, rows, word size, TERNARY_UNROLL) come from the
+// prelude runtime/metal/geometry.py generates.
 
 constant constexpr ushort TERNARY_T1 = 86 << 8;
 constant constexpr ushort TERNARY_T2 = 171 << 8;
@@ -42,75 +42,79 @@ inline half ternary_trit(ushort u) {
   const int SC = params[4];
   const int AW = params[5];
   const int VB = params[6];
-  constexpr int BPB = G > 0 ? (G + 4) / 5 : 1;
+  constexpr int R = TERNARY_GEMV_SG_ROWS;     // rows per SIMD group
+  constexpr int L = TERNARY_SIMD_WIDTH;       // lanes = words per row per step
+  constexpr int WB = TERNARY_WORD_BYTES;      // bytes per word
+  constexpr int TB = TERNARY_BYTE_TRITS;      // trits per byte
+  constexpr int BPB = G > 0 ? (G + TB - 1) / TB : 1;
   const uint lane = thread_index_in_simdgroup;
   const uint sg = simdgroup_index_in_threadgroup;
-  const int row0 = (int(threadgroup_position_in_grid.y) * 2 + int(sg)) * 4;
+  const int row0 = (int(threadgroup_position_in_grid.y) * TERNARY_GEMV_SIMDGROUPS + int(sg)) * R;
   const int m0 = int(threadgroup_position_in_grid.z) * TM;
   const int mc = min(TM, M - m0);
 
-  int rows[4];
+  int rows[R];
   TERNARY_UNROLL
-  for (int r = 0; r < 4; r++) {
+  for (int r = 0; r < R; r++) {
     rows[r] = min(row0 + r, N - 1);
   }
-  float acc[4][TM];
+  float acc[R][TM];
   TERNARY_UNROLL
-  for (int r = 0; r < 4; r++) {
+  for (int r = 0; r < R; r++) {
     TERNARY_UNROLL
     for (int m = 0; m < TM; m++) {
       acc[r][m] = 0.0f;
     }
   }
   const device uint* wwords = (const device uint*)wq;
-  const int nwords = (VB + 3) / 4;
-  const int RW = RB / 4;
-  for (int j = int(lane); j < nwords; j += 32) {
+  const int nwords = (VB + WB - 1) / WB;
+  const int RW = RB / WB;
+  for (int j = int(lane); j < nwords; j += L) {
     // Columns of the word's 4 bytes and the block part (0: first block, 1: the next).
-    const int b0 = 4 * j;
+    const int b0 = WB * j;
     const int blk0 = G > 0 ? b0 / BPB : 0;
-    int col[4];
-    int part[4];
-    bool ok[4];
+    int col[WB];
+    int part[WB];
+    bool ok[WB];
     TERNARY_UNROLL
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < WB; i++) {
       if (G > 0) {
         int off = b0 + i - blk0 * BPB;
         part[i] = off >= BPB ? 1 : 0;
         off -= part[i] * BPB;
-        col[i] = (blk0 + part[i]) * G + 5 * off;
+        col[i] = (blk0 + part[i]) * G + TB * off;
       } else {
         part[i] = 0;
-        col[i] = 5 * (b0 + i);
+        col[i] = TB * (b0 + i);
       }
       ok[i] = b0 + i < VB;
     }
-    // Trits of 4 rows x 20 columns, decoded once and shared by the tokens.
-    half t[4][20];
+    // Trits of R rows x WB * TB columns, decoded once and shared by the tokens.
+    half t[R][WB * TB];
     TERNARY_UNROLL
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
       // Rows past N read nothing: byte 128 is five zero trits.
       const uint w = row0 + r < N ? wwords[rows[r] * RW + j] : 0x80808080u;
       const ushort2 halves = as_type<ushort2>(w);
-      ushort u[4];
+      ushort u[WB];
       u[0] = halves.x << 8;
       u[1] = halves.x & 0xFF00;
       u[2] = halves.y << 8;
       u[3] = halves.y & 0xFF00;
       TERNARY_UNROLL
-      for (int i = 0; i < 4; i++) {
+      for (int i = 0; i < WB; i++) {
         ushort v = ok[i] ? u[i] : ushort(0x8000);  // q = 128: five zero trits
         TERNARY_UNROLL
-        for (int d = 0; d < 5; d++) {
-          t[r][5 * i + d] = ternary_trit(v);
+        for (int d = 0; d < TB; d++) {
+          t[r][TB * i + d] = ternary_trit(v);
           v = v + (v << 1);
         }
       }
     }
-    float s0[4];
-    float s1[4];
+    float s0[R];
+    float s1[R];
     TERNARY_UNROLL
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
       s0[r] = 1.0f;
       s1[r] = 1.0f;
       if (SMODE == 2) {
@@ -122,25 +126,25 @@ inline half ternary_trit(ushort u) {
     for (int m = 0; m < TM; m++) {
       if (m < mc) {
         const int xrow = (m0 + m) * K;
-        float xv[20];
+        float xv[WB * TB];
         TERNARY_UNROLL
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < WB; i++) {
           TERNARY_UNROLL
-          for (int d = 0; d < 5; d++) {
+          for (int d = 0; d < TB; d++) {
             const int k = col[i] + d;
-            xv[5 * i + d] = (ok[i] && k < K) ? static_cast<float>(x[xrow + k]) : 0.0f;
+            xv[TB * i + d] = (ok[i] && k < K) ? static_cast<float>(x[xrow + k]) : 0.0f;
           }
         }
         TERNARY_UNROLL
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
           float p0 = 0.0f;
           float p1 = 0.0f;
           TERNARY_UNROLL
-          for (int i = 0; i < 4; i++) {
+          for (int i = 0; i < WB; i++) {
             float p = 0.0f;
             TERNARY_UNROLL
-            for (int d = 0; d < 5; d++) {
-              p = fma(xv[5 * i + d], float(t[r][5 * i + d]), p);
+            for (int d = 0; d < TB; d++) {
+              p = fma(xv[TB * i + d], float(t[r][TB * i + d]), p);
             }
             if (part[i] == 0) {
               p0 += p;
@@ -156,7 +160,7 @@ inline half ternary_trit(ushort u) {
 
   // Lane 0 writes: only it reads the row scale, bias and activation scale.
   TERNARY_UNROLL
-  for (int r = 0; r < 4; r++) {
+  for (int r = 0; r < R; r++) {
     const int n = row0 + r;
     TERNARY_UNROLL
     for (int m = 0; m < TM; m++) {

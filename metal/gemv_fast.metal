@@ -28,8 +28,8 @@
 // Output: y (M, N) T. Templates: T, XT, ST, BT, TM (1..4), SMODE (0 tensor, 1 row, 2 group),
 // G (group size, 0 if none), ACTQ, HAS_BIAS, DECODE, KALIGN (K % 16 == 0: one guard per
 // word instead of one per column), XVEC (KALIGN and XT is half or float: x read as 4-vectors).
-
-#define TERNARY_UNROLL _Pragma("clang loop unroll(full)")
+// Geometry macros (TERNARY_*: SIMD groups, rows, word size, TERNARY_UNROLL) come from the
+// prelude runtime/metal/geometry.py generates.
 
 // Field of code c (0..15) of a word: p = c mod 8, or c mod 8 - 5 for codes 5-7 (after >> 10).
 inline int ternary_field(int c) {
@@ -48,21 +48,26 @@ inline uint ternary_exponent(int p) {
   const int KW = params[3];
   const int SC = params[4];
   const int AW = params[5];
+  constexpr int R = TERNARY_GEMV_SG_ROWS;     // rows per SIMD group
+  constexpr int L = TERNARY_SIMD_WIDTH;       // lanes = words per row per step
+  constexpr int WC = TERNARY_WORD_CODES;      // columns per word
+  constexpr int HW = WC / 2;                  // half2 slots per word
+  constexpr int XV = 4;                       // x vector width (XVEC)
   const uint lane = thread_index_in_simdgroup;
   const uint sg = simdgroup_index_in_threadgroup;
-  const int row0 = (int(threadgroup_position_in_grid.y) * 2 + int(sg)) * 4;
+  const int row0 = (int(threadgroup_position_in_grid.y) * TERNARY_GEMV_SIMDGROUPS + int(sg)) * R;
   const int m0 = int(threadgroup_position_in_grid.z) * TM;
   const int mc = min(TM, M - m0);
 
   // Rows past N repeat the last row (loads stay in bounds) and are never written.
-  int rows[4];
+  int rows[R];
   TERNARY_UNROLL
-  for (int r = 0; r < 4; r++) {
+  for (int r = 0; r < R; r++) {
     rows[r] = min(row0 + r, N - 1);
   }
-  float acc[4][TM];
+  float acc[R][TM];
   TERNARY_UNROLL
-  for (int r = 0; r < 4; r++) {
+  for (int r = 0; r < R; r++) {
     TERNARY_UNROLL
     for (int m = 0; m < TM; m++) {
       acc[r][m] = 0.0f;
@@ -70,32 +75,32 @@ inline uint ternary_exponent(int p) {
   }
 
   // Rows past N read nothing: code 1 everywhere is a zero weight.
-  uint wn[4];
+  uint wn[R];
   TERNARY_UNROLL
-  for (int r = 0; r < 4; r++) {
+  for (int r = 0; r < R; r++) {
     wn[r] = (int(lane) < KW && row0 + r < N) ? wq[rows[r] * KW + int(lane)] : 0x55555555u;
   }
-  for (int j = int(lane); j < KW; j += 32) {
-    const int k0 = j * 16;
-    uint w[4];
+  for (int j = int(lane); j < KW; j += L) {
+    const int k0 = j * WC;
+    uint w[R];
     TERNARY_UNROLL
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
       w[r] = wn[r];
     }
-    if (j + 32 < KW) {
+    if (j + L < KW) {
       TERNARY_UNROLL
-      for (int r = 0; r < 4; r++) {
-        wn[r] = row0 + r < N ? wq[rows[r] * KW + j + 32] : 0x55555555u;
+      for (int r = 0; r < R; r++) {
+        wn[r] = row0 + r < N ? wq[rows[r] * KW + j + L] : 0x55555555u;
       }
     }
     // 4 rows x 8 half2: slot p < 5 holds codes p (.x) and 8 + p (.y); slots 5-7 hold codes
     // 5-7 and 13-15 (fields 0-2 of w >> 10).
-    half2 h[4][8];
+    half2 h[R][HW];
     TERNARY_UNROLL
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
       const uint w2 = w[r] >> 10;
       TERNARY_UNROLL
-      for (int p = 0; p < 8; p++) {
+      for (int p = 0; p < HW; p++) {
         const int f = p < 5 ? p : p - 5;
         const uint mask = 0x00030003u << (2 * f);
         h[r][p] = as_type<half2>(((p < 5 ? w[r] : w2) & mask) | ternary_exponent(f));
@@ -106,39 +111,39 @@ inline uint ternary_exponent(int p) {
       }
     }
     // Group scales: the 16 columns of a word lie in one group (16 divides G).
-    float s[4];
+    float s[R];
     TERNARY_UNROLL
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < R; r++) {
       s[r] = SMODE == 2 ? static_cast<float>(scales[rows[r] * SC + k0 / max(G, 1)]) : 1.0f;
     }
     TERNARY_UNROLL
     for (int m = 0; m < TM; m++) {
       if (m < mc) {
         const int xrow = (m0 + m) * K;
-        float xv[16];
+        float xv[WC];
         if (KALIGN) {
           // Whole 16-column words; only the padding word of K % 32 == 16 lies past K.
           const bool in_k = k0 < K;
           if (XVEC && in_k) {
-            const device vec<XT, 4>* xp = (const device vec<XT, 4>*)(x + xrow + k0);
+            const device vec<XT, XV>* xp = (const device vec<XT, XV>*)(x + xrow + k0);
             TERNARY_UNROLL
-            for (int q = 0; q < 4; q++) {
-              const vec<XT, 4> v = xp[q];
+            for (int q = 0; q < WC / XV; q++) {
+              const vec<XT, XV> v = xp[q];
               TERNARY_UNROLL
-              for (int i = 0; i < 4; i++) {
-                xv[4 * q + i] = static_cast<float>(v[i]);
+              for (int i = 0; i < XV; i++) {
+                xv[XV * q + i] = static_cast<float>(v[i]);
               }
             }
           } else {
             TERNARY_UNROLL
-            for (int c = 0; c < 16; c++) {
+            for (int c = 0; c < WC; c++) {
               xv[c] = in_k ? static_cast<float>(x[xrow + k0 + c]) : 0.0f;
             }
           }
         } else {
-          const bool full = k0 + 16 <= K;
+          const bool full = k0 + WC <= K;
           TERNARY_UNROLL
-          for (int c = 0; c < 16; c++) {
+          for (int c = 0; c < WC; c++) {
             xv[c] = (full || k0 + c < K) ? static_cast<float>(x[xrow + k0 + c]) : 0.0f;
           }
         }
@@ -147,20 +152,20 @@ inline uint ternary_exponent(int p) {
           corr = aux[(m0 + m) * AW + 1 + j];
         } else {
           TERNARY_UNROLL
-          for (int c = 0; c < 16; c++) {
+          for (int c = 0; c < WC; c++) {
             const float wgt = DECODE == 0 ? float(1 << (10 - 2 * ternary_field(c))) + 1.0f
                                           : 1.0f;
             corr = fma(xv[c], wgt, corr);
           }
         }
         TERNARY_UNROLL
-        for (int r = 0; r < 4; r++) {
+        for (int r = 0; r < R; r++) {
           float d = 0.0f;
           TERNARY_UNROLL
-          for (int p = 0; p < 8; p++) {
+          for (int p = 0; p < HW; p++) {
             // Slot p pairs codes c = p (or 5 + p - 5 = p) in .x with c + 8 in .y.
             d = fma(xv[p], float(h[r][p].x), d);
-            d = fma(xv[8 + p], float(h[r][p].y), d);
+            d = fma(xv[HW + p], float(h[r][p].y), d);
           }
           acc[r][m] = fma(s[r], d - corr, acc[r][m]);
         }
@@ -170,7 +175,7 @@ inline uint ternary_exponent(int p) {
 
   // Lane 0 writes: only it reads the row scale, bias and activation scale.
   TERNARY_UNROLL
-  for (int r = 0; r < 4; r++) {
+  for (int r = 0; r < R; r++) {
     const int n = row0 + r;
     TERNARY_UNROLL
     for (int m = 0; m < TM; m++) {

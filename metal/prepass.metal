@@ -17,10 +17,10 @@
 // aux[m][0] = 1 / scale (turns integer sums back into x's units), aux[m][1 + c] = the
 // correction of chunk c when CORR != 0 (AW = 1 + Kp / 16 with Kp the fast packing's padded
 // K, else AW = 1).
+// Geometry macros (TERNARY_*: thread counts, word size, TERNARY_UNROLL) come from the prelude
+// runtime/metal/geometry.py generates.
 // Templates: T, CORR (0 none; 1 offset decode: sum_i xq_i (2^(10 - 2 p_i) + 1); 2 exact
 // decode: sum_i xq_i), where p_i is the field of code i of a fast word (gemv_fast.metal).
-
-#define TERNARY_UNROLL _Pragma("clang loop unroll(full)")
 
 // The weight of column i (0..15) of a chunk in the offset decode's correction: the decoded
 // half of code i is 2^(10 - 2 p) + q with p = i mod 8 (or i mod 8 - 5 for 5..7).
@@ -38,9 +38,11 @@ inline float ternary_corr_weight(int i) {
   const uint sg = simdgroup_index_in_threadgroup;
   const device T* xr = x + m * K;
 
-  threadgroup float tg_max[8];
+  constexpr int SGS = TERNARY_PREPASS_THREADS / TERNARY_SIMD_WIDTH;
+  constexpr int WC = TERNARY_WORD_CODES;
+  threadgroup float tg_max[SGS];
   float a = 0.0f;
-  for (int k = int(tid); k < K; k += 256) {
+  for (int k = int(tid); k < K; k += TERNARY_PREPASS_THREADS) {
     a = max(a, fabs(static_cast<float>(xr[k])));
   }
   a = simd_max(a);
@@ -50,7 +52,7 @@ inline float ternary_corr_weight(int i) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float amax = tg_max[0];
   TERNARY_UNROLL
-  for (int g = 1; g < 8; g++) {
+  for (int g = 1; g < SGS; g++) {
     amax = max(amax, tg_max[g]);
   }
   const float scale = 127.0f / max(amax, 1e-5f);
@@ -59,12 +61,12 @@ inline float ternary_corr_weight(int i) {
   }
 
   // With CORR, AW - 1 covers the fast packing's padded columns too (their sums are 0).
-  const int chunks = CORR != 0 ? AW - 1 : (K + 15) / 16;
-  for (int c = int(tid); c < chunks; c += 256) {
+  const int chunks = CORR != 0 ? AW - 1 : (K + WC - 1) / WC;
+  for (int c = int(tid); c < chunks; c += TERNARY_PREPASS_THREADS) {
     float corr = 0.0f;
     TERNARY_UNROLL
-    for (int i = 0; i < 16; i++) {
-      const int k = c * 16 + i;
+    for (int i = 0; i < WC; i++) {
+      const int k = c * WC + i;
       if (k < K) {
         const float q = clamp(rint(static_cast<float>(xr[k]) * scale), -128.0f, 127.0f);
         xq[m * K + k] = static_cast<half>(q);

@@ -9,8 +9,8 @@ import pytest
 
 from mlx_ternary import format as fmt
 from mlx_ternary.runtime import dispatch
-from mlx_ternary.runtime.metal import launch
-from mlx_ternary.runtime.metal.sources import metal_dir, read_source
+from mlx_ternary.runtime.metal import geometry, launch
+from mlx_ternary.runtime.metal.sources import kernel_source, metal_dir, read_source
 
 # Max |kernel - float64 reference| / max |reference|, per activation dtype: the output's own
 # rounding plus float32 accumulation (the "offset" fast decode adds ~1e-4).
@@ -266,6 +266,20 @@ def test_every_source_states_its_mapping_and_splits():
         header, body = launch.split_source(text)
         assert header.startswith("//") and "Thread mapping" in header
         assert "[[kernel]]" not in body and body.strip()
+
+
+def test_geometry_is_named_once_in_python():
+    # The tile sizes and TERNARY_UNROLL reach the sources only through the generated prelude:
+    # no .metal file defines a macro, and every prelude macro is used by some kernel.
+    texts = {p.name: p.read_text() for p in metal_dir().glob("*.metal")}
+    used = set()
+    for name, text in texts.items():
+        assert "#define" not in text, name
+        used |= {m for m in geometry.macro_names() if m in text}
+        header, _ = kernel_source(name[: -len(".metal")])
+        assert header.startswith(geometry.prelude())
+    assert used == set(geometry.macro_names())
+    assert geometry.GEMV_ROWS == geometry.GEMV_SIMDGROUPS * geometry.GEMV_SG_ROWS
 
 
 # --------------------------------------------------------------------------- #

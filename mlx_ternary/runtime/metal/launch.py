@@ -14,22 +14,25 @@ Kernels (docs/KERNELS.md has the thread mappings, costs and measured bytes):
     gemm           prefill, either packing, any M; weights decoded once per 64 tokens
 """
 
-import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
 from ...format import CODES_PER_WORD, TRITS_PER_BYTE, fast_padded_k, packing_code
-from .sources import read_source
+from .geometry import (  # noqa: F401 - MAX_GEMV_TOKENS: part of the launcher's API
+    GEMM_ROWS,
+    GEMM_THREADS,
+    GEMM_TOKENS,
+    GEMV_ROWS,
+    GEMV_THREADS,
+    GEMV_TOKENS,
+    MAX_GEMV_TOKENS,
+    PREPASS_THREADS,
+)
+from .sources import kernel_source, split_source  # noqa: F401 - split_source: the launcher's API
 from .spec import FLOAT_DTYPES, MIN_DEVICE_ELEMENTS, LayerSpec, ceil_div, check_layer, check_x  # noqa: F401 - check_layer, check_x: part of the launcher's API
 
-BODY_MARKER = "//// BODY ////"
-GEMV_ROWS = 8  # output rows per GEMV threadgroup (2 SIMD groups x 4)
-GEMV_TOKENS = 4  # tokens per GEMV threadgroup at most: bounded registers
-MAX_GEMV_TOKENS = 16  # GEMV passes up to here (<= 4 threadgroups deep), GEMM above
-GEMM_TOKENS, GEMM_ROWS = 64, 32
-PREPASS_THREADS = 256
 FAST_DECODES = ("offset", "exact")
 COMPACT_DECODES = ("select",)
 KERNEL_CHOICES = ("gemv", "gemm", "gemm_fma")
@@ -47,17 +50,6 @@ KERNELS = {  # name: (input names, output names)
 }
 _KERNELS: Dict[Tuple[str, str, object], object] = {}
 _DUMMY: Dict[str, mx.array] = {}
-
-
-def split_source(text: str) -> Tuple[str, str]:
-    """(header, body) of a kernel file; the body is what mx.fast.metal_kernel calls source.
-
-    The two are separated by a line holding exactly BODY_MARKER.
-    """
-    parts = re.split(rf"^{re.escape(BODY_MARKER)}[ \t]*$", text, maxsplit=1, flags=re.M)
-    if len(parts) != 2:
-        raise ValueError(f"kernel source has no {BODY_MARKER!r} line separating header and body")
-    return parts[0], parts[1]
 
 
 def kernel_factory(backend: str):
@@ -80,7 +72,7 @@ def get_kernel(name: str, backend: str):
     factory = kernel_factory(backend)
     key = (backend, name, factory)
     if key not in _KERNELS:
-        header, body = split_source(read_source(f"{name}.metal"))
+        header, body = kernel_source(name)
         inputs, outputs = KERNELS[name]
         _KERNELS[key] = factory(
             name=f"ternary_{name}",
@@ -220,8 +212,8 @@ def _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw) -> Laun
         backend,
         rest,
         tmpl,
-        (64, ceil_div(spec.n, GEMV_ROWS), chunks),
-        (64, 1, 1),
+        (GEMV_THREADS, ceil_div(spec.n, GEMV_ROWS), chunks),
+        (GEMV_THREADS, 1, 1),
         [dtype],
         sizes,
     )
@@ -249,8 +241,8 @@ def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend, aw) -> Launch:
         backend,
         rest,
         tmpl,
-        (256, ceil_div(spec.n, GEMM_ROWS), ceil_div(m, GEMM_TOKENS)),
-        (256, 1, 1),
+        (GEMM_THREADS, ceil_div(spec.n, GEMM_ROWS), ceil_div(m, GEMM_TOKENS)),
+        (GEMM_THREADS, 1, 1),
         [dtype],
         sizes,
     )

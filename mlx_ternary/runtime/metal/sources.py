@@ -1,8 +1,14 @@
-"""Where the Metal sources live: inside the installed package, or at the top of a checkout."""
+"""Where the Metal sources live (inside the installed package, or at the top of a checkout),
+and each kernel's header and body as mx.fast.metal_kernel takes them."""
 
+import re
 from pathlib import Path
+from typing import Tuple
+
+from .geometry import prelude
 
 _PACKAGE = Path(__file__).resolve().parents[2]  # mlx_ternary/
+BODY_MARKER = "//// BODY ////"
 
 
 def metal_dir() -> Path:
@@ -25,3 +31,21 @@ def read_source(name: str) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path}: Metal source missing; reinstall mlx-ternary")
     return path.read_text()
+
+
+def split_source(text: str) -> Tuple[str, str]:
+    """(header, body) of a kernel file; the body is what mx.fast.metal_kernel calls source.
+
+    The two are separated by a line holding exactly BODY_MARKER.
+    """
+    parts = re.split(rf"^{re.escape(BODY_MARKER)}[ \t]*$", text, maxsplit=1, flags=re.M)
+    if len(parts) != 2:
+        raise ValueError(f"kernel source has no {BODY_MARKER!r} line separating header and body")
+    return parts[0], parts[1]
+
+
+def kernel_source(name: str) -> Tuple[str, str]:
+    """(header, body) of kernel `name` (metal/<name>.metal), the header after the generated
+    geometry prelude (geometry.prelude: tile sizes and TERNARY_UNROLL as macros)."""
+    header, body = split_source(read_source(f"{name}.metal"))
+    return prelude() + header, body
