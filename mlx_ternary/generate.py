@@ -5,7 +5,9 @@ from typing import Iterator, List, Optional
 
 import mlx.core as mx
 
+from .errors import TernaryError
 from .format import KV_GROUP_SIZE
+from .speculative import DEFAULT_DRAFT_TOKENS, check_draft_tokens, check_rewindable
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-shakespeare"
 
@@ -40,8 +42,14 @@ def stream(
     kv_bits: Optional[int] = None,
     kv_group_size: int = KV_GROUP_SIZE,
     prefill_step_size: int = 2048,
+    draft_model=None,
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ) -> Iterator:
-    """Yield mlx-lm GenerationResponse objects (text segment, token, speeds, peak memory)."""
+    """Yield mlx-lm GenerationResponse objects (text segment, token, speeds, peak memory).
+
+    With `draft_model` (same tokenizer: speculative.check_draft) mlx-lm's speculative
+    decoding runs, `num_draft_tokens` drafted a round; each response's `from_draft` says
+    whether the draft proposed its token (speculative.Acceptance counts them)."""
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -52,6 +60,18 @@ def stream(
     sampler = make_sampler(temp, top_p, min_p, top_k=top_k)
     processors = make_logits_processors(repetition_penalty=repetition_penalty)
     cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    speculative = {}
+    if draft_model is not None:
+        if max_kv_size is not None:
+            raise TernaryError(
+                "--max-kv-size's rotating cache cannot rewind rejected draft tokens; "
+                "drop it or --draft-model"
+            )
+        cache += make_prompt_cache(draft_model)  # mlx-lm's layout: target's, then draft's
+        check_rewindable(cache)
+        speculative = dict(
+            draft_model=draft_model, num_draft_tokens=check_draft_tokens(num_draft_tokens)
+        )
     yield from stream_generate(
         model,
         tokenizer,
@@ -63,4 +83,5 @@ def stream(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         prefill_step_size=prefill_step_size,
+        **speculative,
     )

@@ -8,7 +8,9 @@ from ..errors import TernaryError
 from .common import (
     activations_option,
     adapter_option,
+    draft_options,
     kv_bits_option,
+    load_draft,
     local_model,
     model_option,
     or_embedded,
@@ -21,6 +23,7 @@ Examples:
   mlx-ternary generate --prompt "ROMEO:"            # the embedded model, offline
   mlx-ternary generate --model DIR --prompt "Hi" -m 64 --temp 0.7 --seed 1
   echo "Once upon a time" | mlx-ternary generate --model DIR --prompt - --verbose
+  mlx-ternary generate --model BIG --draft-model SMALL --num-draft-tokens 4 --verbose
 """
 )
 @model_option
@@ -56,21 +59,32 @@ Examples:
 @click.option("--max-kv-size", default=None, type=int, help="Rotating KV cache size.")
 @kv_bits_option
 @adapter_option
-@click.option("--verbose", is_flag=True, help="Print speeds and peak memory at the end.")
+@click.option(
+    "--verbose",
+    is_flag=True,
+    help="Print speeds, peak memory (and the draft's acceptance rate) at the end.",
+)
 @activations_option()
+@draft_options
 def generate(model, prompt, max_tokens, adapter_path, verbose, activations, **sampling):
     """Generate text from a prompt, streaming tokens as they come."""
     from .. import generate as gen
+    from ..speculative import Acceptance
 
     model = or_embedded(model)
     if max_tokens < 1:
         raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
+    draft_path = sampling.pop("draft_model")
     lm, tokenizer, prompt, rank0 = _load_for_generate(
         model, prompt, adapter_path, activations, sampling
     )
     _check_generate_memory(lm, tokenizer, prompt, max_tokens, sampling)
+    if draft_path is not None:
+        sampling["draft_model"] = load_draft(draft_path, lm, tokenizer)
+    accepted = Acceptance(sampling["num_draft_tokens"], max_tokens)
     last = None
     for last in gen.stream(lm, tokenizer, prompt, max_tokens=max_tokens, **sampling):
+        accepted.add(last.from_draft)
         if rank0:
             click.echo(last.text, nl=False)
             sys.stdout.flush()
@@ -79,6 +93,11 @@ def generate(model, prompt, max_tokens, adapter_path, verbose, activations, **sa
     click.echo()
     if verbose and last is not None:
         _print_speeds(last)
+        if draft_path is not None:
+            click.echo(
+                f"Draft: {accepted.accepted} of {accepted.drafted} drafted tokens accepted "
+                f"({100 * accepted.rate:.1f}%)"
+            )
 
 
 def _load_for_generate(model, prompt, adapter_path, activations, sampling):

@@ -12,6 +12,8 @@ from .common import (
     activations_option,
     adapter_option,
     check_kv_groups,
+    draft_options,
+    load_draft,
     local_model,
     memory_limit_option,
     model_option,
@@ -35,6 +37,7 @@ SERVE_FLAGS = {
 Examples:
   mlx-ternary serve --model DIR                     # http://127.0.0.1:8080/v1
   mlx-ternary serve --model DIR --max-context 8192 --max-concurrency 4 --memory-limit 12
+  mlx-ternary serve --model BIG --draft-model SMALL   # speculative while one request runs
 """
 )
 @model_option
@@ -117,6 +120,7 @@ Examples:
     help="Open connections at most; more get HTTP 503 with Retry-After.",
 )
 @activations_option()
+@draft_options
 def serve(model, host, port, memory_limit, prompt_cache, adapter_path, activations, **options):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
     /v1/completions, /v1/messages)."""
@@ -125,6 +129,7 @@ def serve(model, host, port, memory_limit, prompt_cache, adapter_path, activatio
     from ..serve.lockstep import LockstepEngine, follow
 
     network = {k: options.pop(k) for k in NETWORK_OPTIONS}
+    draft_path = options.pop("draft_model")
     sizes = options
     model = or_embedded(model)
     group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
@@ -132,6 +137,7 @@ def serve(model, host, port, memory_limit, prompt_cache, adapter_path, activatio
     check_kv_groups(lm, sizes["kv_bits"], sizes["kv_group_size"])
     cache_bytes = _prompt_cache_size(lm, prompt_cache, sizes)
     mem = _check_serve_memory(lm, memory_limit, cache_bytes, sizes)
+    draft = load_draft(draft_path, lm, tokenizer) if draft_path is not None else None
     config = ServeConfig(
         model_name=short_name(model),
         aliases=list(network["served_names"]),
@@ -147,7 +153,7 @@ def serve(model, host, port, memory_limit, prompt_cache, adapter_path, activatio
         if lockstep is not None and group.rank() != 0:
             follow(make_engine(lm, tokenizer, config, lockstep))
             return
-        server = Server(lm, tokenizer, config, host, port, engine_class=lockstep)
+        server = Server(lm, tokenizer, config, host, port, engine_class=lockstep, draft_model=draft)
     except ValueError as e:  # a model whose caches --kv-bits cannot quantize
         raise TernaryError(str(e)) from None
     _announce(server, model, config, host, mem)
