@@ -1,6 +1,6 @@
 // Helpers shared by the kernels: runtime/metal/sources.py prepends this file (after the
-// generated geometry prelude) to every kernel's header. It holds no kernel and no
-// "//// BODY ////" line.
+// generated geometry prelude) to every kernel's header. It holds no kernel and no body
+// marker line.
 
 // BitNet int8 activations, in float32 as reference.quantize_activations defines them:
 // scale = 127 / max(absmax, 1e-5) per token, xq = clamp(rint(x * scale), -128, 127).

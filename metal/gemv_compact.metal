@@ -77,7 +77,7 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
   int rows[RL];
   TERNARY_UNROLL
   for (int r = 0; r < RL; r++) {
-    rows[r] = min(row0 + r, N - 1);
+    rows[r] = min(row0 + r, N - 1);  // in bounds; rows past N are skipped
   }
   float acc[RL][TM];
   TERNARY_UNROLL
@@ -159,6 +159,9 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
       }
       TERNARY_UNROLL
       for (int r = 0; r < RL; r++) {
+        if (row0 + r >= N) {
+          continue;  // rows past N read nothing (and are never written)
+        }
         const uint w = wwords[rows[r] * RW + j];
         // h[g][k]: fractions k of register g's two bytes.
         half2 h[2][NF];

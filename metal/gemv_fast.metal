@@ -78,11 +78,10 @@ inline uint ternary_exponent(int p) {
     ternary_token_scales<XT, TM, NSG>(x, M, K, tid, lane, sg, tred, tsc, tinv);
   }
 
-  // Rows past N repeat the last row (loads stay in bounds) and are never written.
   int rows[RL];
   TERNARY_UNROLL
   for (int r = 0; r < RL; r++) {
-    rows[r] = min(row0 + r, N - 1);
+    rows[r] = min(row0 + r, N - 1);  // in bounds; rows past N are skipped
   }
   float acc[RL][TM];
   TERNARY_UNROLL
@@ -127,6 +126,9 @@ inline uint ternary_exponent(int p) {
       const int k0 = j * WC;
       TERNARY_UNROLL
       for (int r = 0; r < RL; r++) {
+        if (row0 + r >= N) {
+          continue;  // rows past N read nothing (and are never written)
+        }
         // 8 half2: slot p < 5 holds codes p (.x) and 8 + p (.y); slots 5-7 hold codes 5-7
         // and 13-15 (fields 0-2 of w >> 10).
         const uint w = wq[rows[r] * KW + j];

@@ -33,7 +33,8 @@ def launches(packing, act, m, k, n, dtype):
         backend="emulate",
     )
     kind = launch.choose_kernel(m)
-    names = (["prepass"] if act else []) + (["gemm"] if kind == "gemm" else [f"gemv_{packing}"])
+    names = ["prepass", "gemm"] if act and kind == "gemm" else ["gemm"] if kind == "gemm" else []
+    names = names or [f"gemv_{packing}"]
     out = []
     for name in names:
         stats = launch.get_kernel(name, "emulate").last_stats
