@@ -80,7 +80,6 @@ def prelude() -> str:
     return "\n".join(lines) + "\n\n"
 
 
-
 def macro_names() -> tuple:
     """The macros `prelude()` defines."""
     return tuple(_MACROS)

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from ...format import CODES_PER_WORD, TRITS_PER_BYTE, fast_padded_k, packing_code
+from ...format import TRITS_PER_BYTE, packing_code
 from .geometry import (
     GEMM_ROWS,
     GEMM_THREADS,
