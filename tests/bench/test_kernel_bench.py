@@ -87,8 +87,14 @@ def test_host_bench_measures_every_path_with_stubbed_launches():
     rows = host.layer_overhead(k=128, n=64, rounds=2, calls=5)
     names = {(r.name, r.act) for r in rows}
     assert ("nn.QuantizedLinear 2-bit g64", False) in names
+    assert ("one MLX op (mx.zeros, called directly)", False) in names
     for act in (False, True):
-        for path in ("metal, launch stubbed", "reference", "metal, training mode (custom VJP)"):
+        for path in (
+            "metal, launch stubbed",
+            "metal, launch as one MLX op",
+            "reference",
+            "metal, training mode (custom VJP)",
+        ):
             assert (path, act) in names
         assert (("native CPU kernel", act) in names) == cpu.available()
     assert all(r.us_min > 0 and r.ratio > 0 for r in rows)
