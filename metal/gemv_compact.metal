@@ -66,7 +66,7 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
   // Per token and staged word: for each of its two registers (bytes 0 and 2; bytes 1 and 3)
   // and each k, the pair (c_k of the low byte, c_k of the high byte), two k per vector.
   threadgroup vec<XS, 4> ce[TM][WL][2][NF / 2];
-  threadgroup float cc[TM][WL][2];  // per word: 3 sum y of the bytes in block part 0 and 1
+  threadgroup float cc[TM][WL][2];  // per word: -3 sum y of its bytes in block part 0 and 1
   threadgroup float tsc[TM];
   threadgroup float tinv[TM];
   threadgroup float tred[NSG * TM];
@@ -143,8 +143,8 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
                                           static_cast<XS>(c[g + 2][k + 1]));
         }
       }
-      cc[m][w][0] = corr[0];
-      cc[m][w][1] = corr[1];
+      cc[m][w][0] = -corr[0];
+      cc[m][w][1] = -corr[1];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -185,23 +185,25 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
         TERNARY_UNROLL
         for (int m = 0; m < TM; m++) {
           if (m < M) {
-            // p[i]: byte i's sum_k h_k c_k (bytes 0, 2 in register 0; 1, 3 in register 1).
-            float p[WB] = {0.0f, 0.0f, 0.0f, 0.0f};
-            TERNARY_UNROLL
-            for (int g = 0; g < 2; g++) {
-              TERNARY_UNROLL
-              for (int k = 0; k < NF; k += 2) {
-                const vec<XS, 4> v = ce[m][wl][g][k / 2];
-                p[g] = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p[g]);
-                p[g + 2] = fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p[g + 2]);
-                p[g] = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p[g]);
-                p[g + 2] =
-                    fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p[g + 2]);
-              }
-            }
             if (G > 0) {
-              float p0 = -cc[m][wl][0];
-              float p1 = -cc[m][wl][1];
+              // p[i]: byte i's sum_k h_k c_k (bytes 0, 2 in register 0; 1, 3 in register
+              // 1), routed to the word's two block parts.
+              float p[WB] = {0.0f, 0.0f, 0.0f, 0.0f};
+              TERNARY_UNROLL
+              for (int g = 0; g < 2; g++) {
+                TERNARY_UNROLL
+                for (int k = 0; k < NF; k += 2) {
+                  const vec<XS, 4> v = ce[m][wl][g][k / 2];
+                  p[g] = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p[g]);
+                  p[g + 2] =
+                      fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p[g + 2]);
+                  p[g] = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p[g]);
+                  p[g + 2] =
+                      fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p[g + 2]);
+                }
+              }
+              float p0 = cc[m][wl][0];
+              float p1 = cc[m][wl][1];
               TERNARY_UNROLL
               for (int i = 0; i < WB; i++) {
                 if (hi[i]) {
@@ -212,7 +214,21 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
               }
               acc[r][m] = fma(s0, p0, fma(s1, p1, acc[r][m]));
             } else {
-              acc[r][m] += ((p[0] + p[1]) + (p[2] + p[3])) - cc[m][wl][0];
+              // One block: the word's partial sum starts at its correction, one FMA per
+              // fraction, then one add (kept per word: exact with integer activations).
+              float p = cc[m][wl][0];
+              TERNARY_UNROLL
+              for (int g = 0; g < 2; g++) {
+                TERNARY_UNROLL
+                for (int k = 0; k < NF; k += 2) {
+                  const vec<XS, 4> v = ce[m][wl][g][k / 2];
+                  p = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p);
+                  p = fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p);
+                  p = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p);
+                  p = fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p);
+                }
+              }
+              acc[r][m] += p;
             }
           }
         }

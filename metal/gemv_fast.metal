@@ -70,7 +70,7 @@ inline uint ternary_exponent(int p) {
                    (int(lane) / WL) * RL;
 
   threadgroup vec<XS, XV> xs[TM][WL * WV];  // the step's x, all tokens
-  threadgroup float cs[TM][WL];             // each staged word's correction C
+  threadgroup float cs[TM][WL];             // each staged word's correction, negated: -C
   threadgroup float tsc[TM];                // ACTQ: activation scale per token
   threadgroup float tinv[TM];               // ACTQ: its inverse
   threadgroup float tred[NSG * TM];         // ACTQ: absmax scratch
@@ -117,7 +117,7 @@ inline uint ternary_exponent(int p) {
         }
         xs[m][w * WV + q] = v;
       }
-      cs[m][w] = corr;
+      cs[m][w] = -corr;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -150,7 +150,8 @@ inline uint ternary_exponent(int p) {
         TERNARY_UNROLL
         for (int m = 0; m < TM; m++) {
           if (m < M) {
-            float d = 0.0f;
+            // The word's partial sum starts at -C: one FMA per weight, then one add.
+            float d = cs[m][wl];
             TERNARY_UNROLL
             for (int q = 0; q < WV; q++) {
               const vec<XS, XV> v = xs[m][wl * WV + q];
@@ -162,7 +163,7 @@ inline uint ternary_exponent(int p) {
                 d = fma(static_cast<float>(v[i]), static_cast<float>(hc), d);
               }
             }
-            acc[r][m] = fma(gs, d - cs[m][wl], acc[r][m]);
+            acc[r][m] = fma(gs, d, acc[r][m]);
           }
         }
       }
