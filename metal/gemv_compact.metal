@@ -5,7 +5,7 @@
 // and every token; lane l works on word lane wl = l % WL of row group l / WL and owns RL rows.
 // A step is WL 32-bit words = 64 bytes = 320 trits of each row; the threadgroup stages, per
 // token and byte of the step, the byte's six decode coefficients (below) and, per word, the
-// correction of each block part, then each lane decodes its word of each of its rows once
+// (negated) correction of each byte, then each lane decodes its word of each of its rows once
 // and applies it to every token. ACTQ quantizes x while staging (one launch per call).
 //
 // Decode ("exact-float" fractions, after PrismML's llama.cpp PR #157, in two 16-bit lanes):
@@ -27,7 +27,7 @@
 //
 // Blocks: with group scales (G > 0) a block is one group of G columns, BPB = ceil(G / 5)
 // bytes; byte b holds columns blk * G + 5 (b - blk BPB) .. +4 of block blk = b / BPB, and a
-// word's 4 bytes span at most 2 blocks (BPB > 4), each with its own partial sum and scale.
+// word's 4 bytes span at most 2 blocks (BPB > 4): each byte's sum takes its block's scale.
 // Without group scales the row is one block: byte b holds columns 5b..5b+4. Pad trits are
 // zero trits; bytes past the last block (row padding to 4 bytes) get zero coefficients.
 //
@@ -66,7 +66,8 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
   // Per token and staged word: for each of its two registers (bytes 0 and 2; bytes 1 and 3)
   // and each k, the pair (c_k of the low byte, c_k of the high byte), two k per vector.
   threadgroup vec<XS, 4> ce[TM][WL][2][NF / 2];
-  threadgroup float cc[TM][WL][2];  // per word: -3 sum y of its bytes in block part 0 and 1
+  // Per word: -3 sum y of each byte (G > 0), or of the whole word in .x (G == 0).
+  threadgroup float4 cc[TM][WL];
   threadgroup float tsc[TM];
   threadgroup float tinv[TM];
   threadgroup float tred[NSG * TM];
@@ -99,7 +100,7 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
       const int w = e % WL;
       const int b0 = (s * WL + w) * WB;
       const int blk0 = G > 0 ? b0 / BPB : 0;
-      float corr[2] = {0.0f, 0.0f};
+      float4 corr = float4(0.0f);
       float c[WB][NF];
       TERNARY_UNROLL
       for (int i = 0; i < WB; i++) {
@@ -125,7 +126,7 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
           yv[d] = f;
           sum += f;
         }
-        corr[part] += 3.0f * sum;
+        corr[G > 0 ? i : 0] -= 3.0f * sum;
         c[i][0] = 1.5f * yv[0];
         TERNARY_UNROLL
         for (int k = 1; k < TB; k++) {
@@ -143,8 +144,7 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
                                           static_cast<XS>(c[g + 2][k + 1]));
         }
       }
-      cc[m][w][0] = -corr[0];
-      cc[m][w][1] = -corr[1];
+      cc[m][w] = corr;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -176,19 +176,24 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
             u[g] = (u[g] + (u[g] << 1)) & TERNARY_FRAC_MASK;
           }
         }
-        float s0 = 1.0f;
-        float s1 = 1.0f;
+        // Group scales: the scale of each of the word's bytes (its block's).
+        float sb[WB] = {1.0f, 1.0f, 1.0f, 1.0f};  // blocks without group scales: 1
         if (SMODE == 2) {
-          s0 = static_cast<float>(scales[rows[r] * SC + min(blk0, SC - 1)]);
-          s1 = static_cast<float>(scales[rows[r] * SC + min(blk0 + 1, SC - 1)]);
+          const float s0 = static_cast<float>(scales[rows[r] * SC + min(blk0, SC - 1)]);
+          const float s1 = static_cast<float>(scales[rows[r] * SC + min(blk0 + 1, SC - 1)]);
+          TERNARY_UNROLL
+          for (int i = 0; i < WB; i++) {
+            sb[i] = hi[i] ? s1 : s0;
+          }
         }
         TERNARY_UNROLL
         for (int m = 0; m < TM; m++) {
           if (m < M) {
             if (G > 0) {
-              // p[i]: byte i's sum_k h_k c_k (bytes 0, 2 in register 0; 1, 3 in register
-              // 1), routed to the word's two block parts.
-              float p[WB] = {0.0f, 0.0f, 0.0f, 0.0f};
+              // p[i]: byte i's correction + sum_k h_k c_k (bytes 0, 2 in register 0; 1, 3
+              // in register 1), times its block's scale.
+              const float4 c0 = cc[m][wl];
+              float p[WB] = {c0.x, c0.y, c0.z, c0.w};
               TERNARY_UNROLL
               for (int g = 0; g < 2; g++) {
                 TERNARY_UNROLL
@@ -202,21 +207,14 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
                       fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p[g + 2]);
                 }
               }
-              float p0 = cc[m][wl][0];
-              float p1 = cc[m][wl][1];
               TERNARY_UNROLL
               for (int i = 0; i < WB; i++) {
-                if (hi[i]) {
-                  p1 += p[i];
-                } else {
-                  p0 += p[i];
-                }
+                acc[r][m] = fma(sb[i], p[i], acc[r][m]);
               }
-              acc[r][m] = fma(s0, p0, fma(s1, p1, acc[r][m]));
             } else {
               // One block: the word's partial sum starts at its correction, one FMA per
               // fraction, then one add (kept per word: exact with integer activations).
-              float p = cc[m][wl][0];
+              float p = cc[m][wl].x;
               TERNARY_UNROLL
               for (int g = 0; g < 2; g++) {
                 TERNARY_UNROLL
