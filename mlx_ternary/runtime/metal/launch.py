@@ -167,12 +167,15 @@ def _gemv(spec, packed, scales, bias, dtype, m, decode, backend) -> Launch:
     """The one launch of an m-token decode call (m <= MAX_GEMV_TOKENS), int8 included."""
     tm = gemv_token_tile(m)
     rl, nsg = gemv_layout(tm)
-    # Staged x: half where exact (half x, or int8 values), else float32.
-    xs = mx.float16 if (spec.act or dtype == mx.float16) else mx.float32
+    # Staged values: half where exact, else float32. fast stages x (exact in half for half x
+    # and for int8 values); compact stages coefficients 1.5 y_k - 0.5 y_(k-1) (exact in half
+    # only for int8 values).
+    exact_half = spec.act or (spec.packing == "fast" and dtype == mx.float16)
+    xs = mx.float16 if exact_half else mx.float32
     tmpl = [
         ("T", dtype),
         ("XT", dtype),
-        ("XS", xs if spec.packing == "fast" or spec.act else mx.float32),
+        ("XS", xs),
         ("ST", spec.scale_dtype),
         ("BT", spec.bias_dtype),
         ("TM", tm),
