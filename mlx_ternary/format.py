@@ -1,4 +1,4 @@
-"""The native ternary format: the one definition of both packed layouts.
+"""The ternary format (mlx-ternary's own checkpoints): the one definition of both packed layouts.
 
 docs/FORMAT.md describes the layouts in prose with worked examples; this module is
 their executable definition (numpy for readers/writers, MLX for the runtime).
@@ -51,7 +51,7 @@ class GGMLTable:
 
     block: int  # weights per block, along a row
     bytes: int  # bytes per block
-    code: int  # the native kernel's code (runtime/cpu/csrc/kquants.h GgmlType)
+    code: int  # the native kernel's code (runtime/cpu/csrc/kernels/ggml_blocks.h GgmlType)
 
 
 # llama.cpp's quantized tables kept as their GGUF blocks (per-layer mode "ggml").
@@ -64,13 +64,12 @@ GGML_TABLES = {
 }
 # The integer code of each packing, the one table both kernel families read: the Metal
 # kernels' PACKING template constant and the native CPU backend's `Packing` enum
-# (runtime/cpu/csrc/tkernels.h).
+# (runtime/cpu/csrc/kernels/layer.h).
 PACKING_CODES = {"compact": 0, "fast": 1}
 PACKINGS = tuple(PACKING_CODES)
 SCALE_KINDS = ("tensor", "row", "group")
 # Group sizes of ternary group scales (not the affine ones above).
 TERNARY_GROUP_SIZES = (64, 128, 256)
-GROUP_SIZES = TERNARY_GROUP_SIZES  # the older name, still imported
 
 # How ternary layers treat their input (QuantizationConfig.activations, load(activations=)):
 #   "model"  the model's own definition: `activation_bits` (8: BitNet int8 per token; null:
@@ -121,12 +120,13 @@ def layer_activation_bits(mode: str, activation_bits: Optional[int]):
     return Q8K if mode == Q8K else None
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers, exactly (the one definition)."""
     return -(-a // b)
 
 
 def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
+    return ceil_div(a, b) * b
 
 
 def to_numpy(a) -> np.ndarray:
@@ -148,8 +148,8 @@ def block_size(in_features: int, group_size: Optional[int]) -> int:
 
 def compact_row_bytes(in_features: int, group_size: Optional[int] = None) -> int:
     b = block_size(in_features, group_size)
-    n_blocks = _ceil_div(in_features, b)
-    return _round_up(n_blocks * _ceil_div(b, TRITS_PER_BYTE), ROW_ALIGN_BYTES)
+    n_blocks = ceil_div(in_features, b)
+    return _round_up(n_blocks * ceil_div(b, TRITS_PER_BYTE), ROW_ALIGN_BYTES)
 
 
 def fast_padded_k(in_features: int) -> int:
@@ -178,7 +178,7 @@ def scales_shape(
     if scale == "group":
         if group_size not in TERNARY_GROUP_SIZES:
             raise FormatError(f"group_size must be one of {TERNARY_GROUP_SIZES}, got {group_size}")
-        return (out_features, _ceil_div(in_features, group_size))
+        return (out_features, ceil_div(in_features, group_size))
     raise FormatError(f"unknown scale kind {scale!r}; expected one of {SCALE_KINDS}")
 
 
@@ -223,7 +223,7 @@ def _blocks(t: np.ndarray, group_size: Optional[int], pad_value: int) -> np.ndar
     """(N, K) -> (N, n_blocks, block padded to a multiple of 5)."""
     n, k = t.shape
     b = block_size(k, group_size)
-    n_blocks = _ceil_div(k, b)
+    n_blocks = ceil_div(k, b)
     bp = _round_up(b, TRITS_PER_BYTE)
     out = np.full((n, n_blocks, bp), pad_value, dtype=t.dtype)
     full = np.full((n, n_blocks * b), pad_value, dtype=t.dtype)
@@ -258,8 +258,8 @@ def unpack_compact(
     """(N, row_bytes) uint8 -> trits (N, K) int8."""
     n = packed.shape[0]
     b = block_size(in_features, group_size)
-    n_blocks = _ceil_div(in_features, b)
-    bpb = _ceil_div(b, TRITS_PER_BYTE)
+    n_blocks = ceil_div(in_features, b)
+    bpb = ceil_div(b, TRITS_PER_BYTE)
     d = decode_compact_bytes(packed[:, : n_blocks * bpb])  # (N, nb*bpb, 5)
     t = d.reshape(n, n_blocks, bpb * TRITS_PER_BYTE)[:, :, :b] - 1
     return t.reshape(n, n_blocks * b)[:, :in_features].astype(np.int8)
@@ -329,8 +329,8 @@ def unpack_compact_mx(
     """(N, row_bytes) uint8 -> trits (N, K) int8, with MLX ops."""
     n = packed.shape[0]
     b = block_size(in_features, group_size)
-    n_blocks = _ceil_div(in_features, b)
-    bpb = _ceil_div(b, TRITS_PER_BYTE)
+    n_blocks = ceil_div(in_features, b)
+    bpb = ceil_div(b, TRITS_PER_BYTE)
     q = packed[:, : n_blocks * bpb].astype(mx.uint32)
     digits = [(((q * 3**i) & 0xFF) * 3) >> 8 for i in range(TRITS_PER_BYTE)]
     d = mx.stack(digits, axis=-1).reshape(n, n_blocks, bpb * TRITS_PER_BYTE)[:, :, :b]
@@ -342,7 +342,7 @@ def pack_compact_mx(t: mx.array, group_size: Optional[int] = None) -> mx.array:
     """Trits (N, K) -> (N, row_bytes) uint8, with MLX ops."""
     n, k = t.shape
     b = block_size(k, group_size)
-    n_blocks = _ceil_div(k, b)
+    n_blocks = ceil_div(k, b)
     bp = _round_up(b, TRITS_PER_BYTE)
     d = mx.pad(t.astype(mx.uint32) + 1, [(0, 0), (0, n_blocks * b - k)], constant_values=1)
     d = mx.pad(d.reshape(n, n_blocks, b), [(0, 0), (0, 0), (0, bp - b)], constant_values=1)
@@ -417,12 +417,12 @@ def _fitted_scales(scales, n: int, k: int, group_size: Optional[int], name: str)
 
 @dataclass
 class PackedTernary:
-    """One ternary weight in the native layout.
+    """One ternary weight in the ternary format's layout.
 
     packed: (N, row_bytes) uint8 for compact, (N, Kp/16) uint32 for fast.
     scales: (1, 1) | (N, 1) | (N, ceil(K / group_size)), float16/bfloat16/float32.
     Both are numpy arrays, or MLX arrays when a reader hands stored tensors on lazily
-    (the native reader): nothing is read from disk until they are used.
+    (the ternary-format reader): nothing is read from disk until they are used.
     """
 
     packing: str
@@ -663,7 +663,7 @@ def layer_entry(entry, where: str) -> dict:
 
 @dataclass
 class QuantizationConfig:
-    """The `quantization` section of a native checkpoint's config.json.
+    """The `quantization` section of a ternary checkpoint's config.json.
 
     `layers` holds the affine-quantized (non-ternary) layers by module path, recorded as
     mlx-lm records per-layer quantization: {"group_size": G, "bits": B, "mode": "affine"}.
@@ -741,6 +741,6 @@ class QuantizationConfig:
         }
 
 
-def is_native_config(config: dict) -> bool:
+def is_ternary_config(config: dict) -> bool:
     q = config.get("quantization")
     return isinstance(q, dict) and q.get("format") == FORMAT_NAME

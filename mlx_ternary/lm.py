@@ -3,7 +3,7 @@
 Every mlx-lm tool loads a model through `mlx_lm.utils.load` or `sharded_load`, and both
 look up the module-level `mlx_lm.utils.load_model` when they run. Replacing that one
 function while a tool runs routes every tool, whatever names it imported and whatever
-flags it has: a ternary checkpoint (native, or Hugging Face BitNet) is built by
+flags it has: a ternary checkpoint (the ternary format, or Hugging Face BitNet) is built by
 `load.load_model`; anything else goes to mlx-lm's own loader, untouched. mlx-lm then
 attaches adapters and loads the tokenizer itself, as for any model. Two more mlx-lm
 functions are swapped while a tool runs, both delegating to mlx-lm for non-ternary
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List
 
-from .checkpoint.readers import hf_bitnet, native
+from .checkpoint.readers import hf_bitnet, ternary
 from .errors import TernaryError
 
 # mlx-lm 0.32's subcommands (mlx_lm/cli.py) and the module each runs.
@@ -48,13 +48,13 @@ PIP_NAMES = {"lm_eval": "lm-eval"}  # import name -> the distribution to install
 
 
 def is_ternary_checkpoint(model_path) -> bool:
-    """True for a directory mlx-ternary loads and stock mlx-lm cannot (native, HF BitNet).
+    """True for a directory mlx-ternary loads and stock mlx-lm cannot (ternary format, HF BitNet).
 
     MLX 2-bit affine packs (Ternary-Bonsai) stay with mlx-lm, which runs them as they are.
     """
     path = Path(model_path)
     try:
-        return native.detect(path) or hf_bitnet.detect(path)
+        return ternary.detect(path) or hf_bitnet.detect(path)
     except TernaryError:
         return False  # an unreadable config: mlx-lm's loader reports it
 
@@ -153,18 +153,18 @@ MODEL_FLAGS = ("--model", "--draft-model")
 
 
 def gguf_args(args: List[str], notify=None) -> List[str]:
-    """`--model FILE.gguf` -> the native directory it is converted to once (gguf_cache), so
+    """`--model FILE.gguf` -> the ternary-format directory it is converted to once (gguf_cache), so
     mlx-lm finds a config, weights and tokenizer there."""
-    from .checkpoint.gguf_cache import native_dir
+    from .checkpoint.gguf_cache import ternary_dir
     from .checkpoint.readers import gguf
 
     out = list(args)
     for i, arg in enumerate(out):
         flag, eq, value = arg.partition("=")
         if eq and flag in MODEL_FLAGS and gguf.detect(Path(value)):
-            out[i] = f"{flag}={native_dir(Path(value), notify=notify)}"
+            out[i] = f"{flag}={ternary_dir(Path(value), notify=notify)}"
         elif arg in MODEL_FLAGS and i + 1 < len(out) and gguf.detect(Path(out[i + 1])):
-            out[i + 1] = str(native_dir(Path(out[i + 1]), notify=notify))
+            out[i + 1] = str(ternary_dir(Path(out[i + 1]), notify=notify))
     return out
 
 

@@ -17,11 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .format import KV_GROUP_SIZE
+from .format import KV_GROUP_SIZE, ceil_div
 from .runtime.cpu import activation as native_swiglu
 from .runtime.cpu import attention as native_attention
 from .runtime.cpu import block as native_block
-from .runtime.cpu.layers import GGMLEmbedding, GGMLLinear, HalfEmbedding, HalfLinear
+from .runtime.cpu.tables import GGMLEmbedding, GGMLLinear, HalfEmbedding, HalfLinear
 from .runtime.layers import TernaryLinear, ternary_layers
 
 GiB = 1024**3
@@ -307,7 +307,7 @@ def kv_bytes(
     max_kv_size: Optional[int] = None,
 ) -> int:
     """KV cache bytes for `batch` sequences of `max_context` tokens (see `kv_layout`)."""
-    tokens = -(-max_context // KV_STEP) * KV_STEP
+    tokens = ceil_div(max_context, KV_STEP) * KV_STEP
     total = 0
     for per_token, most, state in kv_layout(model, kv_bits, kv_group_size, max_kv_size):
         total += int(per_token * (min(tokens, most) if most else tokens)) + state
@@ -340,7 +340,7 @@ def batching_bytes(
     if batch <= 1 and prompt_cache <= 0:
         return 0
     layout = kv_layout(model, kv_bits, kv_group_size, max_kv_size)
-    planned = -(-max_context // KV_STEP) * KV_STEP
+    planned = ceil_div(max_context, KV_STEP) * KV_STEP
     cap = lambda n, most: min(n, most) if most else n  # noqa: E731
     slack = sum(
         pt * (cap(max_context + KV_STEP - 1, most) - cap(planned, most)) for pt, most, _ in layout
@@ -398,7 +398,7 @@ def _kv_growth(model: nn.Module, batch: int, max_context: int) -> int:
     """Bytes a cache holds twice while it grows: mlx-lm concatenates the old keys/values with
     a new step, so one layer's old buffers and the new ones are live together; with fused
     blocks, FUSED_LAYERS_IN_FLIGHT layers' (their pipelined updates copy)."""
-    tokens = -(-max_context // KV_STEP) * KV_STEP
+    tokens = ceil_div(max_context, KV_STEP) * KV_STEP
     sizes = [pt * (min(tokens, most) if most else tokens) for pt, most, _ in kv_layout(model)]
     layers = FUSED_LAYERS_IN_FLIGHT if fused_blocks(model) else 1
     return int(batch * sum(sorted(sizes, reverse=True)[:layers]))

@@ -1,7 +1,7 @@
 """Running under `mlx.launch`: rank-slice loading and agreement between ranks.
 
 Every rank runs the same command. `sharded_load` builds the model lazily, then reads each
-ternary layer's share straight from the native checkpoint, or from another format's
+ternary layer's share straight from the ternary checkpoint, or from another format's
 converted copy in the cache (a block of rows is one contiguous read; a block of columns a
 strided one), so no rank ever holds a whole ternary tensor; float weights (embeddings,
 norms) stay whole on every rank, as in mlx-lm, except the output layer, split by vocabulary
@@ -22,7 +22,7 @@ import numpy as np
 from .checkpoint.load import load, read_config, resolve_model_path
 from .checkpoint.readers.common import shard_files, tensor_index, tensor_layout
 from .errors import TernaryError
-from .format import QuantizationConfig, is_native_config
+from .format import QuantizationConfig, is_ternary_config
 from .runtime.layers import TernaryLinear
 from .runtime.shard import TernaryParts
 
@@ -120,9 +120,9 @@ class DiskTensor:
 
 
 def checkpoint_parts(model, model_path: Path, config: dict) -> Dict[str, TernaryParts]:
-    """{layer path: TernaryParts reading from disk} for every ternary layer of a native
-    checkpoint (`native_source` gives one for every format)."""
-    if not is_native_config(config):
+    """{layer path: TernaryParts reading from disk} for every ternary layer of a ternary-format
+    checkpoint (`ternary_source` gives one for every format)."""
+    if not is_ternary_config(config):
         return {}
     stored = QuantizationConfig.from_dict(config["quantization"], model_path / "config.json")
     index = tensor_index(shard_files(model_path))
@@ -163,15 +163,15 @@ def _ternary_layers(model):
             yield path, m
 
 
-def native_source(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
-    """The native checkpoint directory a rank reads its slices from: the model itself, or
+def ternary_source(path_or_hf_repo: str, revision: Optional[str] = None) -> Path:
+    """The ternary checkpoint directory a rank reads its slices from: the model itself, or
     its conversion in the cache (a GGUF file, any other format: converted once per host,
     one tensor at a time, by the first rank there; the others wait for it)."""
     source = resolve_model_path(path_or_hf_repo, revision)  # a GGUF: its cached conversion
-    if not is_native_config(read_config(source)):
-        from .checkpoint.gguf_cache import native_dir
+    if not is_ternary_config(read_config(source)):
+        from .checkpoint.gguf_cache import ternary_dir
 
-        source = native_dir(source)
+        source = ternary_dir(source)
     return source
 
 
@@ -194,9 +194,9 @@ def sharded_load(
 ):
     """`mlx_ternary.load` for one rank of a tensor-parallel group.
 
-    Each rank reads only its share of every ternary weight from a native checkpoint;
+    Each rank reads only its share of every ternary weight from a ternary checkpoint;
     any other format (a GGUF file, Hugging Face BitNet, an MLX affine pack...) is first
-    converted once into the cache (`native_source`), then read the same way. Adapters
+    converted once into the cache (`ternary_source`), then read the same way. Adapters
     (`adapter_path`, mlx-lm's format) are sharded with their base layers. Returns what
     `load` returns.
 
@@ -205,7 +205,7 @@ def sharded_load(
             the group size (naming the layer).
     """
     group = group or world()
-    source = native_source(path_or_hf_repo, revision)
+    source = ternary_source(path_or_hf_repo, revision)
     model, tokenizer, config = load(
         str(source),
         tokenizer_config=tokenizer_config,

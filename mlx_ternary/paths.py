@@ -12,8 +12,8 @@ CACHE_ENV = {
     "emulator": "MLX_TERNARY_EMULATOR_CACHE",  # compiled Metal-emulator kernels
     "native": "MLX_TERNARY_NATIVE_CACHE",  # the native CPU extension
     "tune": "MLX_TERNARY_TUNE_CACHE",  # self-tuning choices
-    "gguf": "MLX_TERNARY_GGUF_CACHE",  # .gguf files converted to the native format
-    # other formats converted to the native one for tensor-parallel loads (sliced per rank)
+    "gguf": "MLX_TERNARY_GGUF_CACHE",  # .gguf files converted to the ternary format
+    # other formats converted to the ternary one for tensor-parallel loads (sliced per rank)
     "converted": "MLX_TERNARY_CONVERTED_CACHE",
 }
 

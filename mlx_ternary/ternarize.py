@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from .errors import FormatError
-from .format import TERNARY_GROUP_SIZES, _ceil_div, expand_scales
+from .format import TERNARY_GROUP_SIZES, ceil_div, expand_scales
 
 
 def ternarize_absmean(w: np.ndarray, eps: float = 1e-5):
@@ -34,7 +34,7 @@ def ternarize(
     if scale == "row":
         s = np.maximum(np.abs(w).mean(axis=1, keepdims=True), eps)
     else:
-        g = _ceil_div(k, group_size)
+        g = ceil_div(k, group_size)
         padded = np.zeros((n, g * group_size), np.float32)
         padded[:, :k] = np.abs(w)
         counts = np.minimum(group_size, k - group_size * np.arange(g))
@@ -75,7 +75,7 @@ def read_scales(
             (f"{len(np.unique(used))} scales in {_runs(filled)} row block(s)"),
         )
     if group_size in TERNARY_GROUP_SIZES:
-        g = -(-k // group_size)
+        g = ceil_div(k, group_size)
         pad = np.zeros((n, g * group_size), np.float32)
         pad[:, :k] = a
         blocks = pad.reshape(n, g, group_size)

@@ -23,7 +23,7 @@ tokenizer and chat template). `mlx_ternary.convert(..., dequantize=True)` writes
 weights (W = s·t; the float16 embedding as stored); they are relabelled as a qwen2 (the
 llama block plus q/k/v biases, zero here, so it computes the same function) — that is the
 float twin — and `mlx_ternary.convert(twin, activation_bits=8)` reads the trits and scales
-back off it exactly, into the native format, with the embedded model's int8 activations.
+back off it exactly, into the ternary format, with the embedded model's int8 activations.
 
 **The redirection** is scripts/mlx_lm_contract_conftest.py, copied as conftest.py next to
 the test files (its docstring has the details): on both sides every hub repo id resolves to

@@ -14,7 +14,7 @@ tensor-parallel path (runtime/shard_block.py); for a case marked "fused", also
   unfused:   the memory model with the fused block off (mlx-lm's block, sharded layers),
   decode[_unfused]: the logits of a prefill and DECODE_STEPS greedy steps with a KV cache,
   grad_e[_unfused], grad_w[_unfused]: `block_grads` (fused on, off); then `collectives.rank<r>.npz` (large
-collectives over the ring's sockets as runtime/host.py left them) and `host.rank<r>.json`
+collectives over the ring's sockets as runtime/samehost.py left them) and `host.rank<r>.json`
 (what it did).
 """
 
@@ -128,7 +128,7 @@ def head_kind(model) -> str:
 def collectives(group, out: Path, rank: int) -> None:
     """4 MB all_sum / all_gather: the ring runs both directions of both sockets, the case
     where a receive sleeping in front of a send on the same socket would hang."""
-    from mlx_ternary.runtime.host import local_sums, share_host
+    from mlx_ternary.runtime.samehost import local_sums, share_host
 
     x = mx.arange(1 << 20, dtype=mx.float32) * (rank + 1)
     total = mx.distributed.all_sum(x, group=group)

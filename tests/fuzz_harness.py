@@ -68,7 +68,7 @@ def build_seeds(root: Path) -> Dict[str, Target]:
     import gguf_build
     from tiny import ternary_checkpoint
 
-    from mlx_ternary.checkpoint.writers.native import write_manifest
+    from mlx_ternary.checkpoint.writers.ternary import write_manifest
 
     native, _ = ternary_checkpoint(root, "llama")
     write_manifest(native)

@@ -16,7 +16,7 @@ def test_digest_is_sha256_of_the_parts_with_separators():
     assert paths.digest("a", b"b") == want[:24]
     assert paths.digest("a", b"b", length=32) == want[:32]
     assert paths.digest("ab") != paths.digest("a", "b")  # the separator counts
-    assert emu_build._digest("a", b"b") == want[:32]  # the emulator keeps its 32-hex keys
+    assert emu_build.digest("a", b"b") == want[:32]  # the emulator keeps its 32-hex keys
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ def test_both_pipelines_find_the_compiler_the_same_way(monkeypatch, module, env,
 
 def test_a_missing_compiler_is_named_in_each_pipelines_error():
     with pytest.raises(EmulatorError, match="no-such-cxx-1 --version"):
-        emu_build._compiler_id("no-such-cxx-1")
+        emu_build.compiler_id("no-such-cxx-1")
     with pytest.raises(cpu_build.NativeBuildError, match="no-such-cxx-2 --version"):
         cpu_build.compiler_id("no-such-cxx-2")
 

@@ -225,4 +225,5 @@ def test_packing_codes_are_one_table():
     assert sorted(F.PACKING_CODES.values()) == [0, 1]
     assert [F.packing_code(p) for p in F.PACKINGS] == [0, 1]
     # Affine (MLX quantize) and ternary group sizes are different facts with their own names.
-    assert F.GROUP_SIZES is F.TERNARY_GROUP_SIZES and F.AFFINE_GROUP_SIZES == (32, 64, 128)
+    assert F.TERNARY_GROUP_SIZES == (64, 128, 256) and F.AFFINE_GROUP_SIZES == (32, 64, 128)
+    assert not hasattr(F, "GROUP_SIZES")  # one name per table: no ambiguous alias

@@ -21,7 +21,7 @@ from tiny import float_model, ternary_checkpoint, write_tokenizer
 
 import mlx_ternary
 from mlx_ternary.checkpoint.load import load_model
-from mlx_ternary.checkpoint.writers.native import save_model
+from mlx_ternary.checkpoint.writers.ternary import save_model
 from mlx_ternary.cli import main
 from mlx_ternary.errors import TernaryError
 from mlx_ternary.generate import EMBEDDED_MODEL

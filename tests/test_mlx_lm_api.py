@@ -17,7 +17,7 @@ from tiny import float_model
 
 import mlx_ternary
 from mlx_ternary.checkpoint.load import load_model
-from mlx_ternary.checkpoint.writers.native import save_model
+from mlx_ternary.checkpoint.writers.ternary import save_model
 from mlx_ternary.errors import TernaryError
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.runtime.layers import ternarize_model

@@ -71,24 +71,59 @@ def test_installed_wheel_finds_its_metal_sources(wheel, tmp_path):
     assert json.loads(listing) == METAL_FILES
 
 
-def test_old_import_paths_reach_the_moved_modules():
-    """Import paths of earlier releases give the module now holding what they held, one copy."""
+# The pre-0.1 module names a removed import hook kept alive (issue 28: STYLE.md leaves such
+# machinery out; no release ever shipped them), each with the module that holds it now.
+PRE_0_1_NAMES = {
+    "nn": "runtime.layers",
+    "kernels": "runtime.dispatch",
+    "reference": "runtime.reference",
+    "lora": "runtime.lora",
+    "adapters": "runtime.adapters",
+    "native": "runtime.cpu",
+    "readers": "checkpoint.readers",
+    "writers": "checkpoint.writers",
+    "plan": "memory",
+    "distributed": "parallel",
+}
+
+
+def test_pre_0_1_module_names_are_gone_and_their_modules_import():
     import importlib
-    import sys
 
-    import mlx_ternary
+    for old, new in PRE_0_1_NAMES.items():
+        importlib.import_module(f"mlx_ternary.{new}")  # the control: the module is there
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"mlx_ternary.{old}")
 
-    for old, new in mlx_ternary.MOVED.items():
-        module = importlib.import_module(f"mlx_ternary.{old}")
-        assert module is importlib.import_module(f"mlx_ternary.{new}"), old
-    from mlx_ternary.kernels import resolve_backend
-    from mlx_ternary.nn import TernaryLinear
 
-    assert TernaryLinear is mlx_ternary.TernaryLinear
-    assert resolve_backend is sys.modules["mlx_ternary.runtime.dispatch"].resolve_backend
-    import mlx_ternary.readers.native as old_reader
+def _imported_distributions():
+    """Top-level names of the third-party modules the package imports (any depth)."""
+    import ast
 
-    assert old_reader is sys.modules["mlx_ternary.checkpoint.readers.native"]
-    # Negative control: a name that never existed is still an ImportError.
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module("mlx_ternary.no_such_module")
+    names = set()
+    for path in (ROOT / "mlx_ternary").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names.add((node.module or "").split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n != "mlx_ternary"}
+
+
+def _dependencies(section: str):
+    """Module names of a dependency list of pyproject.toml ("dependencies" or an extra)."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    body = re.search(rf"^{section} = \[(.*?)\]\s*$", text, re.S | re.M).group(1)
+    dists = re.findall(r'(?:^\s*|\[|, )"([A-Za-z0-9_.-]+)', body, re.M)
+    return {d.replace("-", "_").lower() for d in dists}
+
+
+def test_dependencies_match_the_package_imports():
+    runtime = _dependencies("dependencies")
+    # matplotlib: `bench --plot` only, imported when asked for (the bench extra)
+    optional = {"matplotlib"} & _dependencies("bench")
+    imported = _imported_distributions()
+    assert imported - optional == runtime, (imported - optional) ^ runtime
+    assert "safetensors" not in runtime and "pytest" not in runtime  # the controls

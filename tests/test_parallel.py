@@ -27,7 +27,7 @@ from tiny import ternary_checkpoint
 import mlx_ternary
 from mlx_ternary.generate import EMBEDDED_MODEL
 from mlx_ternary.parallel import free_ports, local_launch
-from mlx_ternary.runtime import host
+from mlx_ternary.runtime import samehost
 from mlx_ternary.runtime.shard import ternary_bytes
 
 HERE = Path(__file__).parent
@@ -118,7 +118,7 @@ CACHES = ("MLX_TERNARY_CONVERTED_CACHE", "MLX_TERNARY_GGUF_CACHE")  # the test's
 
 
 def hf_bitnet_packed(native: Path, out: Path) -> Path:
-    """Hugging Face BitNet's packed layout of a per-tensor-scaled native checkpoint: uint8
+    """Hugging Face BitNet's packed layout of a per-tensor-scaled ternary checkpoint: uint8
     (ceil(N/4), K), field i of row r holding output row r + i * ceil(N/4), and one
     `weight_scale` per tensor (autobitlinear: multiplied)."""
     from mlx_ternary.runtime.layers import ternary_layers
@@ -403,11 +403,11 @@ def local_sums(tmp_path_factory):
     runs = {}
     for switch in ("1", "0"):
         out = tmp_path_factory.mktemp(f"local-sum-{switch}")
-        os.environ[host.ENV_LOCAL_SUM] = switch
+        os.environ[samehost.ENV_LOCAL_SUM] = switch
         try:
             run_launch(str(HERE / "local_sum_worker.py"), str(out), timeout=120)
         finally:
-            os.environ.pop(host.ENV_LOCAL_SUM)
+            os.environ.pop(samehost.ENV_LOCAL_SUM)
         runs[switch] = [
             (
                 dict(np.load(out / f"local_sum.rank{r}.npz")),
@@ -437,13 +437,13 @@ def test_same_host_sum_is_mlxs_all_sum_bit_for_bit(local_sums, switch):
 ALONE = """
 import os, sys, mlx.core as mx
 from mlx_ternary.runtime import cpu
-m = cpu._require()
+m = cpu.require()
 path = sys.argv[1]
 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, m.local_sum_bytes(1 << 20))
 os.close(fd)
-from mlx_ternary.runtime import host
-m.local_sum_attach(path, 0, 1 << 20, 0.3, host.LOCAL_SUM_ADVICE)
+from mlx_ternary.runtime import samehost
+m.local_sum_attach(path, 0, 1 << 20, 0.3, samehost.LOCAL_SUM_ADVICE)
 os.unlink(path)
 try:
     mx.eval(m.local_sum(mx.ones((4,))))
@@ -521,13 +521,13 @@ def test_rank_slice_loading_never_holds_a_whole_tensor(cases):
 
 def _native(path):
     """The cache's native copy of `path`, loaded lazily (its conversion is what is measured)."""
-    from mlx_ternary.parallel import native_source
+    from mlx_ternary.parallel import ternary_source
 
     class Nothing:  # load_peak evaluates a model's parameters
         def parameters(self):
             return {}
 
-    native_source(str(path))
+    ternary_source(str(path))
     return Nothing()
 
 

@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map
 
-from mlx_ternary.checkpoint.writers.native import save_model
+from mlx_ternary.checkpoint.writers.ternary import save_model
 from mlx_ternary.runtime.layers import ternarize_model
 
 TESTS = Path(__file__).resolve().parent
@@ -124,7 +124,7 @@ def ternary_checkpoint(
     seed=0,
     **overrides,
 ):
-    """Write a native checkpoint of a random ternary `arch` model; returns (dir, float twin).
+    """Write a ternary checkpoint of a random ternary `arch` model; returns (dir, float twin).
 
     The float twin is the same architecture with plain Linear layers holding the
     dequantized weights: the reference the ternary model must match.

@@ -76,7 +76,7 @@ def _build(where: Path) -> Path:
     return exe
 
 
-def _numpy(mb: int, threads: int, passes: int) -> float:
+def numpy_bandwidth(mb: int, threads: int, passes: int) -> float:
     a = np.arange(mb * 2**20 // 8, dtype=np.uint64)
     parts, best = np.array_split(a, threads), 0.0
     for _ in range(passes):
@@ -105,7 +105,7 @@ def measure(threads: Sequence[int] = (1, 2), mb: int = DEFAULT_MB, passes: int =
             exe, method = None, "numpy sum over threads (a lower bound: no C++ compiler)"
         for t in threads:
             if exe is None:
-                gbs[int(t)] = _numpy(mb, int(t), passes)
+                gbs[int(t)] = numpy_bandwidth(mb, int(t), passes)
                 continue
             out = subprocess.run(
                 [str(exe), str(mb), str(int(t)), str(passes)],

@@ -73,7 +73,7 @@ def linear_bytes(shape: LinearShape, format_name: str) -> int:
         item = 1 if format_name == "compact" else 4
         return rows * cols * item + scales
     if format_name in Q_BITS:
-        groups = -(-k // Q_GROUP_SIZE)
+        groups = fmt.ceil_div(k, Q_GROUP_SIZE)
         return n * k * Q_BITS[format_name] // 8 + 2 * n * groups * METAL_FLOAT_BYTES
     if format_name in FLOAT_BYTES:
         return n * k * FLOAT_BYTES[format_name]

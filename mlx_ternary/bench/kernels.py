@@ -95,7 +95,7 @@ def _layer(k: int, n: int, scale: str, dtype, seed: int = 0) -> dict:
     groups = fast.shape[1] * fmt.CODES_PER_WORD // STOCK_GROUP
     wide = scales if g is None else mx.repeat(scales, g // STOCK_GROUP, axis=1)[:, :groups]
     qs = mx.contiguous(mx.broadcast_to(wide, (n, groups)))
-    from .variants import _fast_to_q4
+    from .variants import fast_to_q4
 
     return {
         "t": t,
@@ -104,7 +104,7 @@ def _layer(k: int, n: int, scale: str, dtype, seed: int = 0) -> dict:
         "fast": fast,
         "compact": mx.array(pt_compact.packed),
         "q2": (fast, qs, -qs),
-        "q4": (_fast_to_q4(fast), qs, -qs),
+        "q4": (fast_to_q4(fast), qs, -qs),
     }
 
 
@@ -112,7 +112,7 @@ def _nbytes(arrays) -> int:
     return sum(a.nbytes for a in arrays)
 
 
-def _variants(
+def kernel_variants(
     layer: dict, k: int, n: int, m: int, act: bool, dtype, backend: str, decodes: bool
 ) -> Dict[str, tuple]:
     """{name: (make, arrays)}: make(w) -> (x -> y) for one copy w of the layer's arrays,
@@ -185,7 +185,7 @@ def _copies(arrays, count: int) -> List[tuple]:
 def _glue(k: int, n: int) -> Callable[[mx.array], mx.array]:
     """(M, N) -> (M, K), values kept near 1: the link between chained calls."""
     scale = 1.0 / math.sqrt(k)
-    reps = -(-k // n)
+    reps = fmt.ceil_div(k, n)
 
     def link(y):
         if n < k:
@@ -249,7 +249,9 @@ def measure_point(
     glue = []  # the links' own time, measured once at the first timed variant
     rows = []
     # Stock layers quantize no activations: with int8 x they are not run at all.
-    for name, (make, arrays) in _variants(layer, k, n, m, act, dtype, backend, decodes).items():
+    for name, (make, arrays) in kernel_variants(
+        layer, k, n, m, act, dtype, backend, decodes
+    ).items():
         row = Row(shape, k, n, m, act, scale, str(dtype).split(".")[-1], name, _nbytes(arrays))
         try:
             row.check, row.error = _check(make(arrays), x, twin)

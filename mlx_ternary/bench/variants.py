@@ -17,7 +17,7 @@ from ..checkpoint.load import get_classes, runtime_packing
 from ..errors import TernaryError
 from ..memory import available_memory
 from ..runtime import dispatch
-from ..runtime.cpu.layers import HalfEmbedding, adopt
+from ..runtime.cpu.tables import HalfEmbedding, adopt
 from ..runtime.layers import TernaryLinear, swap_modules, ternary_layers
 from . import ceiling
 from .report import FormatResult
@@ -43,7 +43,7 @@ def _group_scales(
     return mx.contiguous(mx.broadcast_to(scales, (out_features, groups)))
 
 
-def _fast_to_q4(packed: mx.array) -> mx.array:
+def fast_to_q4(packed: mx.array) -> mx.array:
     """2-bit codes (N, K/16) uint32 -> the same codes in 4-bit fields (N, K/8) uint32.
 
     Each half word holds 8 codes; spreading 2-bit fields to 4-bit ones is three
@@ -88,7 +88,7 @@ def make_layer(layer: TernaryLinear, name: str, backend=None) -> nn.Module:
         new = nn.QuantizedLinear(k, n, bias is not None, group_size=Q_GROUP_SIZE, bits=bits)
         # The fast packing is bit for bit MLX's 2-bit layout (k % 64 == 0: no padding).
         codes = fast if fast is not None else fmt.pack_fast_mx(layer.trits())
-        new.weight = codes if bits == 2 else _fast_to_q4(codes)
+        new.weight = codes if bits == 2 else fast_to_q4(codes)
         new.scales = _group_scales(layer.scales, n, k, layer.group_size)
         new.biases = -new.scales
     else:
@@ -163,7 +163,7 @@ def build_variants(
         res = FormatResult(name, loads=False)
         out[name] = (None, res)
         res.reason = check_format(name, layers)
-        estimate = sum(ceiling.linear_bytes(_shape(m), name) for _, m in layers)
+        estimate = sum(ceiling.linear_bytes(linear_shape(m), name) for _, m in layers)
         free, _ = available_memory(free=True)
         if not res.reason and estimate > free:
             res.reason = (
@@ -222,7 +222,7 @@ def _assemble(model: nn.Module, layers, rest, name: str, dtype, backend):
     return model, new
 
 
-def _shape(m: TernaryLinear) -> ceiling.LinearShape:
+def linear_shape(m: TernaryLinear) -> ceiling.LinearShape:
     return ceiling.LinearShape(
         m.out_features, m.in_features, tuple(m.scales.shape), m.scales.dtype.size, m.group_size
     )
@@ -244,7 +244,7 @@ def model_shapes(base: nn.Module):
     paths = {p for p, _ in layers}
     rest = [v for k, v in tree_flatten(base.parameters()) if k.rsplit(".", 1)[0] not in paths]
     unread = _embedding_overcount(base, paths) // _float_size(rest)
-    return [_shape(m) for _, m in layers], sum(v.size for v in rest) - unread
+    return [linear_shape(m) for _, m in layers], sum(v.size for v in rest) - unread
 
 
 def _float_size(arrays) -> int:

@@ -1,4 +1,4 @@
-"""convert(): any ternary checkpoint in, the native format or a stock MLX / GGUF file out.
+"""convert(): any ternary checkpoint in, the ternary format or a stock MLX / GGUF file out.
 
 Data path: a reader yields (name, tensor | PackedTernary) one at a time -> the writer
 streams it into a temporary directory beside the destination -> manifest -> rename.
@@ -33,9 +33,8 @@ from .readers.arch import Checker, is_hadamard
 from .readers.common import TOKENIZER_FILES, Source
 from .writers import gguf as gguf_writer
 from .writers import mlx_affine as affine_writer
-from .writers.native import MAX_SHARD_BYTES, ShardWriter, native_config, write_manifest
+from .writers.ternary import MAX_SHARD_BYTES, ShardWriter, ternary_config, write_manifest
 
-DEFAULT_PACKING = getattr(dispatch, "DEFAULT_PACKING", "compact")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 Progress = Callable[[str, int, int], None]  # (tensor name, done, total)
@@ -75,7 +74,7 @@ class ConvertReport:
 
 def open_input(
     hf_path: Union[str, Path],
-    packing: str = DEFAULT_PACKING,
+    packing: str = dispatch.DEFAULT_PACKING,
     revision: Optional[str] = None,
     group_size: int = 128,
 ) -> Source:
@@ -131,7 +130,7 @@ def _ternary_tensors(
 ):
     """The tensors one ternary layer becomes, with its round-trip error recorded.
 
-    The native target is repacked and checked a block of rows at a time (no float copy of
+    The ternary-format target is repacked and checked a block of rows at a time (no float copy of
     the layer); the affine and float targets compare against the layer's float values."""
     if q_bits or dequantize:
         ref = item.dequantize(np.float32)
@@ -252,7 +251,7 @@ def _quantization(source: Source, packing: str, written: dict) -> QuantizationCo
     if len(groups) > 1:
         raise FormatError(
             f"{source.path}: layers use scale groups of {sorted(groups)} "
-            "columns; the native format holds one group size per model"
+            "columns; the ternary format holds one group size per model"
         )
     g = groups.pop() if groups else None
     return QuantizationConfig(
@@ -281,7 +280,7 @@ def convert_source(
     *,
     q_bits: Optional[int] = None,
     q_group_size: int = 64,
-    packing: str = DEFAULT_PACKING,
+    packing: str = dispatch.DEFAULT_PACKING,
     dtype: Optional[str] = None,
     dequantize: bool = False,
     to_gguf=None,
@@ -302,7 +301,7 @@ def convert_source(
 class Target:
     """What a conversion writes (see `convert` for the fields)."""
 
-    packing: str = DEFAULT_PACKING
+    packing: str = dispatch.DEFAULT_PACKING
     q_bits: Optional[int] = None
     q_group_size: int = 64
     dequantize: bool = False
@@ -322,7 +321,7 @@ class Target:
                 raise TernaryError(
                     f"{source.path}: mlx-lm's {source.config['model_type']} class "
                     "has no stock quantized layers to load an affine checkpoint "
-                    "into; convert to the native format instead"
+                    "into; convert to the ternary format instead"
                 )
 
     def describe(self, gguf: bool) -> str:
@@ -330,7 +329,7 @@ class Target:
             return f"GGUF {self.gguf_type}"
         if self.q_bits:
             return f"MLX affine {self.q_bits}-bit, group size {self.q_group_size}"
-        return "float (dequantized)" if self.dequantize else f"mlx-ternary native ({self.packing})"
+        return "float (dequantized)" if self.dequantize else f"mlx-ternary ({self.packing})"
 
 
 def _convert(
@@ -407,7 +406,7 @@ def _write_directory(
         )
         _write_model_card(source, tmp, t, report)
     else:
-        config = native_config(source.config, _quantization(source, t.packing, written))
+        config = ternary_config(source.config, _quantization(source, t.packing, written))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(source, tmp)
     write_manifest(tmp)
@@ -502,7 +501,7 @@ def convert(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     progress: Optional[Progress] = None,
 ) -> ConvertReport:
-    """Convert a ternary checkpoint to the native format, stock MLX, or GGUF.
+    """Convert a ternary checkpoint to the ternary format, stock MLX, or GGUF.
 
     Reads every format readers.READERS lists (docs/CONVERT.md has the table).
 
@@ -512,7 +511,7 @@ def convert(
         q_bits: write a stock MLX affine checkpoint at this many bits (2, 3, 4, 5, 6, 8),
             ternary values exact, loadable by plain `mlx_lm.load`.
         q_group_size: its group size (32, 64, 128).
-        packing: native packing, "compact" or "fast" (default: dispatch.DEFAULT_PACKING).
+        packing: the ternary format's packing, "compact" or "fast" (default: dispatch.DEFAULT_PACKING).
         dtype: "float16", "bfloat16" or "float32" for float tensors.
         dequantize: write a float checkpoint (ternary weights as s * t).
         to_gguf: write a llama.cpp GGUF file here instead of a directory.
@@ -534,7 +533,7 @@ def convert(
             checkpoint (FormatError names the file and tensor). Nothing is left at the
             destination on any error or interrupt.
     """
-    packing = check_packing(packing or DEFAULT_PACKING)
+    packing = check_packing(packing or dispatch.DEFAULT_PACKING)
     dst = destination(mlx_path, to_gguf, force)  # before a hub download
     _check_activation_bits(activation_bits)
     activations = activations and check_activations(activations)

@@ -1,10 +1,10 @@
 """A .gguf file where a model directory is expected: converted once, then reused.
 
 `load()`, `generate`, `serve`, `plan` and `perplexity` take a GGUF path; the first time,
-it is converted to the native format into the cache, and later loads read that copy.
-Tensor-parallel loads (parallel.sharded_load) do the same with every other non-native
+it is converted to the ternary format into the cache, and later loads read that copy.
+Tensor-parallel loads (parallel.sharded_load) do the same with every other non-ternary-format
 checkpoint directory (Hugging Face BitNet, MLX affine packs, TriLM floats), so that each
-rank reads only its slices of the native copy.
+rank reads only its slices of the ternary-format copy.
 
 Where: $XDG_CACHE_HOME/mlx_ternary/gguf (default ~/.cache/mlx_ternary/gguf; directories:
 .../converted), one directory per file version, `<name>-<path hash>-<content key>`. The
@@ -76,7 +76,7 @@ def entry_problem(out: Path) -> Optional[str]:
     manifest was written (a later mtime) is hashed against the manifest's sha256, so a
     rewritten or half-written entry is found without hashing an untouched one each time.
     """
-    from .writers.native import MANIFEST_FILE, sha256_file
+    from .writers.ternary import MANIFEST_FILE, sha256_file
 
     mf = out / MANIFEST_FILE
     try:
@@ -96,12 +96,12 @@ def entry_problem(out: Path) -> Optional[str]:
     return None
 
 
-def native_dir(
+def ternary_dir(
     path: Path,
     notify: Optional[Callable[[str], None]] = None,
     progress: Optional[Callable[[str, int, int], None]] = None,
 ) -> Path:
-    """The native-format directory for a GGUF file (or a checkpoint directory in another
+    """The ternary-format directory for a GGUF file (or a checkpoint directory in another
     format), converting it on first use.
 
     Args:

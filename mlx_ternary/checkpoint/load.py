@@ -18,7 +18,7 @@ from ..format import (
     layer_activation_bits,
 )
 from ..runtime import cpu, dispatch, ggml
-from ..runtime.cpu import layers as native_layers
+from ..runtime.cpu import tables as native_tables
 from ..runtime.layers import (
     HadamardTernaryLinear,
     QuantizedEmbedding,
@@ -39,9 +39,9 @@ def resolve_model_path(path_or_hf_repo: str, revision: Optional[str] = None) -> 
     cache, or a hub repo id downloaded."""
     p = Path(path_or_hf_repo).expanduser()
     if gguf.detect(p):  # converted once into the cache, then read from there
-        from .gguf_cache import native_dir
+        from .gguf_cache import ternary_dir
 
-        return native_dir(p)
+        return ternary_dir(p)
     return model_dir(path_or_hf_repo, revision)
 
 
@@ -106,7 +106,7 @@ def _table(module: nn.Module, gt: GGMLTensor, backend: Optional[str], llama: boo
     numerics when the model runs q8k), else what runs fast there and is exact - MLX affine
     for Q8_0 / Q4_K / Q5_K, float32 for Q6_K."""
     if dispatch.resolve_backend(backend) == "native":
-        return native_layers.ggml_layer(module, gt, llama, name)
+        return native_tables.ggml_layer(module, gt, llama, name)
     if gt.type in gguf_quants.AFFINE_TYPES:
         n, k = gt.shape
         at = gguf_quants.affine(np.asarray(gt.blocks), gt.type, n, k)
@@ -145,7 +145,7 @@ def load_model(
     weights, layers = read_layers(source, model, backend=backend, activations=activations)
     model.update_modules(tree_unflatten(list(layers.items())))
     # The backend's own rule for float tables: the native one keeps float16 ones as stored.
-    keep = native_layers.adopt(model, weights, dtype, backend=dispatch.resolve_backend(backend))
+    keep = native_tables.adopt(model, weights, dtype, backend=dispatch.resolve_backend(backend))
     model.load_weights(list(_cast(model, weights, dtype or default_dtype(), keep)), strict=False)
     model.eval()
     if runtime:
@@ -215,7 +215,7 @@ def load(
 ):
     """Load a ternary model as an mlx-lm model plus mlx-lm's TokenizerWrapper.
 
-    Reads every format `convert` reads (readers.READERS, in that order): the native
+    Reads every format `convert` reads (readers.READERS, in that order): the ternary
     format, Hugging Face BitNet (packed or latent, every published config revision),
     mlx-lm quantized BitNet conversions, MLX affine ternary packs (Ternary-Bonsai,
     Bonsai-2) and TriLM-style float checkpoints. Layers stored MLX affine-quantized
@@ -258,7 +258,7 @@ def load(
     if tokenizer_error is not None:  # the weights' own errors, if any, came first
         raise tokenizer_error
     if tokenizer is None:
-        tokenizer = _tokenizer(model_path, tokenizer_config, config)
+        tokenizer = read_tokenizer(model_path, tokenizer_config, config)
     return (model, tokenizer, config) if return_config else (model, tokenizer)
 
 
@@ -269,12 +269,12 @@ def _early_tokenizer(model_path: Path, tokenizer_config: Optional[dict]):
     if not (model_path / "config.json").is_file():
         return None, None
     try:
-        return _tokenizer(model_path, tokenizer_config, read_config(model_path)), None
+        return read_tokenizer(model_path, tokenizer_config, read_config(model_path)), None
     except FormatError as e:
         return None, e
 
 
-def _tokenizer(model_path: Path, tokenizer_config: Optional[dict], config: dict):
+def read_tokenizer(model_path: Path, tokenizer_config: Optional[dict], config: dict):
     """mlx-lm's TokenizerWrapper for the model directory, or a FormatError naming it."""
     from mlx_lm.utils import load_tokenizer
 

@@ -8,11 +8,11 @@ from typing import List, NamedTuple
 import mlx.nn as nn
 
 from ..errors import TernaryError
-from ..format import is_native_config
+from ..format import is_ternary_config
 from .load import get_classes, load_model, read_config
 from .readers.arch import Checker, build_model
 from .readers.common import shard_files, tensor_shapes
-from .writers.native import MANIFEST_FILE, MANIFEST_FORMAT, sha256_file
+from .writers.ternary import MANIFEST_FILE, MANIFEST_FORMAT, sha256_file
 
 
 @dataclass
@@ -103,7 +103,7 @@ def verify(path) -> VerifyReport:
     """Check manifest (sizes, sha256), shard presence and size, tensor shapes vs config.
 
     Args:
-        path: a checkpoint directory written by `convert` (native or stock MLX).
+        path: a checkpoint directory written by `convert` (ternary format or stock MLX).
 
     Returns:
         A VerifyReport; `report.ok` is True when nothing is wrong.
@@ -118,7 +118,7 @@ def verify(path) -> VerifyReport:
         shapes = {k: _Shape(v[0]) for k, v in tensor_shapes(files).items()}
         report.tensors = len(shapes)
         config = read_config(path)
-        if is_native_config(config):
+        if is_ternary_config(config):
             load_model(path, lazy=True)  # lazy: nothing is read beyond the headers
         else:
             model = _stock_model(path, config, shapes)

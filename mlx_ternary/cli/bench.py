@@ -1,4 +1,5 @@
-"""bench: each representation of a model, the kernels (--kernels) or the host path (--host)."""
+"""bench: each representation of a model, the kernels (--kernels) or the graph-building
+overhead (--overhead; --host is its deprecated old name)."""
 
 import json
 
@@ -13,7 +14,7 @@ Examples:
   mlx-ternary bench --model DIR --formats fast,q4 --json bench.json --plot bench.png
   mlx-ternary bench --kernels --json kernels.json     # on a Mac: every kernel vs stock MLX
   mlx-ternary bench --kernels --backend emulate --quick  # off a Mac: a smoke run, no timing
-  mlx-ternary bench --host                            # host time per layer call and token
+  mlx-ternary bench --overhead                        # graph time per layer call and token
   mlx-ternary bench --model DIR --formats fast --llama-cpp NODE_MODULES --gguf model.gguf
   mlx-ternary bench --model model.gguf --formats fast --measure-bandwidth --llama-threads 2 \
       --peer "ik_llama.cpp IQ2_BN=IK/build/bin/llama-bench:model-iq2_bn.gguf"
@@ -22,7 +23,7 @@ Examples:
 @click.option(
     "--model",
     default=None,
-    help="Model directory or Hugging Face repo id (not for --kernels/--host).",
+    help="Model directory or Hugging Face repo id (not for --kernels/--overhead).",
 )
 @click.option(
     "--kernels",
@@ -30,10 +31,11 @@ Examples:
     help="Benchmark the Metal kernels against stock MLX (docs/KERNELS.md).",
 )
 @click.option(
-    "--host",
+    "--overhead",
     is_flag=True,
-    help="Measure host (graph-construction) time per layer call and decode token.",
+    help="Measure the graph-construction (Python) time per layer call and decode token.",
 )
+@click.option("--host", "old_overhead", is_flag=True, hidden=True, help="Deprecated: --overhead.")
 @click.option(
     "--backend",
     type=click.Choice(["metal", "emulate"]),
@@ -125,15 +127,20 @@ Examples:
     is_flag=True,
     help="On a CPU: measure the streaming-read bandwidth for the ceiling column.",
 )
-def bench(model, kernels, host, backend, quick, json_path, plot_path, markdown, **run):
+def bench(model, kernels, overhead, backend, quick, json_path, plot_path, markdown, **run):
     """Measure each representation of a model: bytes, peak memory, prefill and decode speed."""
+    if run.pop("old_overhead"):  # "host" now means only `serve --host`; remove in 0.3
+        click.echo(
+            "warning: `bench --host` is deprecated (removed in 0.3): use --overhead", err=True
+        )
+        overhead = True
     run["bandwidth_gbs"] = run.pop("bandwidth")
     run["peer_benches"] = [_peer(p) for p in run.pop("peers")]
-    if kernels or host:
-        _bench_kernels_or_host(kernels, backend, quick, run["bandwidth_gbs"], json_path)
+    if kernels or overhead:
+        _bench_kernels_or_overhead(kernels, backend, quick, run["bandwidth_gbs"], json_path)
         return
     if model is None:
-        raise click.UsageError("give --model DIR (or --kernels / --host)")
+        raise click.UsageError("give --model DIR (or --kernels / --overhead)")
     from ..bench import formats as bench_
 
     names = [f.strip() for f in run.pop("formats").split(",") if f.strip()]
@@ -154,13 +161,13 @@ def _peer(spec: str):
     return label, binary, gguf
 
 
-def _bench_kernels_or_host(kernels, backend, quick, bandwidth, json_path):
+def _bench_kernels_or_overhead(kernels, backend, quick, bandwidth, json_path):
     if kernels:
         from ..bench import kernels as mod
 
         result = mod.run(backend, quick, bandwidth, progress=lambda s: click.echo(s, err=True))
     else:
-        from ..bench import host as mod
+        from ..bench import overhead as mod
 
         result = mod.report()
     for line in mod.lines(result):

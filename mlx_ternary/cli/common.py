@@ -125,11 +125,11 @@ def local_model(model: str) -> str:
 
     if not detect(Path(model).expanduser()):
         return model
-    from ..checkpoint.gguf_cache import native_dir
+    from ..checkpoint.gguf_cache import ternary_dir
 
     with tensor_bar(file=sys.stderr) as progress:
         return str(
-            native_dir(Path(model).expanduser(), lambda m: click.echo(m, err=True), progress)
+            ternary_dir(Path(model).expanduser(), lambda m: click.echo(m, err=True), progress)
         )
 
 

@@ -21,7 +21,7 @@ from .common import (
 @click.command(
     epilog="""\b
 Examples:
-  mlx-ternary convert --hf-path microsoft/bitnet-b1.58-2B-4T --mlx-path bitnet-native
+  mlx-ternary convert --hf-path microsoft/bitnet-b1.58-2B-4T --mlx-path bitnet-ternary
   mlx-ternary convert --hf-path DIR --mlx-path out-4bit -q 4 --q-group-size 64
   mlx-ternary convert --hf-path model.gguf --mlx-path out --packing fast
   mlx-ternary convert --hf-path DIR --to-gguf model-tq2.gguf
@@ -88,7 +88,7 @@ Examples:
     "Recorded in the checkpoint. Default: q8k from llama.cpp's GGUF files, else model."
 )
 def convert(hf_path, mlx_path, q_bits, q_group_size, activation_bits, verbose, **options):
-    """Convert a ternary checkpoint to the native format, stock MLX or GGUF."""
+    """Convert a ternary checkpoint to the ternary format, stock MLX or GGUF."""
     from ..checkpoint.convert import convert as run_convert
 
     if mlx_path is None and options["to_gguf"] is None:

@@ -57,7 +57,7 @@ def compiler() -> str:
     return paths.compiler("MLX_TERNARY_EMULATOR_CXX", "g++")
 
 
-def _compiler_id(cxx: str) -> str:
+def compiler_id(cxx: str) -> str:
     try:
         return paths.compiler_id(cxx)
     except OSError as e:
@@ -67,7 +67,7 @@ def _compiler_id(cxx: str) -> str:
         ) from e
 
 
-def _digest(*parts) -> str:
+def digest(*parts) -> str:
     return paths.digest(*parts, length=32)
 
 
@@ -111,7 +111,7 @@ def runtime() -> ctypes.CDLL:
                 "-DEMU_USE_UCONTEXT"
             )  # the portable fiber switch, for testing it on x86-64
         src = (CSRC / "runtime.cpp").read_bytes()
-        key = _digest(src, _header_bytes(), flags, _compiler_id(compiler()))
+        key = digest(src, _header_bytes(), flags, compiler_id(compiler()))
         path = cache_dir() / f"libmtlemu_rt-{key}.so"
         if not path.exists():
             _compile(CSRC / "runtime.cpp", path, flags, "the emulator runtime")
@@ -143,7 +143,7 @@ def load_kernel(cpp_source: str, label: str) -> tuple[ctypes.CDLL, Path]:
 
     Returns the library and the path of its C++ source."""
     runtime()
-    key = _digest(cpp_source, _header_bytes(), _KERNEL_FLAGS, _compiler_id(compiler()))
+    key = digest(cpp_source, _header_bytes(), _KERNEL_FLAGS, compiler_id(compiler()))
     src_path = cache_dir() / f"k-{key}.cpp"
     with _lock:
         lib = _kernels.get(key)

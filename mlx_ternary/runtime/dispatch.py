@@ -120,7 +120,7 @@ class LayerPlan:
         self.train_calls = {}  # the same, differentiable w.r.t. x
         self._affine = {}  # dtype -> reference.qmm_affine(...)
         self.spec = None
-        # q8k has no Metal kernel: those layers run the reference twin there (host_call)
+        # q8k has no Metal kernel: those layers run the reference twin there (portable_call)
         if self.backend in ("metal", "emulate") and activation_bits != Q8K:
             self.spec = check_layer(
                 packed,
@@ -155,7 +155,7 @@ class LayerPlan:
 
     # ---- planning (once per x shape and dtype) ----------------------------------------
 
-    def host_call(self, dtype) -> Callable:
+    def portable_call(self, dtype) -> Callable:
         """x -> y on the host backend (the reference twin on Metal, and for q8k layers the
         native kernel cannot run): exact on every device."""
         backend = self.backend if self.backend not in ("metal", "emulate") else "reference"
@@ -228,7 +228,7 @@ class LayerPlan:
         if spec.packing == "fast" and tune.enabled():
             x = mx.random.normal(shape, key=mx.random.key(m)).astype(dtype)
             choice = tune.choose(
-                self.tune_key(dtype, m), {"kernel": run, "stock": self.host_call(dtype)}, x
+                self.tune_key(dtype, m), {"kernel": run, "stock": self.portable_call(dtype)}, x
             )
             if choice == "stock":
                 return None
@@ -245,11 +245,11 @@ class LayerPlan:
             # The layer's own arrays are being traced (mlx-lm compiles its training step with
             # the parameters as inputs): what is derived from them now belongs to this trace.
             # Run the host path, which autodiff and compile see through, and keep nothing.
-            return self.host_call(dtype)
+            return self.portable_call(dtype)
         else:
             run = self._kernel_call(dtype, shape)
             if run is None:
-                fn = self.host_call(dtype)
+                fn = self.portable_call(dtype)
             elif training or self.backend == "emulate":
                 # Emulated outputs are computed eagerly and carry no graph back to x.
                 fn = with_input_gradient(run, self.grad_x)

@@ -1,5 +1,5 @@
 """llama.cpp's quantized tables (Q8_0, Q4_K, Q5_K, Q6_K) in pure MLX: the reference twin of
-the native kernels (runtime/cpu/csrc/kquants.h), on any backend.
+the native kernels (runtime/cpu/csrc/kernels/kquants.h), on any backend.
 
 A table is (N, row_bytes) uint8: each row K / block blocks as the GGUF file stores them
 (format.GGML_TABLES; docs/FORMAT.md "ggml tables" has the layouts). `dequantize` gives the

@@ -10,6 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .. import format as fmt
 from ..ternarize import ternarize
 from . import dispatch, reference
+from .cpu import block as cpu_block
 from .linears import linear_dims, linear_paths, split_indices  # noqa: F401 (re-exported)
 
 # Settings a launch plan depends on besides the arrays; assigning one drops the plan.
@@ -26,7 +27,7 @@ _PLAN_SETTINGS = (
 class TernaryLinear(nn.Module):
     """A linear layer whose weight is s * t, t in {-1, 0, +1}, kept packed.
 
-    Parameters (the names a native checkpoint stores):
+    Parameters (the names a ternary checkpoint stores):
         packed: (N, row_bytes) uint8 (compact) or (N, Kp/16) uint32 (fast).
         scales: (1, 1) | (N, 1) | (N, ceil(K / group_size)).
         bias:   (N,), optional.
@@ -225,19 +226,14 @@ class TernaryLinear(nn.Module):
         shared between layers where equal); none on the Metal and native backends."""
         return list(self.plan().affine(dtype)[:2]) if self.reads_affine() else []
 
-    def native_spec(self) -> Optional[tuple]:
-        """(packed, scales, bias, packing, in_features, group_size, activation_bits) when a
-        call of this layer is exactly the native kernel on its input - a plain TernaryLinear
-        (no subclass: they transform x) on the native backend, not training, its arrays
-        materialized, q8k only where the kernel takes it - else None. What the native fused
-        decoder block (runtime/cpu/block.py) runs the layer with."""
-        return self.kernel_spec() if type(self) is TernaryLinear else None
-
     def kernel_spec(self) -> Optional[tuple]:
-        """native_spec's tuple for this layer's arrays whatever its class: what its own
-        forward pass runs them with only where the class adds nothing to it (a sharded
-        layer holding a block of rows: runtime/shard_block.py)."""
-        if self._training:
+        """(packed, scales, bias, packing, in_features, group_size, activation_bits) when a
+        call of this layer's class adds nothing to the native kernel on its input (a plain
+        TernaryLinear; a sharded layer holding a block of rows: runtime/shard_block.py) -
+        on the native backend, not training, its arrays materialized, q8k only where the
+        kernel takes it - else None. What the fused CPU block (runtime/cpu/block.py) runs
+        the layer with."""
+        if self.training:
             return None
         plan = self._plan or self.plan()
         if plan.backend != "native" or self.__dict__.get("_plan") is None:
@@ -256,9 +252,15 @@ class TernaryLinear(nn.Module):
             self.activation_bits,
         )
 
+    def block_projection(self) -> tuple:
+        """(kernel_spec(), mapping, key) for the fused CPU block's plan: it holds while
+        mapping[key], this layer's launch plan, which every setter that changes the
+        arguments drops, is what it is now."""
+        return self.kernel_spec(), self.__dict__, "_plan"
+
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._plan or self.plan()
-        training = self._training
+        training = self.training
         fn = (plan.train_calls if training else plan.calls).get((x.shape, x.dtype))
         return (fn or plan.plan_call(x, training))(x)
 
@@ -268,6 +270,10 @@ class TernaryLinear(nn.Module):
             f"packing={self.packing}, scale={self.scale}, "
             f"activation_bits={self.activation_bits}, bias={'bias' in self}"
         )
+
+
+# The fused CPU block runs projections of exactly this class (a subclass transforms x).
+cpu_block.register_projection(TernaryLinear, TernaryLinear.block_projection)
 
 
 class HadamardTernaryLinear(TernaryLinear):
@@ -433,7 +439,7 @@ def ternary_layers(model: nn.Module):
 
 
 def model_quantization(model: nn.Module) -> fmt.QuantizationConfig:
-    """The native `quantization` section describing a model's ternary and affine layers."""
+    """The ternary format's `quantization` section describing a model's ternary and affine layers."""
     layers = [m for _, m in ternary_layers(model)]
     if not layers:
         raise ValueError("the model has no TernaryLinear layers to save")

@@ -95,7 +95,7 @@ class TernaryDoRALinear(nn.Module):
         self.lora_b = mx.zeros(shape=(r, n))
         base_sq = mx.square(base.dequantize(mx.float32)).sum(axis=1)  # (N,)
         mx.eval(base_sq)
-        self.__dict__["_base_sq"] = base_sq  # a constant, not a parameter
+        self.__dict__["base_sq"] = base_sq  # a constant, not a parameter
         self.m = mx.sqrt(base_sq)
 
     def _ternary(self):
@@ -104,7 +104,7 @@ class TernaryDoRALinear(nn.Module):
 
     def _sum_over_ranks(self, sq: mx.array) -> mx.array:
         """Row sums over the whole K of a term of ||V||^2 (a K-sharded layer all_sums
-        its share; `_base_sq` is whole on every rank)."""
+        its share; `base_sq` is whole on every rank)."""
         return sq
 
     def _weight_times(self, a: mx.array) -> mx.array:
@@ -124,7 +124,7 @@ class TernaryDoRALinear(nn.Module):
         b = mx.stop_gradient(self.lora_b).astype(mx.float32)
         cross = (self._weight_times(a) * b.T).sum(axis=1)  # <W_n, (A @ B).T_n>
         low = ((a.T @ a) @ b * b).sum(axis=0)  # ||(A @ B).T_n||^2
-        sq = self._base_sq + self._sum_over_ranks(2 * self.scale * cross + self.scale**2 * low)
+        sq = self.base_sq + self._sum_over_ranks(2 * self.scale * cross + self.scale**2 * low)
         return mx.sqrt(mx.maximum(sq, 0.0))
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -22,13 +22,9 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..format import Q8K_BLOCK, unpack_mx
+from ..format import Q8K_BLOCK, ceil_div, unpack_mx
 
 Q8K_QMAX = 127
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def quantize(x: mx.array) -> Tuple[mx.array, mx.array]:
@@ -38,7 +34,7 @@ def quantize(x: mx.array) -> Tuple[mx.array, mx.array]:
     """
     x = x.astype(mx.float32)
     k = x.shape[-1]
-    nb = _ceil_div(k, Q8K_BLOCK)
+    nb = ceil_div(k, Q8K_BLOCK)
     if nb * Q8K_BLOCK != k:
         x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * Q8K_BLOCK - k)])
     xb = x.reshape(*x.shape[:-1], nb, Q8K_BLOCK)

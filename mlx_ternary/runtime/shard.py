@@ -25,7 +25,7 @@ from mlx.nn.layers import distributed as mlx_distributed
 
 from .. import format as fmt
 from ..errors import TernaryError
-from . import host
+from . import samehost
 from .layers import TernaryLinear
 from .reference import ACT_EPS, ACT_QMAX, ACT_QMIN
 
@@ -141,16 +141,16 @@ def _aligned_units(p: TernaryParts, c0: int, c1: int) -> Optional[Tuple[int, int
     if p.packing == "fast":
         per = fmt.CODES_PER_WORD
         if c0 % per == 0 and (c1 % per == 0 or c1 == k):
-            return c0 // per, -(-c1 // per)
+            return c0 // per, fmt.ceil_div(c1, per)
         return None
     if g:  # compact blocks are scale groups, each padded to whole bytes
-        bpb = -(-g // fmt.TRITS_PER_BYTE)
+        bpb = fmt.ceil_div(g, fmt.TRITS_PER_BYTE)
         if c0 % g == 0 and (c1 % g == 0 or c1 == k):
-            return c0 // g * bpb, -(-c1 // g) * bpb
+            return c0 // g * bpb, fmt.ceil_div(c1, g) * bpb
         return None
     per = fmt.TRITS_PER_BYTE
     if c0 % per == 0 and (c1 % per == 0 or c1 == k):
-        return c0 // per, -(-c1 // per)
+        return c0 // per, fmt.ceil_div(c1, per)
     return None
 
 
@@ -158,12 +158,12 @@ def _trits_cols(p: TernaryParts, packed: Any, c0: int, c1: int, rows: slice) -> 
     """Trits [c0, c1) of `rows`, decoded from the words or bytes that cover them."""
     if p.packing == "fast":
         per = fmt.CODES_PER_WORD
-        u0, u1 = c0 // per, -(-c1 // per)
+        u0, u1 = c0 // per, fmt.ceil_div(c1, per)
         covered = fmt.unpack_fast_mx(packed[rows, u0:u1], (u1 - u0) * per)
         return covered[:, c0 - u0 * per : c1 - u0 * per]
     block = p.group_size or fmt.TRITS_PER_BYTE
-    per_block = -(-block // fmt.TRITS_PER_BYTE)
-    b0, b1 = c0 // block, -(-c1 // block)
+    per_block = fmt.ceil_div(block, fmt.TRITS_PER_BYTE)
+    b0, b1 = c0 // block, fmt.ceil_div(c1, block)
     covered = fmt.unpack_compact_mx(
         packed[rows, b0 * per_block : b1 * per_block], (b1 - b0) * block, p.group_size
     )
@@ -237,7 +237,7 @@ def local_parts(
         )
     packed = _cols(p, p.packed, cols, out)
     if kind == "group":
-        scales = _concat([p.scales[:, c0 // g : -(-c1 // g)] for c0, c1 in cols], axis=1)
+        scales = _concat([p.scales[:, c0 // g : fmt.ceil_div(c1, g)] for c0, c1 in cols], axis=1)
     else:
         scales = p.scales[:]
     bias = None if p.bias is None else p.bias[:]
@@ -421,7 +421,7 @@ class ShardedToAllTernaryLinear(nn.Module):
         return self.linear(x)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = host.all_sum(self.local_output(x), self.group)
+        y = samehost.all_sum(self.local_output(x), self.group)
         return y + self["bias"] if "bias" in self else y
 
     def _extra_repr(self) -> str:

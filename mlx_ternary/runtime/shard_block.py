@@ -30,48 +30,44 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from . import host
-from .cpu import _require
+from . import samehost
 from .cpu import block as fused
+from .cpu import require
 from .shard import AllToShardedTernaryLinear, ShardedToAllTernaryLinear
 
 # sharded blocks run fused in this process, and gradient-convention nodes built (for tests)
 _counts = {"calls": 0, "grad_nodes": 0}
 
 
-class _Rows:
-    """An all-to-sharded layer as cpu/block.py reads a projection (`native_spec`)."""
-
-    def __init__(self, layer: AllToShardedTernaryLinear):
-        self.native_spec = layer.kernel_spec
-
-
-def _rows(layer, size: int):
+def _rows(layer, size: int, reads: fused.Reads):
+    """The native spec of an all-to-sharded layer's rows (its class runs them as the
+    kernel does: `TernaryLinear.kernel_spec`), or None."""
     if type(layer) is not AllToShardedTernaryLinear or layer.group.size() != size:
         return None
-    return fused._spec(_Rows(layer))
+    return reads.spec(layer, AllToShardedTernaryLinear.block_projection)
 
 
-def _cols(layer):
+def _cols(layer, reads: fused.Reads):
     """(native spec of the local columns, the whole bias or None), or None."""
     if type(layer) is not ShardedToAllTernaryLinear or layer.activation_bits is not None:
         return None
-    spec = fused._spec(layer.linear)
-    return None if spec is None else (spec, layer.get("bias"))
+    spec = reads.spec(reads.child(layer, "linear"))
+    return None if spec is None else (spec, reads.child(layer, "bias"))
 
 
-def _projections(attn, mlp):
+def _projections(attn, mlp, reads: fused.Reads):
     """(qkv, gate_up, o, down) of this rank's sharded projections (o and down with their
     whole biases), or None."""
-    o, down = _cols(attn.o_proj), _cols(mlp.down_proj)
-    if o is None or down is None or attn.o_proj.group.size() != mlp.down_proj.group.size():
+    o_proj, down_proj = reads.child(attn, "o_proj"), reads.child(mlp, "down_proj")
+    o, down = _cols(o_proj, reads), _cols(down_proj, reads)
+    if o is None or down is None or o_proj.group.size() != down_proj.group.size():
         return None
-    size = attn.o_proj.group.size()
-    qkv = fused._group(
-        [_rows(attn.q_proj, size), _rows(attn.k_proj, size), _rows(attn.v_proj, size)]
-    )
-    gate_up = fused._group([_rows(mlp.gate_proj, size), _rows(mlp.up_proj, size)])
-    return qkv, gate_up, o, down
+    size = o_proj.group.size()
+
+    def rows(module, *keys):
+        return fused.grouped([_rows(reads.child(module, k), size, reads) for k in keys])
+
+    return rows(attn, "q_proj", "k_proj", "v_proj"), rows(mlp, "gate_proj", "up_proj"), o, down
 
 
 @lru_cache(maxsize=None)
@@ -96,7 +92,7 @@ def _summed_gradients(group, a, w):
     """(a, w) through the gradient node where either is a transform's tracer (a gradient
     may flow to them), else as they are: in decode the nodes would be 72 of a step's 230 on
     the 0.53 G llama, 1-3 ms of CPU a token on the rank's core."""
-    m = _require()
+    m = require()
     if not (m.is_tracer(a) or m.is_tracer(w)):
         return a, w
     _counts["grad_nodes"] += 1
@@ -107,32 +103,37 @@ def _plus(a, bias):
     return a if bias is None else a + bias
 
 
-def sharded_block(block, x, cache, mod, offset, how):
-    """mlx-lm's `mod`.TransformerBlock.__call__ over sharded layers in three native ops
-    and two all_sums, or None (cpu/block.py calls it with the cache's offset and the mask
-    it has checked)."""
-    parts = fused.parts(block, mod, _projections)
+def sharded_block(block, mod, reads: fused.Reads):
+    """The run (x, cache, offset, how) of mlx-lm's `mod`.TransformerBlock over sharded
+    layers - three native ops and two all_sums - or None: a form of cpu/block.py's plan,
+    which calls it once per plan with its `reads`, and the run per call with the cache's
+    offset and the mask it has checked."""
+    parts = fused.parts(block, mod, _projections, reads)
     if parts is None:
         return None
     (w1, eps1), (w2, eps2), qkv, gate_up, (o, o_bias), (down, down_bias), rope, head_norms = parts
     attn = block.self_attn
-    group, mlp_group = attn.o_proj.group, block.mlp.down_proj.group
+    group, mlp_group, scale = attn.o_proj.group, block.mlp.down_proj.group, attn.scale
     head_dim = qkv[0][0].shape[0] // attn.n_heads
-    m = _require()
-    xr, w1r = _summed_gradients(group, x, w1)
-    q, k, v = m.attn_in(
-        xr, w1r, eps1, *qkv[:3], *qkv[3], attn.n_heads, attn.n_kv_heads, head_dim, *rope,
-        *offset, *head_norms,
-    )  # fmt: skip
-    if cache is not None:
-        k, v = cache.update_and_fetch(k, v)
-    causal, mask_array = how
-    r = m.attn_out(q, k, v, attn.scale, causal, mask_array, *o[:3], *o[3], None)
-    h = x + _plus(host.all_sum(r, group), o_bias)
-    hr, w2r = _summed_gradients(mlp_group, h, w2)
-    r = m.mlp(hr, w2r, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], None)
-    _counts["calls"] += 1
-    return h + _plus(host.all_sum(r, mlp_group), down_bias)
+    m = require()
+    attn_in = (eps1, *qkv[:3], *qkv[3], attn.n_heads, attn.n_kv_heads, head_dim, *rope)
+    attn_out = (*o[:3], *o[3], None)
+    mlp = (eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], None)
+
+    def run(x, cache, offset, how):
+        xr, w1r = _summed_gradients(group, x, w1)
+        q, k, v = m.attn_in(xr, w1r, *attn_in, *offset, *head_norms)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        causal, mask_array = how
+        r = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out)
+        h = x + _plus(samehost.all_sum(r, group), o_bias)
+        hr, w2r = _summed_gradients(mlp_group, h, w2)
+        r = m.mlp(hr, w2r, *mlp)
+        _counts["calls"] += 1
+        return h + _plus(samehost.all_sum(r, mlp_group), down_bias)
+
+    return run
 
 
 def register() -> None:

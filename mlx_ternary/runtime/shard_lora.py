@@ -111,7 +111,7 @@ def _sharded_dora(module, base, sharding: str, a, b, ranges, name: str):
     whole = sharding == "sharded-to-all"  # rows whole: m and ||W||^2 as they are
     out.m = module.m if whole else _rows(module.m, ranges, 0)
     # ||W||^2 of the single process, so the norms' largest term is its very value
-    out.__dict__["_base_sq"] = module._base_sq if whole else _rows(module._base_sq, ranges, 0)
+    out.__dict__["base_sq"] = module.base_sq if whole else _rows(module.base_sq, ranges, 0)
     out.train(module.training)
     return out
 

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.nn.layers import distributed as mlx_distributed
 
 from ..errors import TernaryError
-from . import host, patches, shard_block
+from . import patches, samehost, shard_block
 from .layers import TernaryLinear
 from .shard import ShardedRMSNorm, TernaryParts
 from .shard_head import shard_output
@@ -43,7 +43,7 @@ def _check_heads(model: nn.Module, world: int) -> None:
 
 
 @contextmanager
-def _ternary_aware(fn_globals: dict, names: Dict[int, str], sources: Dict[str, TernaryParts]):
+def ternary_aware(fn_globals: dict, names: Dict[int, str], sources: Dict[str, TernaryParts]):
     """Within the block, the model modules that imported mlx's shard_linear /
     shard_inplace see versions that also know TernaryLinear; restored on exit."""
     mlx_linear, mlx_inplace = mlx_distributed.shard_linear, mlx_distributed.shard_inplace
@@ -110,7 +110,7 @@ def shard_model(
     """Shard `model` in place across `group` for tensor parallelism, as mlx-lm's
     `model.shard(group)` does, with TernaryLinear layers split by this module, the output
     layer by vocabulary (shard_head.py), and ranks that share this machine tuned for it
-    (host.py).
+    (samehost.py).
 
     Args:
         model: an mlx-lm model (as `mlx_ternary.load` returns it).
@@ -124,7 +124,7 @@ def shard_model(
     """
     group = group or mx.distributed.init()
     shard_block.register()  # its blocks run fused where the sharded layers allow
-    host.share_host(group)  # ranks sharing this machine: no polling, a core block each
+    samehost.share_host(group)  # ranks sharing this machine: no polling, a core block each
     names, sources = _named_modules(model), sources or {}
     _check_heads(getattr(model, "model", model), group.size())
     plan = PLANS.get(model_type(model))
@@ -143,7 +143,7 @@ def shard_model(
             f"the {model_type(model)!r} architecture has no tensor-parallel "
             "plan in mlx-lm (its model class has no shard method)"
         )
-    with _ternary_aware(method.__globals__, names, sources):
+    with ternary_aware(method.__globals__, names, sources):
         method(model, group)
     shard_output(model, group)
     return model

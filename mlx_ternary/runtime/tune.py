@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
+from ..format import ceil_div
 from ..paths import cache_dir
 
 ENV_TUNE = "MLX_TERNARY_TUNE"
@@ -103,7 +104,7 @@ def _glue(k: int) -> Callable[[mx.array], mx.array]:
         n = y.shape[-1]
         if n >= k:
             return y[..., :k]
-        return mx.concatenate([y] * (-(-k // n)), axis=-1)[..., :k]
+        return mx.concatenate([y] * (ceil_div(k, n)), axis=-1)[..., :k]
 
     return link
 

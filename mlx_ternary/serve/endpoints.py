@@ -26,7 +26,7 @@ def _encode(h, body) -> list:
 
 
 def tokenize(h):
-    body = h._read_body()
+    body = h.read_body()
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_model(body, h.server.config)
@@ -42,7 +42,7 @@ def tokenize(h):
 
 
 def detokenize(h):
-    body = h._read_body()
+    body = h.read_body()
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_model(body, h.server.config)

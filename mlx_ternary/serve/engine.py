@@ -141,7 +141,9 @@ class Engine:
         self.inbox: queue.Queue = queue.Queue()
         self.active = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlx-ternary-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self.run_loop, name="mlx-ternary-engine", daemon=True
+        )
         self.failed: Optional[str] = None
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
@@ -188,7 +190,7 @@ class Engine:
         )
         return self._gen
 
-    def _run(self):
+    def run_loop(self):
         try:
             stream = mx.default_stream(mx.default_device())
             gen = self._new_generator(stream)

@@ -194,7 +194,7 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(413, f"the request body is {length} bytes; the limit is {MAX_BODY}")
         return length
 
-    def _read_body(self):
+    def read_body(self):
         length = self._body_length()
         raw = self.rfile.read(length)
         self._body_read = True
@@ -290,14 +290,14 @@ def _models(h: Handler):
 def _openai(chat: bool):
     def route(h: Handler):
         srv = h.server
-        req = parse_request(h._read_body(), srv.tokenizer, srv.config, chat, srv.grammars)
+        req = parse_request(h.read_body(), srv.tokenizer, srv.config, chat, srv.grammars)
         h.answer(req, answers.stream if req.stream else answers.whole)
 
     return route
 
 
 def _messages(h: Handler):
-    req = anthropic.parse(h._read_body(), h.server)
+    req = anthropic.parse(h.read_body(), h.server)
     h.answer(req, anthropic.stream if req.stream else anthropic.whole)
 
 

@@ -13,6 +13,9 @@ from typing import List, Optional
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
+
+# _BaseCache: mlx-lm's private base every cache derives from (no public one); its helpers
+# (is_trimmable, state, ...) are what BatchGenerator calls. _idx below is our own field.
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
 
 STEP = 256
@@ -56,6 +59,7 @@ class BatchQuantizedKV(_BaseCache):
     def _grow(self, keys, values, n):
         B, H, _, dk = keys.shape
         dv = values.shape[-1]
+        # format.ceil_div's rule inline: importing format here makes serve's chain too deep
         size = -(-n // STEP) * STEP
         new_k = _empty(B, H, size, dk, keys.dtype, self.bits, self.group_size)
         new_v = _empty(B, H, size, dv, values.dtype, self.bits, self.group_size)

@@ -98,9 +98,9 @@ class LockstepEngine(Engine):
     def _drop_cancelled(self, gen):
         pass  # rank 0 decides in _admit, for every rank at once
 
-    def _run(self):
+    def run_loop(self):
         try:
-            super()._run()
+            super().run_loop()
         finally:
             if self.leader and not self._stop_sent:  # release the others
                 self._stop.set()
@@ -112,7 +112,7 @@ def follow(engine: LockstepEngine) -> int:
 
     Returns the number of tokens generated; raises TernaryError if the engine failed."""
     materialize(engine.model)
-    engine._run()
+    engine.run_loop()
     if engine.failed:
         raise TernaryError(
             f"rank {engine.group.rank()}: the generation engine stopped ({engine.failed})"

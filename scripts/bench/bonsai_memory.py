@@ -96,7 +96,7 @@ def packed(n: int, k: int):
 def write(out: Path, cfg: dict) -> None:
     from mlx_lm.utils import _get_classes
 
-    from mlx_ternary.checkpoint.writers.native import ShardWriter
+    from mlx_ternary.checkpoint.writers.ternary import ShardWriter
 
     out.mkdir(parents=True, exist_ok=False)
     model_class, args_class = _get_classes(cfg)

@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # Check the native kernels' SIMD paths beyond the one this machine runs (docs/NATIVE.md):
 #   - this CPU (-march=native): the self-check, run;
+#   - x86-64 AVX2 without AVX-512 (-march=haswell), run where this CPU has AVX2;
 #   - arm64 NEON without and with SDOT: cross-compiled and run under qemu-user, when
 #     aarch64-linux-gnu-g++ and qemu-aarch64(-static) are installed
 #     (Debian: apt-get install g++-aarch64-linux-gnu qemu-user-static);
 #   - AVX-VNNI / AVX-512 VNNI: compiled only, and the VNNI instruction must be emitted.
 # Exit status 0 when every check that could run passed.
 set -uo pipefail
-SRC="$(cd "$(dirname "$0")/../../mlx_ternary/runtime/cpu/csrc" && pwd)"
+SRC="$(cd "$(dirname "$0")/../../mlx_ternary/runtime/cpu/csrc" && pwd)"  # selftest.cpp, arch/ ...
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 CXX="${CXX:-g++}"
-FLAGS=(-std=c++17 -O2 -ffp-contract=off -I"$SRC")
+FLAGS=(-std=c++20 -O2 -ffp-contract=off -I"$SRC")
 status=0
 
 echo "== this CPU"
 "$CXX" "${FLAGS[@]}" -march=native "$SRC/selftest.cpp" -o "$OUT/native" && "$OUT/native" || status=1
+
+if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+  echo "== x86-64 -march=haswell (AVX2 + FMA + F16C, no AVX-512)"
+  "$CXX" "${FLAGS[@]}" -march=haswell "$SRC/selftest.cpp" -o "$OUT/avx2" && "$OUT/avx2" || status=1
+fi
 
 QEMU="$(command -v qemu-aarch64-static || command -v qemu-aarch64 || true)"
 if command -v aarch64-linux-gnu-g++ >/dev/null && [ -n "$QEMU" ]; then

@@ -71,8 +71,8 @@ def main(argv=None):
     if args.gguf_cache:
         env["XDG_CACHE_HOME"] = str(scratch / "cache")
         code = (
-            "import sys; from mlx_ternary.checkpoint.gguf_cache import native_dir; "
-            "print(native_dir(sys.argv[1]))"
+            "import sys; from mlx_ternary.checkpoint.gguf_cache import ternary_dir; "
+            "print(ternary_dir(sys.argv[1]))"
         )
         cmd = [py, "-c", code, str(args.source)]
     else:

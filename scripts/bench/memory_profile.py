@@ -45,14 +45,19 @@ def main(argv=None):
     import mlx.core as mx
     import numpy as np
 
-    from mlx_ternary.checkpoint.load import _tokenizer, load_model, read_config, resolve_model_path
+    from mlx_ternary.checkpoint.load import (
+        load_model,
+        read_config,
+        read_tokenizer,
+        resolve_model_path,
+    )
     from mlx_ternary.runtime import cpu
 
     cpu.info()
     stage("imports + native extension", t0)
     path = resolve_model_path(a.model)
     stage("resolved (a .gguf: converted into the cache if it was not)", t0)
-    _tokenizer(path, None, read_config(path))  # load()'s order: the tokenizer first
+    read_tokenizer(path, None, read_config(path))  # load()'s order: the tokenizer first
     stage("tokenizer", t0)
     model, config = load_model(path)
     stage("load_model", t0)

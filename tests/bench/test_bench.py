@@ -111,14 +111,15 @@ def test_bytes_held_per_format(variants):
     assert built["fast"][1].linear_bytes == want
     if native:  # the native kernel runs compact in place
         assert built["compact"][1].linear_bytes == sum(
-            C.linear_bytes(V._shape(m), "compact") for _, m in layers
+            C.linear_bytes(V.linear_shape(m), "compact") for _, m in layers
         )
     else:  # repacked to fast at load on the reference backend
         assert built["compact"][1].linear_bytes == want
     # The analytic bytes of the ceiling model agree with what was built (16-bit scales).
     for name in ("q2", "q4", "bf16", "f32"):
         assert (
-            sum(C.linear_bytes(V._shape(m), name) for _, m in layers) == built[name][1].linear_bytes
+            sum(C.linear_bytes(V.linear_shape(m), name) for _, m in layers)
+            == built[name][1].linear_bytes
         ), name
     compact = sum(
         F.PackedTernary(
@@ -130,7 +131,7 @@ def test_bytes_held_per_format(variants):
         ).nbytes
         for _, m in layers
     )
-    assert sum(C.linear_bytes(V._shape(m), "compact") for _, m in layers) == compact
+    assert sum(C.linear_bytes(V.linear_shape(m), "compact") for _, m in layers) == compact
     # Tied embeddings: every format reads its whole table as the output layer.
     for name in ALL:
         assert built[name][1].read_bytes == built[name][1].weight_bytes

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_ternary.bench import ceiling, host, kernels
+from mlx_ternary.bench import ceiling, kernels, overhead
 from mlx_ternary.cli import main
 from mlx_ternary.runtime import cpu, probe
 from mlx_ternary.runtime.layers import TernaryLinear
@@ -65,7 +65,7 @@ def test_kernel_bench_smoke_run_checks_every_variant(tmp_path):
 
 
 def test_kernel_bench_reports_a_wrong_kernel_and_does_not_time_it(monkeypatch):
-    real = kernels._variants
+    real = kernels.kernel_variants
 
     def with_broken(*args, **kw):
         out = real(*args, **kw)
@@ -73,7 +73,7 @@ def test_kernel_bench_reports_a_wrong_kernel_and_does_not_time_it(monkeypatch):
         out["fast/default"] = (lambda w: lambda x, fn=make(w): fn(x) * 1.1, arrays)
         return out
 
-    monkeypatch.setattr(kernels, "_variants", with_broken)
+    monkeypatch.setattr(kernels, "kernel_variants", with_broken)
     rows = kernels.measure_point(
         "smoke", 256, 96, 1, False, "row", mx.float32, "emulate", None, None, False, 2, 1, 0
     )
@@ -95,8 +95,8 @@ def test_bandwidth_table_has_the_chip_variants():
     assert table[("M4 Max", 32)] == 410 and table[("M4 Max", 40)] == 546
 
 
-def test_host_bench_measures_every_path_with_stubbed_launches():
-    rows = host.layer_overhead(k=128, n=64, rounds=2, calls=5)
+def test_overhead_bench_measures_every_path_with_stubbed_launches():
+    rows = overhead.layer_overhead(k=128, n=64, rounds=2, calls=5)
     names = {(r.name, r.act) for r in rows}
     assert ("nn.QuantizedLinear 2-bit g64", False) in names
     assert ("one MLX op (mx.zeros, called directly)", False) in names
@@ -111,8 +111,8 @@ def test_host_bench_measures_every_path_with_stubbed_launches():
         assert (("native CPU kernel", act) in names) == cpu.available()
     assert all(r.us_min > 0 and r.ratio > 0 for r in rows)
     # The stub restores Metal, the kernel factory and first-use checks afterwards.
-    assert mx.fast.metal_kernel.__module__ != host.__name__
-    assert not probe._trusted
+    assert mx.fast.metal_kernel.__module__ != overhead.__name__
+    assert not probe.trusting
 
 
 def test_stubbed_launch_plan_builds_the_real_graph_shapes():
@@ -122,7 +122,7 @@ def test_stubbed_launch_plan_builds_the_real_graph_shapes():
 
     t = rng.integers(-1, 2, size=(40, 128)).astype(np.int8)
     pt = fmt.PackedTernary.from_trits(t, np.ones((40, 1), np.float32), "fast", None)
-    with host.stubbed_metal():
+    with overhead.stubbed_metal():
         layer = TernaryLinear.from_packed(pt, activation_bits=8)
         layer.eval()
         y = layer(mx.zeros((2, 3, 128), mx.float16))
@@ -131,6 +131,17 @@ def test_stubbed_launch_plan_builds_the_real_graph_shapes():
 
 
 def test_decode_overhead_runs_every_variant():
-    result = host.decode_overhead(layers=2, act=True, steps=1, rounds=1)
+    result = overhead.decode_overhead(layers=2, act=True, steps=1, rounds=1)
     assert set(result) - {"native"} == {"metal", "reference", "q2", "q4"}
     assert all(v["ms_min"] > 0 for v in result.values())
+
+
+def test_bench_host_is_the_deprecated_name_of_overhead(monkeypatch, tmp_path):
+    monkeypatch.setattr(overhead, "report", lambda: {"made": "here"})
+    monkeypatch.setattr(overhead, "lines", lambda result: [f"report {result['made']}"])
+    new = CliRunner().invoke(main, ["bench", "--overhead"])
+    old = CliRunner().invoke(main, ["bench", "--host"])
+    assert new.exit_code == old.exit_code == 0, (new.output, old.output)
+    assert new.output == "report here\n"
+    assert "deprecated" in old.output and old.output.endswith("report here\n")
+    assert "deprecated" not in new.output  # the control: the new name says nothing more

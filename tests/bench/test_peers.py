@@ -135,7 +135,7 @@ def test_bandwidth_probe_reports_each_thread_count():
     got = bandwidth.measure((1, 2), mb=64, passes=2)
     assert sorted(got["gbs"]) == [1, 2]
     assert all(0.1 < g < 10_000 for g in got["gbs"].values())  # GB/s, not bytes/s or MB/s
-    low = bandwidth._numpy(16, 1, 1)
+    low = bandwidth.numpy_bandwidth(16, 1, 1)
     assert 0.05 < low < 10_000
 
 

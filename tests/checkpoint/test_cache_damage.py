@@ -51,22 +51,22 @@ def test_damaged_entry_is_reported_once_and_rebuilt(cached, damage):
     damage(entry)
     assert gguf_cache.entry_problem(entry) is not None
     messages = []
-    assert gguf_cache.native_dir(path, notify=messages.append) == entry
+    assert gguf_cache.ternary_dir(path, notify=messages.append) == entry
     assert len([m for m in messages if "conversion is damaged" in m]) == 1
     assert str(entry) in messages[0]
     assert gguf_cache.entry_problem(entry) is None
     model, _ = mlx_ternary.load(str(path))
     np.testing.assert_array_equal(np.array(model(TOKENS)), logits)
     again = []
-    gguf_cache.native_dir(path, notify=again.append)
+    gguf_cache.ternary_dir(path, notify=again.append)
     assert again == []  # whole again: reported once, not at every use
 
 
 def test_an_untouched_entry_is_not_hashed_or_rebuilt(cached, monkeypatch):
     """Negative control: a whole entry is used as it is, without reading its shards."""
     path, entry, _ = cached
-    from mlx_ternary.checkpoint.writers import native
+    from mlx_ternary.checkpoint.writers import ternary
 
-    monkeypatch.setattr(native, "sha256_file", lambda f: pytest.fail(f"hashed {f}"))
+    monkeypatch.setattr(ternary, "sha256_file", lambda f: pytest.fail(f"hashed {f}"))
     messages = []
-    assert gguf_cache.native_dir(path, notify=messages.append) == entry and messages == []
+    assert gguf_cache.ternary_dir(path, notify=messages.append) == entry and messages == []

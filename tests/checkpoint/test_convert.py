@@ -1,4 +1,4 @@
-"""convert / verify: every reader into the native format and stock MLX, with integrity checks.
+"""convert / verify: every reader into the ternary format and stock MLX, with integrity checks.
 
 Each source checkpoint is built here, from seeded numbers; expected weights are computed
 independently in numpy, and stock outputs are loaded by plain mlx-lm in a subprocess

@@ -18,7 +18,7 @@ import pytest
 
 from mlx_ternary import format as fmt
 from mlx_ternary.checkpoint.readers.common import tensor_index
-from mlx_ternary.checkpoint.writers.native import ShardWriter
+from mlx_ternary.checkpoint.writers.ternary import ShardWriter
 
 VOCAB, HIDDEN, GROUP = 32000, 2048, 128
 FIXED = 96 << 20  # scratch of the row blocks, the MLX buffer cache, the skeleton model

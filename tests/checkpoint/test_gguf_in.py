@@ -144,11 +144,11 @@ def test_q8_0_ternary_codes_read_as_ternary(tmp_path):
     # they are ternary
     items = _items(path)
     assert isinstance(items["model.layers.0.mlp.up_proj"], GGMLTensor)
-    from mlx_ternary.checkpoint.writers.gguf_tensors import _q8_0_codes
+    from mlx_ternary.checkpoint.writers.gguf_tensors import q8_0_codes
 
     t = np.sign(weights["model.layers.0.mlp.up_proj.weight"]).astype(np.int8)
     s = np.abs(weights["model.layers.0.mlp.up_proj.weight"]).max()
-    data = _q8_0_codes(t, np.full(t.shape, s, np.float32))
+    data = q8_0_codes(t, np.full(t.shape, s, np.float32))
     from gguf import quants
 
     np.testing.assert_array_equal(

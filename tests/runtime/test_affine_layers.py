@@ -1,5 +1,5 @@
 """Layers that stay MLX affine-quantized: mlx-lm's quantize_model -> save -> reload, the
-native format's version 2, stock MLX outputs, and the errors for what is not kept."""
+ternary format's version 2, stock MLX outputs, and the errors for what is not kept."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""The fused native decoder block (runtime/cpu/block.py, csrc/block.h) against mlx-lm's own
+"""The fused native decoder block (runtime/cpu/block.py, csrc/ops/block.h) against mlx-lm's own
 block on the same model: logits over a prefill and 8 greedy decode steps, the cache, the
 tokens; a negative control; and the cases that must keep mlx-lm's path."""
 
@@ -70,7 +70,7 @@ def on_cpu():
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the calls of each fused op (the native module's functions, spied on)."""
-    m = cpu._require()
+    m = cpu.require()
     calls = {"attn_in": 0, "attn_out": 0, "mlp": 0}
     for name in calls:
         real = getattr(m, name)
@@ -160,8 +160,80 @@ def test_negative_controls_are_detected(tmp_path, on_cpu, monkeypatch):
     monkeypatch.setattr(block, "_cache_kind", real_kind)
     real_norm = block._norm
     monkeypatch.setattr(block, "_norm", lambda n: (lambda w: (w[0] * 1.01, w[1]))(real_norm(n)))
-    perturbed = _decode(model, True, steps=2)[0]
+    (tmp_path / "fresh").mkdir()  # a model whose blocks have no plan yet (the norms: planned)
+    perturbed = _decode(_model(tmp_path / "fresh", "int8-fast-row"), True, steps=2)[0]
     assert max(_rel(a, r) for a, r in zip(perturbed, ref)) > 1e-3
+
+
+def test_block_plan_is_made_once_and_dropped_by_what_changes_it(
+    tmp_path, on_cpu, fused_calls, monkeypatch
+):
+    """A decode step derives nothing: the projections' specs are read when a block is first
+    called (7 a block), then never in 10 steps. A replaced weight, a setting assigned, a
+    norm weight updated and LoRA-wrapped layers each make that block plan again, once, and
+    its output stays mlx-lm's block's (a stale plan would keep the old weight's)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from mlx_ternary.runtime.layers import TernaryLinear
+
+    model = _model(tmp_path, "int8-fast-row")
+    n, specs = len(model.model.layers), [0]
+    real = TernaryLinear.kernel_spec
+
+    def counting(layer):
+        specs[0] += 1
+        return real(layer)
+
+    monkeypatch.setattr(TernaryLinear, "kernel_spec", counting)
+    block.set_enabled(True)
+    cache, tok, derived = make_prompt_cache(model), mx.array(PROMPT), []
+    for _ in range(11):  # the prompt, then 10 decode steps
+        before = specs[0]
+        logits = model(tok, cache=cache)
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(tok)
+        derived.append(specs[0] - before)
+    assert derived == [7 * n] + [0] * 10
+    assert fused_calls["attn_in"] == 11 * n
+
+    layer = model.model.layers[0]
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
+
+    def run(on: bool):
+        block.set_enabled(on)
+        with cpu.enabled():
+            out = np.array(layer(x, "causal", None))
+        return out
+
+    def replanned(change) -> tuple:
+        """(kernel_spec calls of the next fused call after `change`, of the one after it,
+        the fused output, mlx-lm's)."""
+        change()
+        before = specs[0]
+        fused = run(True)
+        first = specs[0] - before
+        np.testing.assert_array_equal(run(True), fused)
+        return first, specs[0] - before - first, fused, run(False)
+
+    base = run(True)
+    q = layer.self_attn.q_proj
+    first, again, fused, ref = replanned(lambda: setattr(q, "scales", q.scales * 2))
+    assert (first, again) == (7, 0) and _rel(fused, ref) <= 1e-5 and _rel(fused, base) > 1e-3
+    first, again, same, ref = replanned(lambda: setattr(q, "activation_bits", 8))
+    assert (first, again) == (7, 0) and np.array_equal(same, fused)
+    norm = layer.input_layernorm
+    first, again, fused2, ref = replanned(
+        lambda: layer.update({"input_layernorm": {"weight": norm.weight * 1.5}})
+    )
+    assert (first, again) == (7, 0) and _rel(fused2, ref) <= 1e-5 and _rel(fused2, fused) > 1e-3
+    ran = fused_calls["attn_in"]
+    config = {"rank": 4, "dropout": 0.0, "scale": 10.0, "keys": ["self_attn.q_proj"]}
+    linear_to_lora_layers(model, n, config)  # mlx-lm's own wrapping: not fused
+    model.eval()
+    first, again, out, ref = replanned(lambda: None)
+    assert fused_calls["attn_in"] == ran and np.array_equal(out, ref)
+    assert again == 0  # not fused is planned too: nothing derived per call
 
 
 def test_batched_left_padded_decode_is_fused_and_matches(tmp_path, on_cpu, fused_calls):
@@ -302,7 +374,7 @@ def test_residual_none_returns_the_partial_projection(tmp_path, on_cpu):
     from mlx_lm.models.cache import KVCache
 
     model = _model(tmp_path, "int8-fast-row")
-    layer, m = model.model.layers[0], cpu._require()
+    layer, m = model.model.layers[0], cpu.require()
     parts = block.parts(layer, llama)
     (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, norms = parts
     attn = layer.self_attn

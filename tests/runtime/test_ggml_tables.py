@@ -4,7 +4,7 @@ References: gguf-py's `dequantize` (llama.cpp's own Python package) for the weig
 numpy transcription, written here from ggml's generic C, of quantize_row_q8_K_ref /
 quantize_row_q8_0_ref and ggml_vec_dot_{q4_K,q5_K,q6_K}_q8_K / ggml_vec_dot_q8_0_q8_0 for
 llama.cpp's numerics. Both the pure-MLX twin (runtime/ggml.py) and the native kernels
-(csrc/kquants.h) are checked against them, and against each other.
+(csrc/kernels/kquants.h) are checked against them, and against each other.
 """
 
 import json
@@ -22,7 +22,7 @@ from mlx_ternary.checkpoint.writers.gguf_kquants import encode
 from mlx_ternary.errors import FormatError
 from mlx_ternary.memory import activation_dtype
 from mlx_ternary.runtime import cpu, ggml
-from mlx_ternary.runtime.cpu.layers import GGMLEmbedding, GGMLLinear
+from mlx_ternary.runtime.cpu.tables import GGMLEmbedding, GGMLLinear
 
 TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 F32 = np.float32
@@ -223,7 +223,7 @@ def test_bad_arguments_name_the_problem():
 
 
 # --------------------------------------------------------------------------- #
-# GGUF -> native checkpoint -> the layers, per backend
+# GGUF -> ternary checkpoint -> the layers, per backend
 # --------------------------------------------------------------------------- #
 
 
@@ -273,7 +273,7 @@ def test_tables_stay_as_stored(tmp_path):
 @native
 def test_tied_table_and_round_trip(tmp_path):
     """A tied Q6_K embedding (as_linear), saved again through save_model: same bytes."""
-    from mlx_ternary.checkpoint.writers.native import save_model
+    from mlx_ternary.checkpoint.writers.ternary import save_model
 
     path, config, weights = gb.write(tmp_path / "m.gguf", "llama", embd="Q6_K", output=None)
     convert(str(path), tmp_path / "out")

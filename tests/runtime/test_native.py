@@ -247,8 +247,8 @@ def test_model_keeps_half_tables_and_matches_reference(tmp_path, cpu_default):
     from tiny import float_model
 
     from mlx_ternary.checkpoint.load import load_model
-    from mlx_ternary.checkpoint.writers.native import save_model
-    from mlx_ternary.runtime.cpu.layers import HalfEmbedding, HalfLinear
+    from mlx_ternary.checkpoint.writers.ternary import save_model
+    from mlx_ternary.runtime.cpu.tables import HalfEmbedding, HalfLinear
     from mlx_ternary.runtime.layers import ternarize_model
 
     model, config = float_model("llama")
@@ -278,7 +278,7 @@ def test_build_key_follows_mlx_version_and_sources(monkeypatch):
     other = build.MlxBuild("0.0.1", mlx.include, mlx.libdir, mlx.library, mlx.core, False)
     assert build.build_key(other, nb, "c++", flags) != key
     assert build.build_key(mlx, nb, "g++", flags) != key
-    monkeypatch.setattr(build, "_sources", lambda: b"changed")
+    monkeypatch.setattr(build, "sources", lambda: b"changed")
     assert build.build_key(mlx, nb, "c++", flags) != key
 
 
@@ -307,7 +307,7 @@ def test_changed_mlx_version_rebuilds_instead_of_loading(monkeypatch, tmp_path):
 
 @needs_native
 def test_verify_refuses_a_library_built_for_another_mlx():
-    module = cpu._state["module"]
+    module = cpu.require()
     build.verify(module, mx.__version__)  # the real one passes
     with pytest.raises(build.NativeBuildError, match="built for mlx"):
         build.verify(module, "99.0.0")
@@ -542,9 +542,11 @@ def test_attention_is_routed_only_while_the_model_runs(tmp_path, monkeypatch, cp
     model, _ = load_model(path)
     ref, _ = load_model(path, backend="reference")
     calls = []
-    real = attention._attention
+    real = attention.attention_kernel
     monkeypatch.setattr(
-        attention, "_attention", lambda scale, causal: calls.append(causal) or real(scale, causal)
+        attention,
+        "attention_kernel",
+        lambda scale, causal: calls.append(causal) or real(scale, causal),
     )
     ids = mx.array([[1, 5, 9, 33, 70, 2, 4]])
     a, r = np.array(model(ids)), np.array(ref(ids))
@@ -581,7 +583,7 @@ def test_swiglu_matches_float64_and_mlx():
     assert np.abs(y - mlx).max() <= 4e-7 * np.abs(mlx).max()
     assert np.abs(y - g * x).max() > 1.0  # negative control: the gate matters
     gm, xm = mx.array(g[:64].reshape(8, 8)), mx.array(x[:64].reshape(8, 8))
-    ours = mx.grad(lambda a, b: activation._native()(a, b).sum(), argnums=(0, 1))(gm, xm)
+    ours = mx.grad(lambda a, b: activation.swiglu_kernel()(a, b).sum(), argnums=(0, 1))(gm, xm)
     mlxs = mx.grad(lambda a, b: (nn.silu(a) * b).sum(), argnums=(0, 1))(gm, xm)
     for a, b in zip(ours, mlxs):
         np.testing.assert_array_equal(np.array(a), np.array(b))

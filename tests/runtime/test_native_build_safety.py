@@ -81,3 +81,18 @@ def test_a_damaged_cached_library_is_reported_once_and_rebuilt(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rebuilt, warned, isa = out.stdout.splitlines()[-1].split("|")
     assert (rebuilt, warned) == ("1", "1") and isa
+
+
+def test_the_cache_key_covers_every_source_under_csrc(tmp_path, monkeypatch):
+    """A change to a header in a subfolder (kernels/, arch/, ops/) is a new library; a file
+    that is not a source is not."""
+    for rel in ("bindings.cpp", "kernels/layer.h", "arch/x86.h", "ops/primitive.h"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"// {rel}\n")
+    monkeypatch.setattr(build, "CSRC", tmp_path)
+    before = build.sources()
+    (tmp_path / "notes.txt").write_text("not a source")
+    assert build.sources() == before
+    (tmp_path / "arch" / "x86.h").write_text("// changed\n")
+    changed = build.sources()
+    assert changed != before and b"arch/x86.h// changed" in changed

@@ -264,13 +264,13 @@ def test_groups_that_a_rank_would_cut_are_refused(models):
 def test_in_place_sharding_of_a_ternary_layer_is_refused():
     from mlx.nn.layers.distributed import shard_inplace
 
-    from mlx_ternary.runtime.shard_plans import _ternary_aware
+    from mlx_ternary.runtime.shard_plans import ternary_aware
 
     layer = mlx_ternary.TernaryLinear(64, 32)
     holder = nn.Module()
     holder.proj = layer
     scope = {"shard_inplace": shard_inplace}
-    with _ternary_aware(scope, {id(holder): "model.layers.0.mlp"}, {}):
+    with ternary_aware(scope, {id(holder): "model.layers.0.mlp"}, {}):
         with pytest.raises(TernaryError, match="model.layers.0.mlp.proj.*in place"):
             scope["shard_inplace"](holder, "all-to-sharded", group=Ranks(2))
     assert scope["shard_inplace"] is shard_inplace

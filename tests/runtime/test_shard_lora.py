@@ -62,7 +62,7 @@ def test_all_to_sharded_keeps_the_base_rows_of_lora_b(llama, kind, segments):
         np.testing.assert_array_equal(np.array(out.linear.packed), np.array(base[0]))
         if kind == "dora":
             np.testing.assert_array_equal(np.array(out.m), m[rows])
-            np.testing.assert_array_equal(np.array(out._base_sq), np.array(q._base_sq)[rows])
+            np.testing.assert_array_equal(np.array(out.base_sq), np.array(q.base_sq)[rows])
     # control: the other rank's rows are not these
     other = shard_adapted(q, "all-to-sharded", segments=segments, group=Ranks(2, 1))
     assert not np.array_equal(np.array(other.lora_b), b[:, : other.lora_b.shape[1]])
@@ -87,7 +87,7 @@ def test_sharded_to_all_keeps_the_base_columns_of_lora_a(llama, kind):
         assert out.linear.linear.in_features == k // 2
         if kind == "dora":  # the row norms span K: m and ||W||^2 stay whole
             np.testing.assert_array_equal(np.array(out.m), np.array(o.m))
-            np.testing.assert_array_equal(np.array(out._base_sq), np.array(o._base_sq))
+            np.testing.assert_array_equal(np.array(out.base_sq), np.array(o.base_sq))
 
 
 @pytest.mark.parametrize("kind", ["lora", "dora"])

@@ -1,4 +1,4 @@
-"""Readers translate foreign checkpoint layouts into the native format's terms.
+"""Readers translate foreign checkpoint layouts into the ternary format's terms.
 
 Each reader module exposes `detect(path) -> bool` and `source(path, packing) -> Source`
 (readers/common.py): one stream of (name, item) that load() and convert() both consume.
@@ -8,20 +8,20 @@ Each reader module exposes `detect(path) -> bool` and `source(path, packing) -> 
 from pathlib import Path
 
 from ...errors import TernaryError
-from . import gguf, hf_bitnet, mlx_affine, native, trilm
+from . import gguf, hf_bitnet, mlx_affine, ternary, trilm
 from .arch import read_config, skeleton, ternary_targets
 from .common import Source
 
-# First match wins. native and BitNet configs also carry quantization blocks, so they
+# First match wins. Ternary-format and BitNet configs also carry quantization blocks, so they
 # come before the MLX affine packs; trilm takes any other checkpoint directory.
-READERS = (native, hf_bitnet, mlx_affine, gguf, trilm)
+READERS = (ternary, hf_bitnet, mlx_affine, gguf, trilm)
 
 
 def open_source(path: Path, packing: str = "compact", group_size: int = 128) -> Source:
     """The Source of a local checkpoint directory or single file.
 
     Args:
-        packing: what foreign ternary layers are packed into (native ones keep theirs).
+        packing: what foreign ternary layers are packed into (ternary-format ones keep theirs).
         group_size: the column group TriLM-style float weights are read at when one
             scale per row does not fit.
 

@@ -82,6 +82,7 @@ def weight_bytes(model_path: Path) -> int:
 
 def get_classes(config: dict, model_path: Path):
     """mlx-lm's (Model, ModelArgs) for the config, its fields checked against ModelArgs."""
+    # mlx-lm's private: no public (Model, ModelArgs) lookup with its model_type remapping
     from mlx_lm.utils import _get_classes
 
     try:

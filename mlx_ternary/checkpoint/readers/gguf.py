@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import GGML_TABLES, GGMLTensor, PackedTernary, expand_scales
+from ...format import GGML_TABLES, GGMLTensor, PackedTernary, ceil_div, expand_scales
 from ..gguf_tables import (
     ARCHITECTURES,
     IGNORED_TENSORS,
@@ -203,7 +203,7 @@ def _cut_scales(s: np.ndarray, keep, block: int) -> np.ndarray:
     if rows is not None and s.shape[0] > 1:
         s = s[:rows]
     if cols is not None and s.shape[1] > 1:
-        s = s[:, : -(-cols // block)]
+        s = s[:, : ceil_div(cols, block)]
     return s
 
 

@@ -171,6 +171,7 @@ class GGUFFile:
             self.fields[key] = cur.value(cur.take("<I"))
         infos = [self._tensor_entry(cur) for _ in range(n_tensors)]
         align = self._alignment()
+        # format.ceil_div's rule inline: this parser imports nothing of the package (depth)
         start = -(-cur.pos // align) * align
         self.tensors: List[TensorInfo] = [
             self._checked(name, shape, type_id, offset, start, align)

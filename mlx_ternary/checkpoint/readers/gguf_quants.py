@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import GROUP_SIZES, AffineTensor, row_blocks
+from ...format import TERNARY_GROUP_SIZES, AffineTensor, ceil_div, row_blocks
 from ..gguf_tables import Q_BLOCK, TQ_BLOCK
 
 AFFINE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")
@@ -87,20 +87,20 @@ def float_trits(w: np.ndarray):
 
 
 def reduce_scales(d: np.ndarray, block: int) -> Optional[Tuple[np.ndarray, Optional[int]]]:
-    """Per-block scales (rows, n_blocks) -> the coarsest native form, or None.
+    """Per-block scales (rows, n_blocks) -> the coarsest ternary-format form, or None.
 
     Returns (scales, group_size): (1, 1) per tensor, (rows, 1) per row, or
-    (rows, ceil(cols / g)) per group of g in GROUP_SIZES (g a multiple of `block`).
+    (rows, ceil(cols / g)) per group of g in TERNARY_GROUP_SIZES (g a multiple of `block`).
     """
     if (d == d.flat[0]).all():
         return d[:1, :1], None
     if (d == d[:, :1]).all():
         return d[:, :1], None
-    for g in sorted(GROUP_SIZES, reverse=True):
+    for g in sorted(TERNARY_GROUP_SIZES, reverse=True):
         if g % block:
             continue
         reps = g // block
-        n = -(-d.shape[1] // reps)
+        n = ceil_div(d.shape[1], reps)
         padded = np.pad(d, ((0, 0), (0, n * reps - d.shape[1])), mode="edge")
         grouped = padded.reshape(d.shape[0], n, reps)
         if (grouped == grouped[:, :, :1]).all():

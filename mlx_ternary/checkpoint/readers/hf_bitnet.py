@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import PackedTernary, is_native_config
+from ...format import PackedTernary, ceil_div, is_ternary_config
 from ...ternarize import read_scales, ternarize_absmean
 from . import arch
 from .common import Source, shard_files, tensor_index
@@ -88,7 +88,7 @@ def detect(path: Path) -> bool:
     if not path.is_dir():
         return False
     config = arch.read_config(path)
-    if is_native_config(config):
+    if is_ternary_config(config):
         return False
     return (
         bool(_bitnet_block(config))
@@ -152,10 +152,10 @@ def _packed_trits(label: str, p: str, w, read, n: int, k: int, invert: bool):
     ws = np.array(ws.astype(mx.float32)).reshape(-1)
     if ws.size != 1:
         raise FormatError(f"{label}_scale: expected one value per tensor, got {ws.size}")
-    if tuple(w.shape) != (-(-n // 4), k):
+    if tuple(w.shape) != (ceil_div(n, 4), k):
         raise FormatError(
             f"{label}: packed shape {tuple(w.shape)} does not match the "
-            f"config's ({n}, {k}) layer (expected ({-(-n // 4)}, {k}))"
+            f"config's ({n}, {k}) layer (expected ({ceil_div(n, 4)}, {k}))"
         )
     s = (np.float32(1.0) / ws if invert else ws).reshape(1, 1).astype(np.float32)
     return unpack_hf(np.array(w), n), s

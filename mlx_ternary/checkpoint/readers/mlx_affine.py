@@ -3,7 +3,7 @@
 A stock MLX affine layer stores codes q packed into uint32 (lowest bits first) and, per
 group of g input columns, w = scale * q + bias. A layer is ternary exactly when every
 code is 0, 1 or 2 and bias == -scale in every group: then t = q - 1 and s = scale, at
-any bit width. At 2 bits the codes already are the native "fast" layout.
+any bit width. At 2 bits the codes already are the ternary format's "fast" layout.
 
 Ternary linear layers become PackedTernary; every other quantized layer (the embedding,
 a non-ternary lm_head) stays an MLX affine layer, never dequantized: a Ternary-Bonsai
@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import FormatError
-from ...format import GROUP_SIZES, AffineTensor, PackedTernary, is_native_config, to_numpy
+from ...format import TERNARY_GROUP_SIZES, AffineTensor, PackedTernary, is_ternary_config, to_numpy
 from . import arch
 from .common import Source
 
@@ -31,19 +31,19 @@ def detect(path: Path) -> bool:
     if not path.is_dir():
         return False
     config = arch.read_config(path)
-    return not is_native_config(config) and "bits" in arch.quant_block(config)
+    return not is_ternary_config(config) and "bits" in arch.quant_block(config)
 
 
 def _reduce_scales(s: np.ndarray, g: int, name: str) -> Tuple[np.ndarray, Optional[int]]:
-    """The coarsest exact native scales for per-group scales s (N, K/g)."""
+    """The coarsest exact ternary-format scales for per-group scales s (N, K/g)."""
     if (s == s[:1, :1]).all():
         return s[:1, :1], None
     if (s == s[:, :1]).all():
         return s[:, :1], None
-    if g not in GROUP_SIZES:
+    if g not in TERNARY_GROUP_SIZES:
         raise FormatError(
-            f"{name}: its scales change every {g} columns, and the native "
-            f"format's groups are {GROUP_SIZES}; this pack cannot be "
+            f"{name}: its scales change every {g} columns, and the ternary "
+            f"format's groups are {TERNARY_GROUP_SIZES}; this pack cannot be "
             "repacked losslessly"
         )
     return s, g
@@ -128,7 +128,7 @@ def source(path: Path, packing: str = "compact") -> Source:
         config=arch.architecture(config),
         count=count,
         items=lambda: _signs_checked(items, path.name),
-        group_size=g if g in GROUP_SIZES else None,
+        group_size=g if g in TERNARY_GROUP_SIZES else None,
         tokenizer_dir=path,
         model=model,
         targets=targets,

@@ -17,7 +17,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ...format import AffineTensor, PackedTernary, expand_scales, to_numpy
+from ...format import AffineTensor, PackedTernary, ceil_div, expand_scales, to_numpy
 from ..gguf_tables import Q_BLOCK, TQ_BLOCK, rotary_heads, rotary_permute
 
 PADDED_FFN = ("llama", "qwen2", "qwen3")  # gated MLP, act(0) = 0, no norm inside
@@ -39,7 +39,7 @@ class Encoding:
             and n % TQ_BLOCK
             and config["hidden_size"] % TQ_BLOCK == 0
         )
-        return cls(config, permute, -(-n // TQ_BLOCK) * TQ_BLOCK if pad else None)
+        return cls(config, permute, ceil_div(n, TQ_BLOCK) * TQ_BLOCK if pad else None)
 
     def apply(self, hf: str, a: np.ndarray, edge: bool = False) -> np.ndarray:
         """Rotary order and FFN padding for a (rows, cols) array (edge: repeat, not zero)."""
@@ -59,18 +59,18 @@ class Encoding:
         return np.ascontiguousarray(a)
 
     def scales(self, hf: str, scales: np.ndarray, group_size: Optional[int]) -> np.ndarray:
-        """A native scales array (1, 1) | (N, 1) | (N, G) laid out as the weight is."""
+        """A ternary-format scales array (1, 1) | (N, 1) | (N, G) laid out as the weight is."""
         if scales.shape == (1, 1):
             return scales
         if ".mlp.down_proj." in hf:  # padded along its columns only: the scale groups
             if scales.shape[1] > 1 and self.ffn:
-                groups = -(-self.ffn // group_size)
+                groups = ceil_div(self.ffn, group_size)
                 return np.pad(scales, ((0, 0), (0, groups - scales.shape[1])), mode="edge")
             return scales
         return self.apply(hf, scales, edge=True)
 
 
-def _q8_0_codes(t: np.ndarray, s: np.ndarray) -> np.ndarray:
+def q8_0_codes(t: np.ndarray, s: np.ndarray) -> np.ndarray:
     """Trits (N, K) and per-weight scales (N, K) -> Q8_0 bytes: d = s, codes = t."""
     n, k = t.shape
     d = s.reshape(n, k // Q_BLOCK, Q_BLOCK)[:, :, 0].astype(np.float16)
@@ -111,7 +111,7 @@ def ternary(hf: str, pt: PackedTernary, qtype: str, plan: Encoding):
         data = quants.quantize(w, q)
     elif k % Q_BLOCK == 0 and _constant_over(s, Q_BLOCK):
         q = Q.Q8_0
-        data = _q8_0_codes(t, s)
+        data = q8_0_codes(t, s)
     else:
         return w, None, 0.0, None
     back = quants.dequantize(data, q).reshape(w.shape)

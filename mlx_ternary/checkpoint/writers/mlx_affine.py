@@ -14,9 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import TernaryError
-from ...format import AFFINE_BITS as BITS
-from ...format import AFFINE_GROUP_SIZES as GROUP_SIZES
-from ...format import PackedTernary
+from ...format import AFFINE_BITS, AFFINE_GROUP_SIZES, PackedTernary
 
 _CHUNK_VALUES = 1 << 22  # codes packed per step: bounds the bit-stream scratch memory
 
@@ -38,10 +36,10 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def check_args(bits: int, group_size: int) -> None:
-    if bits not in BITS:
-        raise TernaryError(f"--q-bits must be one of {BITS}, got {bits}")
-    if group_size not in GROUP_SIZES:
-        raise TernaryError(f"--q-group-size must be one of {GROUP_SIZES}, got {group_size}")
+    if bits not in AFFINE_BITS:
+        raise TernaryError(f"--q-bits must be one of {AFFINE_BITS}, got {bits}")
+    if group_size not in AFFINE_GROUP_SIZES:
+        raise TernaryError(f"--q-group-size must be one of {AFFINE_GROUP_SIZES}, got {group_size}")
 
 
 def group_scales(pt: PackedTernary, group_size: int, name: str) -> np.ndarray:
@@ -132,7 +130,7 @@ def model_card(
             "activation quantization. Stock mlx-lm does not quantize activations, so this "
             "checkpoint computes what the ternary model computes with activation "
             "quantization switched off; outputs differ slightly from the original. "
-            "`mlx_ternary.load` on the native conversion keeps the activation quantization.",
+            "`mlx_ternary.load` on the ternary-format conversion keeps the activation quantization.",
             "",
         ]
     return "\n".join(lines)

@@ -92,10 +92,10 @@ def info() -> dict:
 def set_num_threads(n: int) -> None:
     """Threads the kernels use; n < 1 restores the default (all cores this process may use,
     or $MLX_TERNARY_NUM_THREADS)."""
-    _require().set_num_threads(int(n))
+    require().set_num_threads(int(n))
 
 
-def _require():
+def require():
     m = _module()
     if m is None:
         from ...errors import TernaryError
@@ -124,7 +124,7 @@ def ternary_matmul(
         TernaryError: the native backend is unavailable.
         ValueError: shapes or dtypes that do not describe one packed layer.
     """
-    m = _require()
+    m = require()
     return m.ternary_matmul(
         x,
         packed,
@@ -153,13 +153,13 @@ def q8k_supported(scales: mx.array, *, packing: str, in_features: int, group_siz
 
 def dense_matmul(x: mx.array, w: mx.array) -> mx.array:
     """x @ w.T in float32 for w (N, K) float16, bfloat16 or float32 as stored."""
-    return _require().dense_matmul(x, w)
+    return require().dense_matmul(x, w)
 
 
 def ggml_dequantize(blocks: mx.array, type_name: str, in_features: int) -> mx.array:
     """(..., row_bytes) uint8 llama.cpp blocks (format.GGML_TABLES) -> (..., K) float32,
     exactly as ggml dequantizes them (runtime/ggml.py `dequantize` is the twin)."""
-    return _require().ggml_dequantize(blocks, GGML_TABLES[type_name].code, in_features)
+    return require().ggml_dequantize(blocks, GGML_TABLES[type_name].code, in_features)
 
 
 def ggml_matmul(
@@ -168,7 +168,7 @@ def ggml_matmul(
     """x @ W.T in float32 for W (N, row_bytes) llama.cpp blocks kept as stored; `llama`:
     ggml's numerics (activations quantized per token, its integer dot products), else float
     (runtime/ggml.py `matmul` is the twin of both)."""
-    return _require().ggml_matmul(x, blocks, GGML_TABLES[type_name].code, in_features, llama)
+    return require().ggml_matmul(x, blocks, GGML_TABLES[type_name].code, in_features, llama)
 
 
 def ternary_weight(
@@ -180,7 +180,7 @@ def ternary_weight(
     group_size: Optional[int] = None,
 ) -> mx.array:
     """The (N, K) float32 weight s * t (what the backward pass multiplies by)."""
-    return _require().ternary_weight(
+    return require().ternary_weight(
         packed, scales, packing_code(packing), in_features, group_size or 0
     )
 
@@ -188,4 +188,4 @@ def ternary_weight(
 def swiglu(g: mx.array, x: mx.array) -> mx.array:
     """silu(g) * x for float32 arrays of one shape (a vectorized exp, within 2 ulp of float64;
     no gradient: activation.py gives it mlx-lm's)."""
-    return _require().swiglu(g, x)
+    return require().swiglu(g, x)

@@ -23,7 +23,7 @@ def _reference(gate, x):
 
 
 @lru_cache(maxsize=None)
-def _native():
+def swiglu_kernel():
     @mx.custom_function
     def native_swiglu(gate, x):
         return swiglu(gate, x)
@@ -46,7 +46,7 @@ def _dispatcher(original):
             and x.dtype == mx.float32
             and gate.shape == x.shape
         ):
-            return _native()(gate, x)
+            return swiglu_kernel()(gate, x)
         return original(gate, x, *args, **kwargs)
 
     return swiglu_

@@ -20,16 +20,16 @@ from functools import lru_cache
 import mlx.core as mx
 
 from .. import patches
-from . import _require, active, enabled
+from . import active, enabled, require
 
 
 @lru_cache(maxsize=None)
-def _attention(scale: float, causal: bool):
+def attention_kernel(scale: float, causal: bool):
     mask = "causal" if causal else None
 
     @mx.custom_function
     def attention(q, k, v):
-        return _require().attention(q, k, v, scale, causal)
+        return require().attention(q, k, v, scale, causal)
 
     @attention.vjp
     def attention_vjp(primals, cotangent, output):
@@ -45,7 +45,7 @@ def _attention(scale: float, causal: bool):
 def _masked_attention(scale: float):
     @mx.custom_function
     def attention(q, k, v, mask):
-        return _require().attention(q, k, v, scale, False, mask)
+        return require().attention(q, k, v, scale, False, mask)
 
     @attention.vjp
     def attention_vjp(primals, cotangent, output):
@@ -81,7 +81,7 @@ def scaled_dot_product_attention(queries, keys, values, *, scale: float, mask=No
         return None
     if isinstance(mask, mx.array):
         return _masked_attention(float(scale))(queries, keys, values, mask)
-    return _attention(float(scale), mask is not None)(queries, keys, values)
+    return attention_kernel(float(scale), mask is not None)(queries, keys, values)
 
 
 def _dispatcher(original):

@@ -14,7 +14,7 @@ TransformerBlock: ARCHS) for a subclass of the same name whose
     out = mlp(h, residual=h)                 RMSNorm, gate+up sharing their activations,
                                              the native SwiGLU, down
 
-(csrc/block.h). The ops reproduce MLX's CPU arithmetic step by step (its RMSNorm and RoPE
+(csrc/ops/block.h). The ops reproduce MLX's CPU arithmetic step by step (its RMSNorm and RoPE
 fallbacks, with MLX's own sin/cos/exp) and use the kernels the unfused path routes to, so a
 fused block returns the unfused block's bits (tests/runtime/test_block.py).
 
@@ -22,12 +22,25 @@ The fused path runs only when all of this holds, else mlx-lm's own `__call__` ru
 inside the model's `enabled()` scope (cpu/__init__.py), the setting on (`MLX_TERNARY_FUSED`,
 `set_enabled`), the CPU, float32 input, the block not training, its attention and MLP the
 module's own classes, each projection a plain TernaryLinear on the native kernel
-(`TernaryLinear.native_spec`: no LoRA/DoRA wrapper, no sharded layer), q/k/v (and gate/up)
-sharing one activation preparation, the norms (qwen3's head norms too) nn.RMSNorm with
-float32 weights, a RoPE whose arithmetic the op reproduces (nn.RoPE,
-Llama3RoPE, YarnRoPE with mscale 1), the cache None, a KVCache or a BatchKVCache (so
+(registered: `register_projection`, `TernaryLinear.kernel_spec`; no LoRA/DoRA wrapper, no
+sharded layer), q/k/v (and gate/up) sharing one activation preparation, the norms (qwen3's
+head norms too) nn.RMSNorm with float32 weights, a RoPE whose arithmetic the op reproduces
+(nn.RoPE, Llama3RoPE, YarnRoPE with mscale 1), the cache None, a KVCache or a BatchKVCache (so
 quantized and rotating caches keep mlx-lm's path) that the call does not grow past its
-filled buffers (once every 256 tokens: see `_cache_kind`), the mask None, "causal" or a bool array.
+filled buffers (once every 256 tokens: see `_cache_kind`), the mask None, "causal" or a bool
+array.
+
+The plan: what a block's calls need (the projections' kernel arguments, norms, RoPE,
+head counts, the ops' bound arguments) is derived on its first call into a `BlockPlan` kept
+on the block, as a layer's LayerPlan is (runtime/dispatch.py); a call then checks the
+per-call conditions (the device, x, the cache and mask), looks the plan up and runs the
+three ops. The plan records what it read (`Reads`) and holds while each of those is the same
+object: a projection's LayerPlan (dropped by every TernaryLinear setter: weights, bias,
+settings), the block's child modules (adapters swap them) and the norms' weights
+(`load_weights`, `update`). The native thread count is read by the ops when they run.
+mlx-lm privates read: only `_freqs` of Llama3RoPE and YarnRoPE (no public name holds their
+frequencies), once per plan; the cache's filled length is its public `size()`.
+
 Gradients: a block in training mode (mlx-lm's trainer sets it) runs mlx-lm's block; elsewhere
 (mx.grad of a model in eval mode) the ops' vjp is that of MLX's own ops composing the same
 function, with the layers' straight-through vjp: the unfused block's gradient.
@@ -39,24 +52,36 @@ through FORMS (runtime/shard_block.py).
 
 import os
 from functools import lru_cache, partial
-from typing import Optional
+from operator import is_
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ...format import Q8K, packing_code
 from .. import patches
-from . import _require, active
+from . import active, require
 
 ENV_FUSED = "MLX_TERNARY_FUSED"
 # mlx-lm's modules whose TransformerBlock is the llama block (qwen2: q/k/v biases; qwen3:
 # an RMSNorm of each q and k head before RoPE), all with `swiglu` MLPs
 ARCHS = ("llama", "qwen2", "qwen3")
 _state = {"on": None}  # None: $MLX_TERNARY_FUSED decides (default on)
+# The projections the plain fused block runs: exact class -> layer -> (its kernel arguments
+# (packed, scales, bias, packing, in_features, group_size, activation_bits), or None where a
+# call of the layer is not the native kernel on its input; mapping, key: see Reads). Filled
+# from above (runtime/layers.py registers TernaryLinear), so imports point down the layers;
+# a subclass is not registered (it transforms x), nor a wrapper (LoRA, DoRA).
+PROJECTIONS: Dict[type, Callable] = {}
 # Other forms of a block's layers, tried in turn where they are not the plain ones: each
-# (block, x, cache, mod, offset, how) -> the block's output, or None where it does not
-# apply (runtime/shard_block.py adds the tensor-parallel block)
+# (block, mod, reads) -> a run (x, cache, offset, how) -> the block's output, or None where
+# it does not apply; what it reads goes through `reads` (runtime/shard_block.py adds the
+# tensor-parallel block)
 FORMS = []
+# mlx-lm's cache classes the native ops take -> whether its offset is an array (one a row):
+# filled by _blocks(), which imports mlx-lm once
+_CACHES: Dict[type, bool] = {}
+_PLAN = "_block_plan"  # where a routed block keeps its BlockPlan (its __dict__, as TernaryLinear)
 
 
 def set_enabled(on: Optional[bool]) -> None:
@@ -73,21 +98,52 @@ def is_enabled() -> bool:
     return on
 
 
-def _spec(layer):
-    """The native kernel's arguments for a projection, or None (see native_spec)."""
-    spec = getattr(layer, "native_spec", None)
-    if spec is None:
-        return None
-    s = spec()
-    if s is None:
-        return None
-    packed, scales, bias, packing, k, group, bits = s
-    act = _require().ACT_Q8K if bits == Q8K else bits or 0
-    group = group or 0 if scales.shape[1] > 1 else 0
-    return packed, scales, bias, (packing_code(packing), k, group, act)
+def register_projection(cls: type, read: Callable) -> None:
+    """Let the plain fused block run layers of exactly `cls`: `read(layer)` gives (the
+    kernel arguments or None, mapping, key), the arguments holding while mapping[key] is
+    what it is now (TernaryLinear: its launch plan, which every change of them drops)."""
+    PROJECTIONS[cls] = read
 
 
-def _group(specs):
+class Reads:
+    """What a block plan was derived from, as (mapping, key, value): the plan holds while
+    every mapping[key] is still that value. Modules are dicts of their child modules and
+    arrays, so swapping a layer (adapters, `update_modules`), replacing a norm's weight
+    (`load_weights`, `update`) or dropping a projection's launch plan (TernaryLinear's
+    setters: its arrays, bias, packing, activation mode...) changes one of them."""
+
+    def __init__(self):
+        self.maps, self.keys, self.values = [], [], []
+
+    def child(self, mapping, key: str):
+        """mapping[key] (a module's child module or array; None if absent), recorded."""
+        value = mapping.get(key)
+        self.maps.append(mapping)
+        self.keys.append(key)
+        self.values.append(value)
+        return value
+
+    def spec(self, layer, read: Optional[Callable] = None):
+        """The fused ops' (packed, scales, bias, geometry) for a projection, or None:
+        `read` (as PROJECTIONS' values) or the one registered for the layer's class."""
+        read = read or PROJECTIONS.get(type(layer))
+        if read is None:
+            return None
+        s, mapping, key = read(layer)
+        self.child(mapping, key)
+        if s is None:
+            return None
+        packed, scales, bias, packing, k, group, bits = s
+        act = require().ACT_Q8K if bits == Q8K else bits or 0
+        group = group or 0 if scales.shape[1] > 1 else 0
+        return packed, scales, bias, (packing_code(packing), k, group, act)
+
+    def holds(self) -> bool:
+        """Whether nothing read has been replaced since (one pass, no Python per item)."""
+        return all(map(is_, map(dict.get, self.maps, self.keys), self.values))
+
+
+def grouped(specs):
     """(packed, scales, biases, geometry) of projections sharing one activation preparation."""
     if any(s is None for s in specs) or len({s[3] for s in specs}) != 1:
         return None
@@ -100,15 +156,25 @@ def _norm(norm):
     return norm.weight, float(norm.eps)
 
 
+def _read_norm(reads: Reads, module, key: str):
+    """_norm of module[key], its module and weight recorded."""
+    norm = reads.child(module, key)
+    if isinstance(norm, nn.Module):
+        reads.child(norm, "weight")
+    return _norm(norm)
+
+
 def _rope(rope):
     """(dims, traditional, base, scale, freqs) the op reproduces for `rope`, or None."""
     if type(rope) is nn.RoPE:
         return rope.dims, bool(rope.traditional), float(rope.base), float(rope.scale), None
-    from mlx_lm.models import rope_utils
+    from mlx_lm.models import rope_utils  # once per plan, never per token
 
     if type(rope) is rope_utils.Llama3RoPE or (
         type(rope) is rope_utils.YarnRoPE and rope.mscale == 1.0
     ):
+        # `_freqs` is private to mlx-lm: these classes keep their frequencies under no
+        # public name (their __call__ passes it to mx.fast.rope). Read once, when planned.
         return rope.dims, bool(rope.traditional), None, 1.0, rope._freqs
     return None
 
@@ -120,15 +186,12 @@ def _cache_kind(cache, tokens: int):
     layers' old and new buffers would be live at once (memory.py plans for one)."""
     if cache is None:
         return 0, None
-    from mlx_lm.models.cache import BatchKVCache, KVCache
-
-    kind = type(cache)
-    if kind not in (KVCache, BatchKVCache):
+    batched = _CACHES.get(type(cache))  # exact classes: quantized, rotating... keep mlx-lm's
+    if batched is None:
         return None
-    used = cache.offset if kind is KVCache else cache._idx
-    if cache.keys is not None and used + tokens > cache.keys.shape[2]:
-        return None
-    return (int(cache.offset), None) if kind is KVCache else (0, cache.offset)
+    if cache.keys is not None and cache.size() + tokens > cache.keys.shape[2]:
+        return None  # size(): the filled length (KVCache's offset, BatchKVCache's index)
+    return (0, cache.offset) if batched else (int(cache.offset), None)
 
 
 def _mask(mask):
@@ -142,35 +205,98 @@ def _mask(mask):
     return None
 
 
-def _plain_projections(attn, mlp):
-    """(qkv, gate_up, o, down) native specs of plain TernaryLinear projections."""
-    qkv = _group([_spec(attn.q_proj), _spec(attn.k_proj), _spec(attn.v_proj)])
-    gate_up = _group([_spec(mlp.gate_proj), _spec(mlp.up_proj)])
-    return qkv, gate_up, _spec(attn.o_proj), _spec(mlp.down_proj)
+def _plain_projections(attn, mlp, reads: Reads):
+    """(qkv, gate_up, o, down) native specs of plain (registered) projections."""
+
+    def spec(module, key):
+        return reads.spec(reads.child(module, key))
+
+    qkv = grouped([spec(attn, "q_proj"), spec(attn, "k_proj"), spec(attn, "v_proj")])
+    gate_up = grouped([spec(mlp, "gate_proj"), spec(mlp, "up_proj")])
+    return qkv, gate_up, spec(attn, "o_proj"), spec(mlp, "down_proj")
 
 
-def parts(block, mod, projections=_plain_projections):
+def parts(block, mod, projections=_plain_projections, reads: Optional[Reads] = None):
     """What the fused ops need of a block of mlx-lm's module `mod`, or None; `projections`
-    (attn, mlp) -> (qkv, gate_up, o, down) or None reads the layers (shard_block.py reads
-    sharded ones)."""
-    attn, mlp = block.self_attn, block.mlp
+    (attn, mlp, reads) -> (qkv, gate_up, o, down) or None reads the layers (shard_block.py
+    reads sharded ones); what is read is recorded in `reads`."""
+    reads = Reads() if reads is None else reads
+    attn, mlp = reads.child(block, "self_attn"), reads.child(block, "mlp")
     if type(attn) is not mod.Attention or type(mlp) is not mod.MLP:
         return None
-    proj = projections(attn, mlp)
+    proj = projections(attn, mlp, reads)
     if proj is None:
         return None
     qkv, gate_up, o, down = proj
-    n1, n2 = _norm(block.input_layernorm), _norm(block.post_attention_layernorm)
-    rope = _rope(attn.rope)
+    n1 = _read_norm(reads, block, "input_layernorm")
+    n2 = _read_norm(reads, block, "post_attention_layernorm")
+    rope = _rope(reads.child(attn, "rope"))
     if None in (n1, n2, qkv, gate_up, o, down, rope):
         return None
     head_norms = (None, None, 0.0)
-    if "q_norm" in attn:  # qwen3: RMSNorm of each q and k head before RoPE
-        qn, kn = _norm(attn.q_norm), _norm(attn.k_norm)
+    if reads.child(attn, "q_norm") is not None:  # qwen3: RMSNorm of each q and k head
+        qn, kn = _read_norm(reads, attn, "q_norm"), _read_norm(reads, attn, "k_norm")
         if qn is None or kn is None or qn[1] != kn[1]:
             return None
         head_norms = (qn[0], kn[0], qn[1])
     return n1, n2, qkv, gate_up, o, down, rope, head_norms
+
+
+def _plain_run(attn, found) -> Callable:
+    """(x, cache, offset, how) -> the block's output: three native ops, every argument but
+    the activations, offset and mask bound now."""
+    (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = found
+    n_heads, n_kv_heads, scale = attn.n_heads, attn.n_kv_heads, attn.scale
+    head_dim = qkv[0][0].shape[0] // n_heads
+    m = require()
+    attn_in = (w1, eps1, *qkv[:3], *qkv[3], n_heads, n_kv_heads, head_dim, *rope)
+    attn_out = (*o[:3], *o[3])
+    mlp = (w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3])
+
+    def run(x, cache, offset, how):
+        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
+        h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x)
+        return m.mlp(h, *mlp, h)
+
+    return run
+
+
+class BlockPlan:
+    """What the calls of one routed block need, decided once (as dispatch.LayerPlan is for
+    one layer): `run` (x, cache, offset, how) -> output, or None where the block is not
+    fused (then mlx-lm's block runs), and the `reads` it was derived from. It holds while
+    they do: the setters that drop a projection's LayerPlan, a swapped layer (adapters) or
+    a replaced norm weight make the next call plan again."""
+
+    __slots__ = ("reads", "run")
+
+    def __init__(self, reads: Reads, run: Optional[Callable]):
+        self.reads, self.run = reads, run
+
+    def __deepcopy__(self, memo):
+        return None  # a copied block has copied layers: it plans again
+
+
+def plan(block, mod) -> BlockPlan:
+    """`block`'s plan (a block of mlx-lm's module `mod`), made now and kept unless what it
+    read belongs to a transform's trace (mx.grad of the parameters: nothing kept, as
+    TernaryLinear keeps no LayerPlan then)."""
+    reads = Reads()
+    found = parts(block, mod, reads=reads)
+    run = None if found is None else _plain_run(block.self_attn, found)
+    if run is None:
+        for form in FORMS:
+            run = form(block, mod, reads)
+            if run is not None:
+                break
+    out = BlockPlan(reads, run)
+    is_tracer = require().is_tracer
+    if not any(isinstance(v, mx.array) and is_tracer(v) for v in reads.values):
+        block.__dict__[_PLAN] = out
+    return out
 
 
 def _fused(block, x, mask, cache, mod):
@@ -184,37 +310,25 @@ def _fused(block, x, mask, cache, mod):
         or x.ndim != 3
     ):
         return None
-    found = parts(block, mod)
-    offset = _cache_kind(cache, x.shape[1])
-    how = _mask(mask)
-    if found is None and offset is not None and how is not None:
-        for form in FORMS:
-            out = form(block, x, cache, mod, offset, how)
-            if out is not None:
-                return out
-    if found is None or offset is None or how is None:
+    kept = block.__dict__.get(_PLAN)
+    run = (kept if kept is not None and kept.reads.holds() else plan(block, mod)).run
+    if run is None:
         return None
-    (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = found
-    attn = block.self_attn
-    n_heads, n_kv_heads = attn.n_heads, attn.n_kv_heads
-    head_dim = qkv[0][0].shape[0] // n_heads
-    m = _require()
-    q, k, v = m.attn_in(
-        x, w1, eps1, *qkv[:3], *qkv[3], n_heads, n_kv_heads, head_dim, *rope, *offset,
-        *head_norms,
-    )  # fmt: skip
-    if cache is not None:
-        k, v = cache.update_and_fetch(k, v)
-    causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
-    h = m.attn_out(q, k, v, attn.scale, causal, mask_array, *o[:3], *o[3], x)
-    return m.mlp(h, w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], h)
+    offset, how = _cache_kind(cache, x.shape[1]), _mask(mask)
+    if offset is None or how is None:
+        return None
+    return run(x, cache, offset, how)
 
 
 @lru_cache(maxsize=None)
 def _blocks():
-    """mlx-lm's block classes the fused path computes, each with its call."""
+    """mlx-lm's block classes the fused path computes, each with its call (and the cache
+    classes the ops take, in _CACHES): every mlx-lm import of the path, once."""
     import importlib
 
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    _CACHES.update({KVCache: False, BatchKVCache: True})
     out = {}
     for name in ARCHS:
         mod = importlib.import_module(f"mlx_lm.models.{name}")

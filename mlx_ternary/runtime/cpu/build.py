@@ -27,6 +27,7 @@ from ... import paths
 from ...paths import digest, locked, publish
 
 CSRC = Path(__file__).parent / "csrc"
+BINDINGS = "bindings.cpp"  # the one translation unit: it includes ops/, kernels/ and arch/
 MODULE = "_mlx_ternary_native"
 ENV_CXX = "MLX_TERNARY_NATIVE_CXX"
 
@@ -163,10 +164,11 @@ def check_nanobind_abi(mlx: MlxBuild, nb: Nanobind) -> None:
         )
 
 
-def _sources() -> bytes:
+def sources() -> bytes:
+    """Every header and source under csrc/ (ops/, kernels/, arch/ ...), with its path."""
     return b"".join(
-        p.name.encode() + p.read_bytes()
-        for p in sorted(CSRC.iterdir())
+        p.relative_to(CSRC).as_posix().encode() + p.read_bytes()
+        for p in sorted(CSRC.rglob("*"))
         if p.suffix in (".h", ".cpp")
     )
 
@@ -195,7 +197,7 @@ def build_key(mlx: MlxBuild, nb: Nanobind, cxx: str, flags: List[str]) -> str:
     is not in it, so a cached library still loads where the compiler has since been removed."""
     lib = mlx.library.stat()
     return digest(
-        _sources(),
+        sources(),
         flags,
         cxx,
         cpu_fingerprint(),
@@ -264,10 +266,10 @@ def compile_library(
                     f"nanobind {nb.version}",
                 )
             )
-        ext_obj = Path(tmp) / "ext.o"
+        ext_obj = Path(tmp) / "bindings.o"
         jobs.append(
             (
-                _start([cxx, *flags, "-c", str(CSRC / "ext.cpp"), "-o", str(ext_obj)]),
+                _start([cxx, *flags, "-c", str(CSRC / BINDINGS), "-o", str(ext_obj)]),
                 "the native CPU kernel",
             )
         )

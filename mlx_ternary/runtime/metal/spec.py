@@ -8,6 +8,7 @@ import mlx.core as mx
 from ...format import (
     CODES_PER_WORD,
     TERNARY_GROUP_SIZES,
+    ceil_div,
     check_packing,
     compact_row_bytes,
     fast_padded_k,
@@ -17,10 +18,6 @@ from ...format import (
 # `(const device uint*)` casts do not compile: such layers run the reference path.
 MIN_DEVICE_ELEMENTS = 8
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

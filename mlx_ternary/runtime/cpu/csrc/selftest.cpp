@@ -2,8 +2,7 @@
 // the arm64 NEON path under qemu-user and to compile-check other ISAs. Exit status 0 = pass.
 #include <cstdio>
 
-#include "check.h"
-#include "kquants.h"
+#include "selfcheck.h"
 
 int main() {
   std::string e = tk::selfcheck();

@@ -1,4 +1,4 @@
-"""Writer for the native mlx-ternary format: config.json + safetensors shards + index."""
+"""Writer for the ternary format (mlx-ternary's own): config.json + safetensors shards + index."""
 
 import hashlib
 import json
@@ -30,7 +30,7 @@ def write_shards(
     return writer.close()
 
 
-def native_config(config: dict, quant: QuantizationConfig) -> dict:
+def ternary_config(config: dict, quant: QuantizationConfig) -> dict:
     out = {k: v for k, v in config.items() if k not in FOREIGN_QUANT_KEYS}
     out["quantization"] = quant.to_dict()
     return out
@@ -39,7 +39,7 @@ def native_config(config: dict, quant: QuantizationConfig) -> dict:
 def save_model(
     model: nn.Module, config: dict, out_dir, tokenizer=None, packing: Optional[str] = None
 ) -> Path:
-    """Save a model with TernaryLinear layers in the native format.
+    """Save a model with TernaryLinear layers in the ternary format.
 
     Args:
         model: an mlx-lm model whose ternary layers are TernaryLinear.
@@ -55,7 +55,7 @@ def save_model(
             layer.repack(packing)
     quant = model_quantization(model)
     write_shards(out_dir, tree_flatten(model.parameters()))
-    (out_dir / "config.json").write_text(json.dumps(native_config(config, quant), indent=2))
+    (out_dir / "config.json").write_text(json.dumps(ternary_config(config, quant), indent=2))
     if tokenizer is not None:
         getattr(tokenizer, "_tokenizer", tokenizer).save_pretrained(str(out_dir))
     return out_dir

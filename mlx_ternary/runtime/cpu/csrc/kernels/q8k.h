@@ -18,99 +18,16 @@
 #include <type_traits>
 #include <vector>
 
-#include "tkernels.h"
-
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "../arch/select.h"
+#include "layer.h"
 
 namespace tk {
 
-constexpr int Q8K_BLOCK = 256;  // ggml's QK_K
-constexpr float Q8K_QMAX = 127.f;
-
-constexpr int Q8K_TILE_ROWS = 2, Q8K_TILE_TOKENS = 4;  // rows of one pair, tokens of a tile
-// int16 terms a lane may add up within one segment: each |term| <= 2 * 2 * 128
-constexpr int Q8K_TILE_I16_TERMS = 32767 / 512;
-
-// Whether rows_q8k_tile (below) applies: fast packing, every segment at most
-// Q8K_TILE_I16_TERMS code vectors long.
-inline bool q8k_tile_ok(const Geometry& g) {
-  if (g.packing != FAST || !g.q8k_ok) return false;
-  int64_t run = 0;
-  for (const Step& st : g.steps) {
-    run += g.nv;
-    if (run > Q8K_TILE_I16_TERMS) return false;
-    if (st.seg >= 0) run = 0;
-  }
-  return true;
-}
-
-// Whether the 512-bit windows (rows_q8k_wide_tile, rows_q8k_r8w) apply: the tiles do, and
-// every segment is exactly two whole steps, window j = steps 2j and 2j + 1 = segment j (a
-// row of whole 256-column blocks with one scale per block, row or tensor: TQ1_0 / TQ2_0 as
-// llama.cpp writes them, converted to fast packing).
-inline bool q8k_wide_ok(const Geometry& g) {
-  const int64_t nsteps = (int64_t)g.steps.size();
-  if (!g.q8k_tile || nsteps % 2 || g.nseg != nsteps / 2) return false;
-  for (int64_t s = 0; s < nsteps; s++) {
-    const Step& st = g.steps[s];
-    if (st.valid != 32 || st.off != 32 * s || st.seg != (s % 2 ? s / 2 : -1)) return false;
-  }
-  return true;
-}
-
-// Segments of the row and the step that ends each. A step whose columns span two segments
-// (compact rows longer than 320 columns with one scale, fast packing with groups of 64)
-// leaves q8k_ok false: the Python side runs the reference twin there.
-inline void plan_q8k(Geometry& g) {
-  g.seg_len = g.group && g.group < Q8K_BLOCK ? g.group : Q8K_BLOCK;
-  g.nseg = ceil_div(g.k, g.seg_len);
-  g.nblocks8 = ceil_div(g.k, Q8K_BLOCK);
-  g.q8k_ok = true;
-  const int64_t per_step = (int64_t)g.nv * 32, nsteps = (int64_t)g.steps.size();
-  std::vector<int64_t> seg_of(nsteps, -1);
-  for (int64_t s = 0; s < nsteps; s++) {
-    int64_t lo = -1, hi = -1;
-    for (int64_t p = s * per_step; p < (s + 1) * per_step; p++) {
-      const int64_t c = g.perm[p];
-      if (c < 0) continue;
-      lo = lo < 0 ? c : std::min(lo, c), hi = std::max(hi, c);
-    }
-    if (lo < 0) {  // no column: belongs to the segment before
-      seg_of[s] = s ? seg_of[s - 1] : 0;
-      continue;
-    }
-    if (lo / g.seg_len != hi / g.seg_len || (s && lo / g.seg_len < seg_of[s - 1]))
-      g.q8k_ok = false;
-    seg_of[s] = lo / g.seg_len;
-  }
-  for (int64_t s = 0; s < nsteps; s++)
-    g.steps[s].seg = (s + 1 == nsteps || seg_of[s + 1] != seg_of[s]) ? (int32_t)seg_of[s] : -1;
-  g.seg_group.resize(g.nseg), g.seg_block.resize(g.nseg);
-  for (int64_t j = 0; j < g.nseg; j++) {
-    g.seg_group[j] = (int32_t)(g.group ? j * g.seg_len / g.group : 0);
-    g.seg_block[j] = (int32_t)(j * g.seg_len / Q8K_BLOCK);
-  }
-  g.q8k_tile = q8k_tile_ok(g);
-  g.q8k_wide = q8k_wide_ok(g);
-}
-
-// One block of n <= 256 floats as ggml's Q8_K, in place (x becomes q, integer-valued floats);
-// returns d. The AVX2 loops compute the same values as the scalar ones: max |x| is exact in
-// any order, the product is one float32 multiply, and vroundps rounds half to even as
 // nearbyint does.
 inline float q8k_block(float* x, int64_t n) {
   float amax = 0.f;
   int64_t i = 0;
-#if defined(__AVX2__)
-  __m256 vm = _mm256_setzero_ps();
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vm);
-  for (float v : lanes) amax = std::max(amax, v);
-#endif
+  i = native::absmax_head(x, n, amax);
   for (; i < n; i++) amax = std::max(amax, std::fabs(x[i]));
   if (!(amax > 0.f)) {
     std::fill(x, x + n, 0.f);
@@ -124,40 +41,16 @@ inline float q8k_block(float* x, int64_t n) {
     }
   const float iscale = -Q8K_QMAX / top;
   i = 0;
-#if defined(__AVX2__)
-  const __m256 vs = _mm256_set1_ps(iscale), vmax = _mm256_set1_ps(Q8K_QMAX);
-  for (; i + 8 <= n; i += 8) {
-    __m256 r = _mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + i)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_ps(x + i, _mm256_min_ps(r, vmax));
-  }
-#endif
+  i = native::round_clamp_head(x, n, iscale, Q8K_QMAX);
   for (; i < n; i++) x[i] = std::min(Q8K_QMAX, std::nearbyint(iscale * x[i]));
   return 1.f / iscale;
 }
 
-// Fast packing's activation order (tkernels.h column_of) for the whole 128-column steps of
+// Fast packing's activation order (layer.h column_of) for the whole 128-column steps of
 // codes c: position 32 v + b of a step holds column 4 b + v. Returns the positions written.
 inline int64_t fast_order(const int8_t* c, int64_t k, int8_t* q) {
   int64_t s = 0;
-#if defined(__AVX2__)
-  // per 16 columns: bytes grouped by v (4 each), then a 4 x 4 transpose of those dwords
-  const __m128i by_v = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  for (; 128 * (s + 1) <= k; s++) {
-    for (int half = 0; half < 2; half++) {
-      __m128i y[4];
-      for (int i = 0; i < 4; i++)
-        y[i] = _mm_shuffle_epi8(
-            _mm_loadu_si128((const __m128i*)(c + 128 * s + 64 * half + 16 * i)), by_v);
-      __m128i a0 = _mm_unpacklo_epi32(y[0], y[1]), a1 = _mm_unpackhi_epi32(y[0], y[1]);
-      __m128i a2 = _mm_unpacklo_epi32(y[2], y[3]), a3 = _mm_unpackhi_epi32(y[2], y[3]);
-      __m128i t[4] = {_mm_unpacklo_epi64(a0, a2), _mm_unpackhi_epi64(a0, a2),
-                      _mm_unpacklo_epi64(a1, a3), _mm_unpackhi_epi64(a1, a3)};
-      for (int v = 0; v < 4; v++)
-        _mm_storeu_si128((__m128i*)(q + 128 * s + 32 * v + 16 * half), t[v]);
-    }
-  }
-#endif
+  s = native::fast_order_head(c, k, q) / 128;
   return 128 * s;
 }
 
@@ -366,19 +259,12 @@ inline void row_scales8(const Layer& L, int64_t n, int64_t gi, float* out) {
     return;
   }
   const int64_t stride = L.scale_kind == 1 ? 1 : L.g.ngroups, base = L.scale_kind == 1 ? n : n * stride + gi;
-#if defined(__F16C__)
   if (L.scale_dtype == F16) {
     const uint16_t* h = (const uint16_t*)L.scales + base;
     alignas(16) uint16_t v[8];
     for (int r = 0; r < 8; r++) v[r] = h[r * stride];
-    const __m128i hv = _mm_load_si128((const __m128i*)v);
-    const __m128i ex = _mm_set1_epi16(0x7C00);
-    if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hv, ex), ex)) == 0) {
-      _mm256_storeu_ps(out, _mm256_cvtph_ps(hv));
-      return;
-    }
+    if (native::f16x8_finite_to_f32(v, out)) return;
   }
-#endif
   for (int r = 0; r < Q8K_ROW_BLOCK; r++) out[r] = load_as_f32(L.scales, L.scale_dtype, base + r * stride);
 }
 

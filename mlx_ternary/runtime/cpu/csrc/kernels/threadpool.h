@@ -14,14 +14,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define TK_PAUSE() _mm_pause()
-#elif defined(__aarch64__)
-#define TK_PAUSE() asm volatile("yield")
-#else
-#define TK_PAUSE() std::this_thread::yield()
-#endif
+#include "../arch/select.h"  // native::cpu_pause
 
 namespace tk {
 
@@ -59,7 +52,7 @@ class Pool {
     for (int spins = 0;; spins++) {
       int64_t d = job->done.load(std::memory_order_acquire);
       if (d == n) break;
-      if (spins < kSpin) TK_PAUSE();
+      if (spins < kSpin) native::cpu_pause();
       else job->done.wait(d, std::memory_order_acquire);
     }
     std::lock_guard<std::mutex> jl(job_mu_);
@@ -86,7 +79,7 @@ class Pool {
   void loop(uint32_t seen) {
     for (;;) {
       for (int spins = 0; gen_.load(std::memory_order_acquire) == seen; spins++) {
-        if (spins < kSpin) TK_PAUSE();
+        if (spins < kSpin) native::cpu_pause();
         else gen_.wait(seen, std::memory_order_acquire);
       }
       seen = gen_.load(std::memory_order_acquire);

@@ -1,5 +1,5 @@
 // arm64 ternary inner operations: NEON, with the SDOT dot product where the CPU has it
-// (ARMv8.2 dotprod: every Apple M-series core). Same contract as simd_scalar.h; a 32-byte
+// (ARMv8.2 dotprod: every Apple M-series core). Same contract as arch/scalar.h; a 32-byte
 // step is two 16-byte registers, the first holding bytes 0-15 ("lo").
 //
 // Codes c in {0,1,2} are valid signed bytes, so sdot multiplies them with the int8
@@ -10,6 +10,9 @@
 
 #include <cstdint>
 #include <cstring>
+
+#include "../kernels/layer.h"  // dtypes, their conversions, PREFETCH_BYTES
+#include "scalar.h"            // the contracts, and the portable pieces NEON lacks
 
 namespace tk {
 
@@ -106,5 +109,68 @@ struct NeonOps {
     w[2] = cvt8(vget_low_s8(hi)), w[3] = cvt8(vget_high_s8(hi));
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// The kernels' NEON pieces. What arm64 lacks is visible here as what is not defined:
+//   - NeonOps has no q8k tile (has_q8k_tile: kernels/q8k.h rows_q8k_tile, rows_q8k_r8) and no
+//     512-bit windows (has_q8k_wide): q8k layers run rows_q8k, one row at a time;
+//   - no KqNeon and no ggml_tile: llama.cpp's tables run KqScalar's generic loops;
+//   - the heads below come from arch/scalar.h (no vector exp, absmax, rounding, fast order or
+//     float16 scales), so SwiGLU, softmax and the Q8_K quantizer run their scalar loops.
+// ---------------------------------------------------------------------------------------------
+
+namespace neon {
+
+inline void cpu_pause() { asm volatile("yield"); }
+
+using portable::absmax_head;
+using portable::f16x8_finite_to_f32;
+using portable::fast_order_head;
+using portable::ggml_tile;
+using portable::round_clamp_head;
+using portable::silu_mul_head;
+using portable::softmax_exp_head;
+
+constexpr const char* DENSE_ISA = "neon";
+constexpr int DENSE_TOKENS = 4;  // 4 x DENSE_CHAINS accumulators in 32 registers
+
+template <int WD>
+inline float32x4_t load4(const void* w, int64_t i) {
+  if constexpr (WD == F16) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t*)w + i)));
+  } else if constexpr (WD == BF16) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t*)w + i), 16));
+  } else {
+    return vld1q_f32((const float*)w + i);
+  }
+}
+
+template <int WD, int T, class DL>
+void dense_block(const DL& L, int64_t n0, int64_t n1, int64_t m0) {
+  const int64_t k = L.k, kv = k / (4 * DENSE_CHAINS) * (4 * DENSE_CHAINS);
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t base = n * k;
+    float32x4_t acc[T][DENSE_CHAINS];
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < DENSE_CHAINS; j++) acc[t][j] = vdupq_n_f32(0);
+    for (int64_t i = 0; i < kv; i += 4 * DENSE_CHAINS) {
+      __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
+      for (int j = 0; j < DENSE_CHAINS; j++) {
+        float32x4_t w = load4<WD>(L.w, base + i + 4 * j);
+        for (int t = 0; t < T; t++)
+          acc[t][j] = vfmaq_f32(acc[t][j], w, vld1q_f32(L.x + (m0 + t) * k + i + 4 * j));
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      float32x4_t s = acc[t][0];
+      for (int j = 1; j < DENSE_CHAINS; j++) s = vaddq_f32(s, acc[t][j]);
+      float y = vaddvq_f32(s);
+      for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, base + i) * L.x[(m0 + t) * k + i];
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
+    }
+  }
+}
+
+}  // namespace neon
 
 }  // namespace tk

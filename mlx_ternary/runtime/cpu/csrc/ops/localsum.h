@@ -1,5 +1,5 @@
 // LocalSum: the sum of two ranks' float32 arrays over a shared-memory segment both map
-// (runtime/host.py creates it), on the calling stream thread: no ring threads, no sockets.
+// (runtime/samehost.py creates it), on the calling stream thread: no ring threads, no sockets.
 //
 // Segment: two 128-byte headers {seq, ack} then two data slots of `cap` bytes. A sum goes in
 // chunks of at most `cap` bytes; for chunk n a rank waits until the peer has acked n - 1 (done
@@ -8,7 +8,26 @@
 // and publishes ack = n. A wait spins with a pause a while, then yields, then sleeps; past the
 // timeout it raises rather than hang.
 
-// (its system headers are included at the top of ext.cpp, outside the namespace)
+#pragma once
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#if defined(__linux__)
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
+
+#include "../arch/select.h"  // native::cpu_pause
+#include "primitive.h"
+
+namespace mlxt {
 
 struct alignas(64) LsHeader {
   std::atomic<uint64_t> seq{0};
@@ -23,7 +42,7 @@ struct LocalSumState {
   int rank = -1;
   uint64_t n = 0;          // chunks exchanged (stream thread only)
   double timeout_s = 30.0;
-  std::string advice;  // what the timeout error tells the user to do (host.py's words)
+  std::string advice;  // what the timeout error tells the user to do (samehost.py's words)
   std::atomic<uint64_t> calls{0};
   LsHeader* hdr(int r) const { return reinterpret_cast<LsHeader*>(base) + r; }
   float* slot(int r) const { return reinterpret_cast<float*>(base + 2 * sizeof(LsHeader) + r * cap); }
@@ -46,17 +65,15 @@ void local_wait(const std::atomic<uint64_t>& v, uint64_t want, double timeout_s,
     if ((i & 255) == 0) {
       const double s = std::chrono::duration<double>(clk::now() - t0).count();
       if (s > timeout_s) {
-        std::string msg = std::string("[mlx_ternary.native] local_sum: the other rank did not ") +
-                          what + " within " + std::to_string(timeout_s) +
-                          " s (did it exit, or take another path?)" +
-                          (advice.empty() ? "" : "; " + advice);
-        throw std::runtime_error(msg);
+        fail(std::string("local_sum: the other rank did not ") + what + " within " +
+             std::to_string(timeout_s) + " s (did it exit, or take another path?)" +
+             (advice.empty() ? "" : "; " + advice));
       }
       if (s > 0.01) std::this_thread::sleep_for(std::chrono::microseconds(50));
       else if (s > 0.0002) std::this_thread::yield();
-      else MLXT_PAUSE();
+      else tk::native::cpu_pause();
     } else {
-      MLXT_PAUSE();
+      tk::native::cpu_pause();
     }
   }
 }
@@ -85,10 +102,7 @@ class LocalSum : public CpuPrimitive {
   using CpuPrimitive::CpuPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(in[0]);
-    enc.set_output_array(out);
+    auto& enc = enqueue(stream(), in, out);
     enc.dispatch([x = in[0], outp = out.data<float>()]() {
       std::vector<uint8_t> keep;
       const float* xp = (const float*)row_major(x, keep);
@@ -136,16 +150,5 @@ void local_sum_attach(const std::string& path, int rank, int64_t cap, double tim
 #endif
 }
 
-void register_localsum(nb::module_& m) {
-  m.def("local_sum", &local_sum, nb::arg("x"),
-        "The sum of this rank's float32 `x` and the other local rank's, over the attached "
-        "segment (slot 0 + slot 1: the same bits on both ranks).");
-  m.def("local_sum_attach", &local_sum_attach, nb::arg("path"), nb::arg("rank"), nb::arg("cap"),
-        nb::arg("timeout_s"), nb::arg("advice") = "",
-        "Map the shared segment of two local ranks (host.py makes it); `advice` ends the "
-        "timeout's error.");
-  m.def("local_sum_bytes", [](int64_t cap) { return (int64_t)local_sum_bytes((size_t)cap); },
-        nb::arg("cap"), "The segment's size for data slots of `cap` bytes.");
-  m.def("local_sum_calls", []() { return (int64_t)local_state().calls.load(); },
-        "How many local sums this process has run.");
-}
+
+}  // namespace mlxt

@@ -1,11 +1,18 @@
-// The MLX primitives of llama.cpp's quantized tables (kquants.h), included by ext.cpp inside
-// its anonymous namespace (it uses CpuPrimitive, row_major, parallel_rows, bad, shape_str):
+// The MLX primitives of llama.cpp's quantized tables (kernels/kquants.h):
 //
 //   GgmlDequantize  (..., row_bytes) uint8 blocks -> (..., K) float32 (the embedding lookup)
 //   GgmlMatmul      y = x @ W.T, W (N, row_bytes) blocks, float or llama numerics
 //
 // The vjp of GgmlMatmul with respect to x is g @ W (W dequantized): straight-through for the
 // activation quantization of the llama numerics.
+
+#pragma once
+
+#include "../arch/select.h"
+#include "../kernels/kquants.h"
+#include "primitive.h"
+
+namespace mlxt {
 
 mx::array ggml_dequantize(const mx::array& blocks, int type, int k);
 
@@ -14,10 +21,7 @@ class GgmlDequantize : public CpuPrimitive {
   GgmlDequantize(mx::Stream s, int type, int64_t k) : CpuPrimitive(s), type_(type), k_(k) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(in[0]);
-    enc.set_output_array(out);
+    auto& enc = enqueue(stream(), in, out);
     enc.dispatch([w = in[0], type = type_, k = k_, outp = out.data<float>()]() {
       std::vector<uint8_t> kw;
       const uint8_t* wp = (const uint8_t*)row_major(w, kw);
@@ -49,11 +53,7 @@ class GgmlMatmul : public CpuPrimitive {
       : CpuPrimitive(s), type_(type), k_(k), llama_(llama) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(in[0]);
-    enc.set_input_array(in[1]);
-    enc.set_output_array(out);
+    auto& enc = enqueue(stream(), in, out);
     enc.dispatch([x = in[0], w = in[1], type = type_, k = k_, llama = llama_,
                   outp = out.data<float>()]() {
       std::vector<uint8_t> kx, kw;
@@ -145,11 +145,5 @@ mx::array ggml_matmul(const mx::array& x, const mx::array& w, int type, int k, b
                    std::vector<mx::array>{xf, w});
 }
 
-void register_ggml(nb::module_& m) {
-  m.def("ggml_dequantize", &ggml_dequantize, nb::arg("blocks"), nb::arg("type"), nb::arg("k"),
-        "(..., row_bytes) uint8 ggml blocks -> (..., k) float32, as ggml dequantizes them.");
-  m.def("ggml_matmul", &ggml_matmul, nb::arg("x"), nb::arg("w"), nb::arg("type"), nb::arg("k"),
-        nb::arg("llama"),
-        "x @ W.T for W (N, row_bytes) ggml blocks; llama: activations quantized and summed as "
-        "ggml's generic dot products, else float32.");
-}
+
+}  // namespace mlxt

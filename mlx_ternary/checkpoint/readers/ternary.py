@@ -1,4 +1,4 @@
-"""Reader for the native mlx-ternary format (docs/FORMAT.md).
+"""Reader for the ternary format (mlx-ternary's own) (docs/FORMAT.md).
 
 Tensors are named as the model's parameters already. `P.packed` + `P.scales` is a
 ternary layer; `P.weight` + `P.scales` + `P.biases` of a layer the quantization section
@@ -15,7 +15,7 @@ from ...format import (
     GGMLTensor,
     PackedTernary,
     QuantizationConfig,
-    is_native_config,
+    is_ternary_config,
     packed_shape,
     scale_kind,
     scales_shape,
@@ -25,11 +25,11 @@ from .common import Source, read_tensor, shard_files, tensor_index
 
 
 def detect(path: Path) -> bool:
-    return path.is_dir() and is_native_config(arch.read_config(path))
+    return path.is_dir() and is_ternary_config(arch.read_config(path))
 
 
 def source(path: Path, packing: str = "compact") -> Source:
-    """A Source for a native checkpoint; `packing` is ignored (the stored one is kept)."""
+    """A Source for a ternary checkpoint; `packing` is ignored (the stored one is kept)."""
     config = arch.read_config(path)
     quant = QuantizationConfig.from_dict(config["quantization"], path / "config.json")
     model = arch.skeleton(config, path)
@@ -76,7 +76,7 @@ def source(path: Path, packing: str = "compact") -> Source:
 
     return Source(
         path=path,
-        kind=f"mlx-ternary native ({quant.packing})",
+        kind=f"mlx-ternary ({quant.packing})",
         config=arch.architecture(config),
         count=len(order),
         items=items,

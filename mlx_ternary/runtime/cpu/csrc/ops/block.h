@@ -1,6 +1,5 @@
 // A llama-family decoder block in three native ops (runtime/cpu/block.py routes mlx-lm's
-// blocks here), included by ext.cpp inside its anonymous namespace (it uses CpuPrimitive,
-// TernaryParams, check_layer, geometry, prepare_acts, row_major, pool, bad, shape_str):
+// blocks here), over ops/ternary.h's layers:
 //
 //   AttnIn   x -> q, k, v in (B, H, L, D), RoPE applied: RMSNorm, one activation preparation
 //            shared by the three projections, their rows in one parallel_for, [qwen3's
@@ -19,6 +18,20 @@
 // ops composing the same function (`reference_vjp`; the layers' straight-through vjp), so a
 // gradient through a fused block is the unfused block's; block.py keeps training on mlx-lm's
 // path anyway.
+#pragma once
+
+#include <functional>
+
+#include "mlx/backend/cpu/simd/simd.h"  // MLX's own sin/cos/exp (the RoPE)
+
+#include "../arch/select.h"
+#include "../kernels/activation.h"
+#include "../kernels/attention.h"
+#include "../kernels/ternary.h"
+#include "primitive.h"
+#include "ternary.h"
+
+namespace mlxt {
 
 // ---- shared pieces ---------------------------------------------------------------------------
 
@@ -165,14 +178,6 @@ std::vector<mx::array> reference_vjp(
   return out;
 }
 
-class CpuMultiPrimitive : public mx::Primitive {
- public:
-  using mx::Primitive::Primitive;
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(std::string("[mlx_ternary.native] ") + name() +
-                             " runs on the CPU only");
-  }
-};
 
 // ---- AttnIn ------------------------------------------------------------------------------------
 
@@ -221,14 +226,9 @@ class AttnIn : public CpuMultiPrimitive {
   AttnIn(mx::Stream s, AttnInParams p) : CpuMultiPrimitive(s), p_(std::move(p)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
+    auto& enc = enqueue(stream(), in, outs);
     std::vector<float*> op;
-    for (auto& o : outs) {
-      o.set_data(mx::allocator::malloc(o.nbytes()));
-      enc.set_output_array(o);
-      op.push_back(o.data<float>());
-    }
+    for (auto& o : outs) op.push_back(o.data<float>());
     enc.dispatch([p = p_, in, op]() {
       std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn;
       const mx::array& x = in[p.x];
@@ -347,10 +347,7 @@ class AttnOut : public CpuPrimitive {
   AttnOut(mx::Stream s, AttnOutParams p) : CpuPrimitive(s), p_(std::move(p)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
       const mx::array &q = in[p.q], &k = in[p.k], &v = in[p.v];
       std::vector<uint8_t> kq, kk, kv, kr;
@@ -450,10 +447,7 @@ class Mlp : public CpuPrimitive {
   Mlp(mx::Stream s, MlpParams p) : CpuPrimitive(s), p_(std::move(p)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
       std::vector<uint8_t> kh, kw, kr;
       const mx::array& h = in[p.h];
@@ -650,27 +644,5 @@ mx::array mlp(const mx::array& h, const mx::array& norm_w, float eps,
   return mx::array(shape, mx::float32, std::make_shared<Mlp>(s, std::move(p)), std::move(inputs));
 }
 
-void register_block(nb::module_& m) {
-  m.def("attn_in", &attn_in, nb::arg("x"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("packed"),
-        nb::arg("scales"), nb::arg("bias"), nb::arg("packing"), nb::arg("in_features"),
-        nb::arg("group_size"), nb::arg("activation_bits"), nb::arg("n_heads"),
-        nb::arg("n_kv_heads"), nb::arg("head_dim"), nb::arg("rope_dims"),
-        nb::arg("traditional"), nb::arg("base").none(), nb::arg("rope_scale"),
-        nb::arg("freqs").none(), nb::arg("offset"), nb::arg("offsets").none(),
-        nb::arg("q_norm_w").none() = nb::none(), nb::arg("k_norm_w").none() = nb::none(),
-        nb::arg("qk_eps") = 0.f,
-        "RMSNorm(x) -> q, k, v (B, H, L, D) with RoPE applied (a fused llama attention input; "
-        "q_norm_w / k_norm_w: qwen3's RMSNorm of each q and k head before RoPE).");
-  m.def("attn_out", &attn_out, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
-        nb::arg("causal"), nb::arg("mask").none(), nb::arg("packed"), nb::arg("scales"),
-        nb::arg("bias").none(), nb::arg("packing"), nb::arg("in_features"),
-        nb::arg("group_size"), nb::arg("activation_bits"), nb::arg("residual").none(),
-        "[residual +] o_proj(attention(q, k, v)) in (B, L, out).");
-  m.def("mlp", &mlp, nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("packed"),
-        nb::arg("scales"), nb::arg("bias"), nb::arg("packing"), nb::arg("in_features"),
-        nb::arg("group_size"), nb::arg("activation_bits"), nb::arg("down_packed"),
-        nb::arg("down_scales"), nb::arg("down_bias").none(), nb::arg("down_packing"),
-        nb::arg("down_in_features"), nb::arg("down_group_size"),
-        nb::arg("down_activation_bits"), nb::arg("residual").none(),
-        "[residual +] down(silu(gate(n)) * up(n)), n = RMSNorm(h) (a fused llama MLP).");
-}
+
+}  // namespace mlxt

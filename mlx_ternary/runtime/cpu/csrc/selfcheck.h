@@ -1,4 +1,4 @@
-// The SIMD path this build selected (NativeOps), and a self-check of it against the portable
+// A self-check of the SIMD paths this build selected (arch/select.h: NativeOps, KqNative) of it against the portable
 // path and a direct computation from the format's definition. The extension runs the check
 // once when it is loaded and refuses to serve if it fails, so a SIMD path that could only be
 // compiled here (AVX-512 VNNI, NEON on an x86 build machine) never gives a wrong answer
@@ -12,20 +12,11 @@
 #include <tuple>
 #include <vector>
 
-#include "attention.h"
-#include "dense.h"
-#include "simd_scalar.h"
-#include "tkernels.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include "simd_x86.h"
-namespace tk { using NativeOps = Avx2Ops; }
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-#include "simd_neon.h"
-namespace tk { using NativeOps = NeonOps; }
-#else
-namespace tk { using NativeOps = ScalarOps; }
-#endif
+#include "arch/select.h"
+#include "kernels/attention.h"
+#include "kernels/dense.h"
+#include "kernels/kquants.h"
+#include "kernels/ternary.h"
 
 namespace tk {
 
@@ -321,6 +312,54 @@ inline std::string selfcheck() {
         std::string e = check_dense(wd, M, 6, K, seed++);
         if (!e.empty()) return e + " (dtype " + std::to_string(wd) + ", K " + std::to_string(K) + ")";
       }
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Self-check: KqNative against KqScalar (bit for bit, both numerics) on random blocks
+// ---------------------------------------------------------------------------------------------
+
+inline std::string kq_check_case(int type, int64_t M, int64_t N, int64_t K, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const GgmlGeom g = ggml_geom(type);
+  const int64_t nb = K / g.block;
+  std::vector<uint8_t> w(N * nb * g.bytes);
+  for (auto& b : w) b = (uint8_t)(rng() & 0xFF);
+  for (int64_t i = 0; i < N * nb; i++) {  // finite scales: d (and dmin) small float16s
+    uint8_t* blk = w.data() + i * g.bytes;
+    const int off = type == GQ6_K ? 208 : 0;
+    const uint16_t h = f32_to_f16(std::ldexp((float)(rng() % 1000) + 1.f, -16));
+    std::memcpy(blk + off, &h, 2);
+    if (type == GQ4_K || type == GQ5_K) std::memcpy(blk + 2, &h, 2);
+  }
+  std::vector<float> x(M * K);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& v : x) v = nd(rng);
+  KActs a;
+  size_acts(type, M, K, a);
+  for (int64_t m = 0; m < M; m++) quantize_token_ggml(type, x.data(), K, m, a);
+  for (int llama = 0; llama < 2; llama++) {
+    std::vector<float> y0(M * N), y1(M * N);
+    GgmlLayer L;
+    L.w = w.data(), L.type = type, L.n = N, L.k = K, L.x = x.data(), L.acts = &a;
+    L.out = y0.data();
+    ggml_rows<KqScalar>(L, llama, M, 0, N);
+    L.out = y1.data();
+    ggml_rows<KqNative>(L, llama, M, 0, N);
+    if (std::memcmp(y0.data(), y1.data(), y0.size() * 4) != 0)
+      return std::string("ggml table kernel (") + KqNative::name + ") differs from the portable one (type " +
+             std::to_string(type) + (llama ? ", llama" : ", float") + " numerics)";
+  }
+  return "";
+}
+
+inline std::string kq_selfcheck() {
+  uint32_t seed = 7;
+  for (int type : {GQ8_0, GQ4_K, GQ5_K, GQ6_K})
+    for (int64_t M : {1, 3, 9}) {
+      std::string e = kq_check_case(type, M, 5, 512, seed++);
+      if (!e.empty()) return e;
+    }
   return "";
 }
 

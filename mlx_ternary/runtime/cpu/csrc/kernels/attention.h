@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "activation.h"  // exp8 where AVX2 is there
+#include "../arch/select.h"
 
 namespace tk {
 
@@ -82,20 +82,7 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
     // Sum from the first key kept: a left-padded row then groups its keys into lanes as the
     // sequence alone does, and gets the same sum bit for bit.
     for (; mi && j < n && scores[j] == -INFINITY; j++) scores[j] = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc8 = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) {
-      const __m256 sv = _mm256_loadu_ps(scores + j);
-      __m256 e = exp8(_mm256_sub_ps(sv, _mm256_set1_ps(mx)));
-      // exp8 clamps its input: a dropped key (-inf) must weigh exactly 0, as std::exp gives
-      e = _mm256_and_ps(e, _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-      _mm256_storeu_ps(scores + j, e);
-      acc8 = _mm256_add_ps(acc8, e);
-    }
-    alignas(32) float part[8];
-    _mm256_store_ps(part, acc8);
-    for (float p : part) sum += p;
-#endif
+    j = native::softmax_exp_head(scores, j, n, mx, sum);
     for (; j < n; j++) sum += (scores[j] = std::exp(scores[j] - mx));
     const float inv = n > 0 ? 1.f / sum : 0.f;
     for (int64_t d0 = 0; d0 < d8; d0 += 64) {  // 8 accumulators: each value row read once

@@ -140,7 +140,7 @@ def _attach_local_sum(group, hosts: List[List[Address]]) -> bool:
 
     if not cpu.available() or not Path("/dev/shm").is_dir():
         return False
-    m = cpu._require()
+    m = cpu.require()
     ports = "_".join(str(node[0][1]) for node in hosts)
     path = f"/dev/shm/mlx_ternary_sum_{ports}"
     if group.rank() == 0:
@@ -178,7 +178,7 @@ def all_sum(x: mx.array, group: mx.distributed.Group) -> mx.array:
 def _native():
     from . import cpu
 
-    return cpu._require()
+    return cpu.require()
 
 
 def local_sums() -> int:

@@ -1,0 +1,725 @@
+// x86-64 ternary inner operations: AVX2 (+ FMA), with the VNNI dot product where the CPU has
+// it (AVX-VNNI, or AVX-512 VNNI on 256-bit vectors). Same contract as arch/scalar.h.
+//
+// Integer dot: unsigned codes c in {0,1,2} times signed int8 activations. AVX2 has no 8-bit
+// multiply-accumulate, so pmaddubsw (u8 x s8 -> pairwise s16; |sum| <= 2*2*128 per pair, no
+// saturation) feeds pmaddwd against ones (-> s32). VNNI does the same in one vpdpbusd.
+// The -1 of t = c - 1 is applied once per row/group as - sum(x) (kernels/layer.h).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "../kernels/ggml_blocks.h"  // llama.cpp blocks (kqx)
+#include "../kernels/layer.h"        // dtypes, their conversions, PREFETCH_BYTES
+#include "scalar.h"            // the contracts
+
+namespace tk {
+
+struct Avx2Ops {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  static constexpr const char* name = "avx512vnni";
+#elif defined(__AVXVNNI__)
+  static constexpr const char* name = "avxvnni";
+#else
+  static constexpr const char* name = "avx2";
+#endif
+  using V = __m256i;
+  using IA = __m256i;
+  using FV = __m256;
+
+  static V load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static V load_tail(const uint8_t* p, int n) {
+    alignas(32) uint8_t buf[32] = {0};
+    std::memcpy(buf, p, n);
+    return _mm256_load_si256((const __m256i*)buf);
+  }
+  static void fast4(V w, V c[4]) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    c[0] = _mm256_and_si256(w, m3);
+    c[1] = _mm256_and_si256(_mm256_srli_epi16(w, 2), m3);
+    c[2] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m3);
+    c[3] = _mm256_and_si256(_mm256_srli_epi16(w, 6), m3);
+  }
+  // Digit i of byte q is ((q * 3^i mod 256) * 3) >> 8, i.e. [q_i >= 86] + [q_i >= 171] with
+  // q_i = q * 3^i mod 256: byte adds wrap mod 256, unsigned compares via the sign flip.
+  static void base3(V q, V c[5]) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const __m256i t1 = _mm256_set1_epi8((char)(85 ^ 0x80));
+    const __m256i t2 = _mm256_set1_epi8((char)(170 ^ 0x80));
+    const __m256i zero = _mm256_setzero_si256();
+    for (int i = 0; i < 5; i++) {
+      __m256i s = _mm256_xor_si256(q, flip);
+      __m256i m = _mm256_add_epi8(_mm256_cmpgt_epi8(s, t1), _mm256_cmpgt_epi8(s, t2));
+      c[i] = _mm256_sub_epi8(zero, m);
+      if (i < 4) q = _mm256_add_epi8(q, _mm256_add_epi8(q, q));
+    }
+  }
+
+  static IA izero() { return _mm256_setzero_si256(); }
+  template <int NV>
+  static void idot(IA& a, const V* c, const int8_t* x) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    for (int v = 0; v < NV; v++) {
+      __m256i xv = _mm256_loadu_si256((const __m256i*)(x + 32 * v));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      a = _mm256_dpbusd_epi32(a, c[v], xv);
+#else
+      a = _mm256_dpbusd_avx_epi32(a, c[v], xv);
+#endif
+    }
+#else
+    __m256i s = _mm256_maddubs_epi16(c[0], _mm256_loadu_si256((const __m256i*)x));
+    for (int v = 1; v < NV; v++)
+      s = _mm256_add_epi16(
+          s, _mm256_maddubs_epi16(c[v], _mm256_loadu_si256((const __m256i*)(x + 32 * v))));
+    a = _mm256_add_epi32(a, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
+#endif
+  }
+  static int32_t isum(IA a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+  }
+  static FV fvzero() { return _mm256_setzero_ps(); }
+  static void iflush(IA& a, FV& f, float lo, float hi) {
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)),
+                        f);
+    a = _mm256_setzero_si256();
+  }
+  static float fvsum(FV f) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+
+  // q8k tiles (q8k.h rows_q8k_tile): 2 rows x 4 tokens = 8 accumulators, one per lane of the
+  // per-segment results (rows_q8k_r8: 8 rows x 1 token). Without VNNI the pmaddubsw pairs add up in int16 within a segment
+  // (at most Q8K_TILE_I16_TERMS of them per lane: no overflow) and widen
+  // to int32 once per segment.
+  static constexpr bool has_q8k_tile = true;
+#if defined(__AVX512VL__)
+  static constexpr int q8k_tile_pairs = 2;  // 32 vector registers: tiles of 4 rows x 4 tokens
+#endif
+  using TA = __m256i;
+  static TA tzero() { return _mm256_setzero_si256(); }
+  static V code(V w, int v) {
+    return _mm256_and_si256(_mm256_srli_epi16(w, 2 * v), _mm256_set1_epi8(3));
+  }
+  static V xload(const int8_t* x) { return _mm256_loadu_si256((const __m256i*)x); }
+  static void tdot(TA& a, V c, V x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    a = _mm256_dpbusd_epi32(a, c, x);
+#elif defined(__AVXVNNI__)
+    a = _mm256_dpbusd_avx_epi32(a, c, x);
+#else
+    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c, x));
+    __asm__("" : "+x"(a));  // keeps the compiler from reassociating the sums into spills
+#endif
+  }
+  // lane i = the sum of all lanes of a[i] (as int32); a[] is reset to zero
+  static __m256i tsum8(TA a[8]) {
+    __m256i w[8];
+    for (int i = 0; i < 8; i++) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+      w[i] = a[i];
+#else
+      w[i] = _mm256_madd_epi16(a[i], _mm256_set1_epi16(1));
+#endif
+      a[i] = _mm256_setzero_si256();
+    }
+    __m256i h01 = _mm256_hadd_epi32(w[0], w[1]), h23 = _mm256_hadd_epi32(w[2], w[3]);
+    __m256i h45 = _mm256_hadd_epi32(w[4], w[5]), h67 = _mm256_hadd_epi32(w[6], w[7]);
+    __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                            _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+  // y + float(sumi - ssum) * (d * s), lane by lane: ssum, d for tokens 0-3 (both rows),
+  // s0 / s1 the scales of rows 0 / 1
+  static FV tstep(FV y, __m256i sumi, const int32_t* ssum4, const float* d4, float s0,
+                  float s1) {
+    __m256i ss = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)ssum4));
+    __m256 d = _mm256_broadcast_ps((const __m128*)d4);
+    __m256 s = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+    __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, ss));
+    return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(d, s)));
+  }
+  // q8k.h rows_q8k_r8: lane r = row r of one token: y + float(sumi - ssum) * (d * s8)
+  static FV tstep_rows(FV y, __m256i sumi, int32_t ssum, float d, const float* s8) {
+    __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(ssum)));
+    return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(s8))));
+  }
+  static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  // q8k windows (q8k.h rows_q8k_wide_tile, rows_q8k_r8w): two 32-byte steps of a row in one
+  // 512-bit vector, so that one vpdpbusd does the work of two where the core has 512-bit
+  // data paths. Code v of the window's byte b is column 4 b + v of its 256 columns; the
+  // matching activations are step 2j's 32 bytes of code v, then step 2j + 1's.
+  static constexpr bool has_q8k_wide = true;
+  using W = __m512i;
+  static W wzero() { return _mm512_setzero_si512(); }
+  static W wload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static W wcode(W w, int v) {
+#if defined(__GFNI__)
+    // (byte >> 2v) & 3 as one GF(2) affine map of each byte: output bit 0 is input bit 2v,
+    // bit 1 is bit 2v + 1 (the matrix's byte 7 - i selects the input bits of output bit i)
+    const uint64_t a = ((uint64_t)(1u << (2 * v)) << 56) | ((uint64_t)(1u << (2 * v + 1)) << 48);
+    return v == 0 ? _mm512_and_si512(w, _mm512_set1_epi8(3))
+                  : _mm512_gf2p8affine_epi64_epi8(w, _mm512_set1_epi64((long long)a), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(w, 2 * v), _mm512_set1_epi8(3));
+#endif
+  }
+  static W wxload(const int8_t* x) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x)),
+                              _mm256_loadu_si256((const __m256i*)(x + 128)), 1);
+  }
+  static void wdot(W& a, W c, W x) { a = _mm512_dpbusd_epi32(a, c, x); }
+  // lane i = the sum of all 16 lanes of a[i] (tsum8 for 512-bit accumulators): a transpose
+  // and add within 128-bit lanes (pairs, then quads), then across them
+  static __m256i wsum8(const W a[8]) {
+    W p[4], q[2];
+    for (int i = 0; i < 4; i++)
+      p[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                              _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  // 128-bit lane l of q[i]: partial sums of a[4i .. 4i + 3]
+      q[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(p[2 * i], p[2 * i + 1]),
+                              _mm512_unpackhi_epi64(p[2 * i], p[2 * i + 1]));
+    // [q0 lanes 0+1, q0 2+3, q1 0+1, q1 2+3], then [q0 all, q1 all] in the low 256 bits
+    const W z = _mm512_add_epi32(_mm512_shuffle_i32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const W t = _mm512_add_epi32(_mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_castsi512_si256(t);
+  }
+#endif
+
+  // float path: F8 = 8 float lanes
+  using F8 = __m256;
+  static F8 f8zero() { return _mm256_setzero_ps(); }
+  static F8 f8add(F8 a, F8 b) { return _mm256_add_ps(a, b); }
+  static F8 f8fmas(F8 acc, F8 a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
+  static float f8sum(F8 a) { return fvsum(a); }
+  static F8 f8load(const float* p) { return _mm256_loadu_ps(p); }
+  static void f8store(float* p, F8 v) { _mm256_storeu_ps(p, v); }
+  static F8 f8mul(F8 a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
+  static F8 f8fma(F8 a, F8 w, F8 x) { return _mm256_fmadd_ps(w, x, a); }
+  static F8 f8set(float v) { return _mm256_set1_ps(v); }
+  static F8 fma8(F8 a, F8 w, const float* x) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a); }
+  // t = c - 1 as floats, from bytes 0-7, 8-15, 16-23, 24-31 of a code vector
+  static void fexpand(V c, F8 w[4]) {
+    __m256i t = _mm256_sub_epi8(c, _mm256_set1_epi8(1));
+    __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+};
+
+// llama.cpp tables (kernels/kquants.h): KqScalar's contract on AVX2 lanes
+struct KqAvx2 {
+  static constexpr const char* name = "avx2";
+  using I8 = __m256i;
+  using F8 = __m256;
+  static I8 izero() { return _mm256_setzero_si256(); }
+  // int16 products (|a q| <= 32 * 127), lanes i and i + 8 folded (then 16 more for N = 32):
+  // at most 4 products per int16 before the widening, so no overflow.
+  static __m256i prod16(const int8_t* a, const int8_t* q) {
+    return _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)a)),
+                              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q)));
+  }
+  template <int N>
+  static I8 lanes(I8 acc, const int8_t* a, const int8_t* q, int32_t s) {
+    __m256i p = prod16(a, q);
+    if constexpr (N == 32) p = _mm256_add_epi16(p, prod16(a + 16, q + 16));
+    __m128i f = _mm_add_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    return _mm256_add_epi32(
+        acc, _mm256_mullo_epi32(_mm256_cvtepi16_epi32(f), _mm256_set1_epi32(s)));
+  }
+  static int32_t dot32(const int8_t* a, const int8_t* q) {
+    __m256i s = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)a)),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)q))),
+        _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(a + 16))),
+                          _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(q + 16)))));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
+    return _mm_cvtsi128_si32(h);
+  }
+  static F8 scale_add(F8 sums, I8 aux, float d) {
+    return _mm256_add_ps(sums, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(aux)));
+  }
+  static F8 fzero() { return _mm256_setzero_ps(); }
+  static F8 fdot(F8 acc, const float* w, const float* x, int n) {
+    for (int i = 0; i < n; i += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc);
+    return acc;
+  }
+  static void fstore(F8 v, float* out) { _mm256_storeu_ps(out, v); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// llama.cpp's tables on AVX2: the same integer lanes as KqScalar's definition, computed on
+// codes decoded straight into the kq_source order (qp) against the permuted activations
+// ---------------------------------------------------------------------------------------------
+
+// The AVX2 llama numerics: the same integer lanes as KqScalar's definition, computed on codes
+// decoded straight into the kq_source order (qp) against the permuted activations.
+namespace kqx {
+
+inline __m256i permute32(__m256i v) {
+  const __m256i dw = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i by = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4,
+                                      8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(v, dw), by);
+}
+
+inline int32_t pair(int32_t s0, int32_t s1) {
+  return (int32_t)(((uint32_t)(uint16_t)(int16_t)s1 << 16) | (uint16_t)(int16_t)s0);
+}
+
+// One block -> its codes (in the kq_source order when PERM, else column order), scales,
+// mins, d, dmin, and the int16 scale pairs of each 32 columns (PERM only).
+template <int TYPE, bool PERM>
+inline void decode(const uint8_t* b, KBlock& k, int32_t* pairs) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  auto put = [&](int at, __m256i v) {
+    _mm256_store_si256((__m256i*)(k.q + at), PERM ? permute32(v) : v);
+  };
+  if constexpr (TYPE == GQ6_K) {
+    const __m256i m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+      const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)),
+          _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30))};
+      for (int p = 0; p < 4; p++) put(128 * h + 32 * p, _mm256_sub_epi8(v[p], off));
+    }
+    const int8_t* sc = (const int8_t*)(b + 192);
+    for (int j = 0; j < 16; j++) k.sc[j] = sc[j];
+    if (PERM)
+      for (int g = 0; g < 8; g++) pairs[g] = pair(sc[2 * g], sc[2 * g + 1]);
+    k.d = _cvtsh_ss(*(const uint16_t*)(b + 208));
+    return;
+  }
+  k4_scales(b + 4, k.sc, k.mn);
+  if (PERM)
+    for (int g = 0; g < 8; g++) pairs[g] = pair(k.sc[g], k.sc[g]);
+  k.d = _cvtsh_ss(*(const uint16_t*)b), k.dmin = _cvtsh_ss(*(const uint16_t*)(b + 2));
+  const uint8_t* qs = b + (TYPE == GQ5_K ? 48 : 16);
+  __m256i hb = _mm256_setzero_si256();
+  if constexpr (TYPE == GQ5_K) hb = _mm256_loadu_si256((const __m256i*)(b + 16));
+  for (int c = 0; c < 4; c++) {
+    const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+    __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if constexpr (TYPE == GQ5_K) {
+      const __m256i one = _mm256_set1_epi8(1);
+      const __m128i s0 = _mm_cvtsi32_si128(2 * c), s1 = _mm_cvtsi32_si128(2 * c + 1);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, s0), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, s1), one), 4));
+    }
+    put(64 * c, lo);
+    put(64 * c + 32, hi);
+  }
+}
+
+// dequantize_block's float32 numbers from decoded codes: (d * sc) * q [- dmin * m].
+template <int TYPE>
+inline void dequantize(const KBlock& k, float* out) {
+  constexpr int SUB = TYPE == GQ6_K ? 16 : 32;
+  for (int j = 0; j < 256 / SUB; j++) {
+    const __m256 dd = _mm256_set1_ps(k.d * (float)k.sc[j]);
+    const __m256 dm = _mm256_set1_ps(TYPE == GQ6_K ? 0.f : k.dmin * (float)k.mn[j]);
+    for (int i = SUB * j; i < SUB * j + SUB; i += 8) {
+      __m256 w = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(k.q + i)))));
+      if constexpr (TYPE != GQ6_K) w = _mm256_sub_ps(w, dm);
+      _mm256_store_ps(out + i, w);
+    }
+  }
+}
+
+template <int TYPE>
+void rows_float(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t nb = L.k / 256, rb = L.row_bytes();
+  KBlock kb;
+  alignas(32) float wf[256];
+  const int T = (int)(m1 - m0);
+  for (int64_t n = n0; n < n1; n++) {
+    __m256 acc[KQ_TILE];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* blk = L.w + n * rb + b * ggml_geom(TYPE).bytes;
+      __builtin_prefetch(blk + PREFETCH_BYTES);
+      decode<TYPE, false>(blk, kb, nullptr);
+      dequantize<TYPE>(kb, wf);
+      for (int t = 0; t < T; t++)
+        acc[t] = KqAvx2::fdot(acc[t], wf, L.x + (m0 + t) * L.k + b * 256, 256);
+    }
+    for (int t = 0; t < T; t++) {
+      float ln[8], y = 0.f;
+      _mm256_storeu_ps(ln, acc[t]);
+      for (int l = 0; l < 8; l++) y += ln[l];
+      L.out[(m0 + t) * L.n + n] = y;
+    }
+  }
+}
+
+// The 8 integer lanes of one block against one token's permuted activations.
+template <int TYPE>
+inline __m256i lanes(const int8_t* qp, const int32_t* pairs, const int8_t* xp) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int g = 0; g < 8; g++) {
+    const __m256i w = _mm256_load_si256((const __m256i*)(qp + 32 * g));
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(xp + 32 * g));
+    __m256i p;
+    if constexpr (TYPE == GQ6_K)  // |w| <= 32: pairs <= 2 * 32 * 127, no saturation
+      p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    else
+      p = _mm256_maddubs_epi16(w, x);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi32(pairs[g])));
+  }
+  return acc;
+}
+
+template <int TYPE>
+void rows(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const GgmlGeom g = ggml_geom(TYPE);
+  const int64_t nb = L.k / 256, rb = L.row_bytes();
+  const KActs& A = *L.acts;
+  KBlock kb;
+  int32_t pairs[8];
+  const int T = (int)(m1 - m0);
+  for (int64_t n = n0; n < n1; n++) {
+    __m256 sums[KQ_TILE];
+    float sumf[KQ_TILE];
+    for (int t = 0; t < T; t++) sums[t] = _mm256_setzero_ps(), sumf[t] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* blk = L.w + n * rb + b * g.bytes;
+      __builtin_prefetch(blk + PREFETCH_BYTES);
+      __builtin_prefetch(blk + PREFETCH_BYTES + 64);
+      decode<TYPE, true>(blk, kb, pairs);
+      const float d = kb.d, dmin = kb.dmin;
+      const int32_t* mn = kb.mn;
+      const int8_t* qp = kb.q;
+      for (int t = 0; t < T; t++) {
+        const int64_t m = m0 + t;
+        const __m256i aux = lanes<TYPE>(qp, pairs, A.qp.data() + m * L.k + b * 256);
+        const float dx = A.d[m * nb + b];
+        sums[t] = KqAvx2::scale_add(sums[t], aux, d * dx);
+        if constexpr (TYPE != GQ6_K) {
+          const int32_t* bs = A.bsum.data() + m * (L.k / 16) + b * 16;
+          int32_t sumi = 0;
+          for (int j = 0; j < 16; j++) sumi += bs[j] * mn[j / 2];
+          sumf[t] -= (dmin * dx) * (float)sumi;
+        }
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      float ln[8], y = sumf[t];
+      _mm256_storeu_ps(ln, sums[t]);
+      for (int l = 0; l < 8; l++) y += ln[l];
+      L.out[(m0 + t) * L.n + n] = y;
+    }
+  }
+}
+
+// Q8_0 x Q8_0: one integer sum per 32-column block, then ggml's scalar float sum.
+inline void rows_q8_0(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t nb = L.k / 32, rb = L.row_bytes();
+  const KActs& A = *L.acts;
+  const int T = (int)(m1 - m0);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; n++) {
+    float sumf[KQ_TILE];
+    for (int t = 0; t < T; t++) sumf[t] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* blk = L.w + n * rb + b * 34;
+      __builtin_prefetch(blk + PREFETCH_BYTES);
+      const float d = _cvtsh_ss(*(const uint16_t*)blk);
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int t = 0; t < T; t++) {
+        const int64_t m = m0 + t;
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(A.q.data() + m * L.k + 32 * b));
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 1));
+        sumf[t] += (float)_mm_cvtsi128_si32(h) * (d * A.d[m * nb + b]);
+      }
+    }
+    for (int t = 0; t < T; t++) L.out[(m0 + t) * L.n + n] = sumf[t];
+  }
+}
+
+inline bool rows_float_k(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  switch (L.type) {
+    case GQ4_K: rows_float<GQ4_K>(L, m0, m1, n0, n1); return true;
+    case GQ5_K: rows_float<GQ5_K>(L, m0, m1, n0, n1); return true;
+    case GQ6_K: rows_float<GQ6_K>(L, m0, m1, n0, n1); return true;
+    default: return false;  // Q8_0: the generic loop (its decode is a copy)
+  }
+}
+
+inline void rows_llama(const GgmlLayer& L, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  switch (L.type) {
+    case GQ8_0: rows_q8_0(L, m0, m1, n0, n1); break;
+    case GQ4_K: rows<GQ4_K>(L, m0, m1, n0, n1); break;
+    case GQ5_K: rows<GQ5_K>(L, m0, m1, n0, n1); break;
+    default: rows<GQ6_K>(L, m0, m1, n0, n1);
+  }
+}
+
+}  // namespace kqx
+
+// ---------------------------------------------------------------------------------------------
+// The kernels' AVX2 pieces (arch/scalar.h's portable namespace has their contracts)
+// ---------------------------------------------------------------------------------------------
+
+namespace x86 {
+
+inline void cpu_pause() { _mm_pause(); }
+
+// Cephes' expf on 8 lanes (kernels/activation.h describes it), inputs clamped to +-EXP_CLAMP.
+inline __m256 exp8(__m256 v) {
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-EXP_CLAMP)), _mm256_set1_ps(EXP_CLAMP));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // 2^n for n in [-127, 127]: split in two factors so neither exponent field overflows
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+// silu(g) * x over the whole vectors of [i0, i1); returns where the scalar tail starts.
+inline int64_t silu_mul_head(const float* g, const float* x, float* out, int64_t i, int64_t i1) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_xor_ps(gv, sign));
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(x + i)));
+  }
+  return i;
+}
+
+// scores[j] = exp(scores[j] - mx) over the whole vectors from j on, their sum added to
+// `sum` (8 lanes, then in lane order); returns where the scalar tail starts.
+inline int64_t softmax_exp_head(float* scores, int64_t j, int64_t n, float mx, float& sum) {
+  __m256 acc8 = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 sv = _mm256_loadu_ps(scores + j);
+    __m256 e = exp8(_mm256_sub_ps(sv, _mm256_set1_ps(mx)));
+    // exp8 clamps its input: a dropped key (-inf) must weigh exactly 0, as std::exp gives
+    e = _mm256_and_ps(e, _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+    _mm256_storeu_ps(scores + j, e);
+    acc8 = _mm256_add_ps(acc8, e);
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, acc8);
+  for (float p : part) sum += p;
+  return j;
+}
+
+// max |x| over the whole vectors of x[0, n) into amax; returns where the scalar tail starts.
+inline int64_t absmax_head(const float* x, int64_t n, float& amax) {
+  int64_t i = 0;
+  __m256 vm = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vm);
+  for (float v : lanes) amax = std::max(amax, v);
+  return i;
+}
+
+// x = min(qmax, round_half_even(iscale * x)) over the whole vectors; returns the tail's start.
+inline int64_t round_clamp_head(float* x, int64_t n, float iscale, float qmax) {
+  int64_t i = 0;
+  const __m256 vs = _mm256_set1_ps(iscale), vmax = _mm256_set1_ps(qmax);
+  for (; i + 8 <= n; i += 8) {
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + i)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_ps(x + i, _mm256_min_ps(r, vmax));
+  }
+  return i;
+}
+
+// Fast packing's activation order (kernels/q8k.h fast_order) for the whole 128-column steps;
+// returns the positions written.
+inline int64_t fast_order_head(const int8_t* c, int64_t k, int8_t* q) {
+  int64_t s = 0;
+  // per 16 columns: bytes grouped by v (4 each), then a 4 x 4 transpose of those dwords
+  const __m128i by_v = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (; 128 * (s + 1) <= k; s++) {
+    for (int half = 0; half < 2; half++) {
+      __m128i y[4];
+      for (int i = 0; i < 4; i++)
+        y[i] = _mm_shuffle_epi8(
+            _mm_loadu_si128((const __m128i*)(c + 128 * s + 64 * half + 16 * i)), by_v);
+      __m128i a0 = _mm_unpacklo_epi32(y[0], y[1]), a1 = _mm_unpackhi_epi32(y[0], y[1]);
+      __m128i a2 = _mm_unpacklo_epi32(y[2], y[3]), a3 = _mm_unpackhi_epi32(y[2], y[3]);
+      __m128i t[4] = {_mm_unpacklo_epi64(a0, a2), _mm_unpackhi_epi64(a0, a2),
+                      _mm_unpacklo_epi64(a1, a3), _mm_unpackhi_epi64(a1, a3)};
+      for (int v = 0; v < 4; v++)
+        _mm_storeu_si128((__m128i*)(q + 128 * s + 32 * v + 16 * half), t[v]);
+    }
+  }
+  return 128 * s;
+}
+
+// Eight float16 values as float32 when none is NaN or infinite (exact); false otherwise.
+inline bool f16x8_finite_to_f32(const uint16_t* v, float* out) {
+  const __m128i hv = _mm_loadu_si128((const __m128i*)v);
+  const __m128i ex = _mm_set1_epi16(0x7C00);
+  if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hv, ex), ex)) != 0) return false;
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(hv));
+  return true;
+}
+
+// ---- the dense kernel (kernels/dense.h): DENSE_CHAINS chains per token, then the tail
+
+#if defined(__AVX512F__)
+constexpr const char* DENSE_ISA = "avx512-f16c";  // 16 lanes (cores with 512-bit data paths)
+#else
+constexpr const char* DENSE_ISA = "avx2-f16c";
+#endif
+constexpr int DENSE_TOKENS = 3;  // 3 x DENSE_CHAINS accumulators in 16 registers
+
+template <int WD>
+inline __m256 load8(const void* w, int64_t i) {
+  if constexpr (WD == F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w + i)));
+  } else if constexpr (WD == BF16) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)w + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  } else {
+    return _mm256_loadu_ps((const float*)w + i);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows [n0, n1), tokens m0 .. m0 + T - 1.
+template <int WD, int T, class DL>
+void dense_rows_t(const DL& L, int64_t n0, int64_t n1, int64_t m0) {
+  const int64_t k = L.k, kv = k / (8 * DENSE_CHAINS) * (8 * DENSE_CHAINS);
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t base = n * k;
+    __m256 acc[T][DENSE_CHAINS];
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < DENSE_CHAINS; j++) acc[t][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kv; i += 8 * DENSE_CHAINS) {
+      __builtin_prefetch((const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES);
+      for (int j = 0; j < DENSE_CHAINS; j++) {
+        __m256 w = load8<WD>(L.w, base + i + 8 * j);
+        for (int t = 0; t < T; t++)
+          acc[t][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(L.x + (m0 + t) * k + i + 8 * j),
+                                      acc[t][j]);
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      __m256 s = acc[t][0];
+      for (int j = 1; j < DENSE_CHAINS; j++) s = _mm256_add_ps(s, acc[t][j]);
+      float y = hsum8(s);
+      for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, base + i) * L.x[(m0 + t) * k + i];
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+template <int WD>
+inline __m512 load16(const void* w, int64_t i) {
+  if constexpr (WD == F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + i)));
+  } else if constexpr (WD == BF16) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)w + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  } else {
+    return _mm512_loadu_ps((const float*)w + i);
+  }
+}
+
+// dense_rows_t on 16-lane vectors: the same chains, each twice as wide.
+template <int WD, int T, class DL>
+void dense_rows_t512(const DL& L, int64_t n0, int64_t n1, int64_t m0) {
+  const int64_t k = L.k, kv = k / (16 * DENSE_CHAINS) * (16 * DENSE_CHAINS);
+  for (int64_t n = n0; n < n1; n++) {
+    const int64_t base = n * k;
+    __m512 acc[T][DENSE_CHAINS];
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < DENSE_CHAINS; j++) acc[t][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kv; i += 16 * DENSE_CHAINS) {
+      constexpr int step_bytes = 16 * DENSE_CHAINS * (WD == F32 ? 4 : 2);
+      const char* ahead = (const char*)L.w + (base + i) * (WD == F32 ? 4 : 2) + PREFETCH_BYTES;
+      for (int b = 0; b < step_bytes; b += 64) __builtin_prefetch(ahead + b);  // every line
+      for (int j = 0; j < DENSE_CHAINS; j++) {
+        __m512 w = load16<WD>(L.w, base + i + 16 * j);
+        for (int t = 0; t < T; t++)
+          acc[t][j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(L.x + (m0 + t) * k + i + 16 * j),
+                                      acc[t][j]);
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      __m512 s = acc[t][0];
+      for (int j = 1; j < DENSE_CHAINS; j++) s = _mm512_add_ps(s, acc[t][j]);
+      float y = _mm512_reduce_add_ps(s);
+      for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, base + i) * L.x[(m0 + t) * k + i];
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n, y);
+    }
+  }
+}
+#endif
+
+template <int WD, int T, class DL>
+void dense_block(const DL& L, int64_t n0, int64_t n1, int64_t m0) {
+#if defined(__AVX512F__)
+  dense_rows_t512<WD, T>(L, n0, n1, m0);
+#else
+  dense_rows_t<WD, T>(L, n0, n1, m0);
+#endif
+}
+
+// ---- llama.cpp's tables (kernels/kquants.h ggml_rows): a tile of tokens in kqx's rows;
+// false where kqx has none (Q8_0 with float numerics: the generic loop)
+inline bool ggml_tile(const GgmlLayer& L, bool llama, int64_t m0, int64_t m1, int64_t n0,
+                      int64_t n1) {
+  if (llama) return kqx::rows_llama(L, m0, m1, n0, n1), true;
+  return kqx::rows_float_k(L, m0, m1, n0, n1);
+}
+
+}  // namespace x86
+
+}  // namespace tk

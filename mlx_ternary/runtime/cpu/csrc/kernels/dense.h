@@ -1,0 +1,58 @@
+// Dense float rows on the CPU: y (M, N) = x (M, K) @ W (N, K).T with W kept in the dtype the
+// checkpoint stores (float16, bfloat16 or float32) and float32 accumulation. This is the
+// embedding-as-output-layer and lm_head matvec: MLX's CPU float16 matmul is many times slower
+// than float32, and a float32 copy would double the memory of those tables.
+// Each group of 8 weights is converted once and used for T tokens. A token's sum runs in the
+// same order whatever T is (DENSE_CHAINS chains, their sum, then the tail), so a row of y
+// does not depend on how many tokens share the call: batched decoding gives the single
+// sequence's logits bit for bit (mlx-lm's batch tests compare them).
+#pragma once
+
+#include <cstdint>
+
+#include "../arch/select.h"
+#include "layer.h"
+
+namespace tk {
+
+struct DenseLayer {
+  const void* w = nullptr;  // (N, K)
+  int w_dtype = F32;
+  int64_t n = 0, k = 0;
+  const float* x = nullptr;  // (M, K) float32
+  void* out = nullptr;       // (M, N)
+  int out_dtype = F32;
+};
+
+inline const char* dense_isa() { return native::DENSE_ISA; }
+
+// Tokens a row's pass serves (arch/: their accumulators must fit the vector registers).
+constexpr int DENSE_TOKENS = native::DENSE_TOKENS;
+
+
+template <int WD, int T>
+void dense_rows_tt(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
+  native::dense_block<WD, T>(L, n0, n1, m0);
+}
+
+template <int WD>
+void dense_rows_w(const DenseLayer& L, int64_t M, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + DENSE_TOKENS <= M; m += DENSE_TOKENS) dense_rows_tt<WD, DENSE_TOKENS>(L, n0, n1, m);
+  switch (M - m) {
+    case 3: dense_rows_tt<WD, 3>(L, n0, n1, m); break;
+    case 2: dense_rows_tt<WD, 2>(L, n0, n1, m); break;
+    case 1: dense_rows_tt<WD, 1>(L, n0, n1, m); break;
+    default: break;
+  }
+}
+
+inline void dense_rows(const DenseLayer& L, int64_t M, int64_t n0, int64_t n1) {
+  switch (L.w_dtype) {
+    case F16: dense_rows_w<F16>(L, M, n0, n1); break;
+    case BF16: dense_rows_w<BF16>(L, M, n0, n1); break;
+    default: dense_rows_w<F32>(L, M, n0, n1);
+  }
+}
+
+}  // namespace tk
