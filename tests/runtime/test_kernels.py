@@ -129,7 +129,7 @@ def test_gemm_half_tiles_with_fp16_group_scales(kernel):
         group_size=64,
         activation_bits=None,
     )
-    gemm = launch._gemm(
+    gemm = launch.gemm_launch(
         spec,
         kw["packed"],
         kw["scales"],
@@ -205,7 +205,7 @@ def test_prepass_matches_numpy(dtype):
         group_size=None,
         activation_bits=8,
     )
-    pre = launch._prepass(spec, x.dtype, m, "emulate")
+    pre = launch.prepass_launch(spec, x.dtype, m, "emulate")
     xq, aux = pre(x, [(m, k), (m, 1)])
     x32 = np.array(x.astype(mx.float32))
     sc = np.float32(127) / np.maximum(np.abs(x32).max(-1, keepdims=True), np.float32(1e-5))

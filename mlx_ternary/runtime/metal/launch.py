@@ -141,7 +141,7 @@ def _launch(name, backend, rest, template, grid, threadgroup, out_dtypes, sizes)
     )
 
 
-def _prepass(spec: LayerSpec, dtype, m: int, backend: str) -> Launch:
+def prepass_launch(spec: LayerSpec, dtype, m: int, backend: str) -> Launch:
     params = _params([spec.k])
     return _launch(
         "prepass",
@@ -209,7 +209,7 @@ def _gemv(spec, packed, scales, bias, dtype, m, decode, backend) -> Launch:
     )
 
 
-def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend) -> Launch:
+def gemm_launch(spec, packed, scales, bias, xt, dtype, m, mma, backend) -> Launch:
     b, bpb, nb = _blocks(spec)
     exact_half = (xt == mx.float16) and (spec.mode != 2 or spec.scale_dtype == mx.float16)
     tmpl = [
@@ -294,10 +294,10 @@ def prepare(
         main = _gemv(spec, packed, scales, bias, dtype, m, decode, backend)
         return _run_one(main, out_shape), (main.variant,)
     xt = mx.float16 if spec.act else dtype
-    main = _gemm(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend)
+    main = gemm_launch(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend)
     if not spec.act:
         return _run_one(main, out_shape), (main.variant,)
-    pre = _prepass(spec, dtype, m, backend)
+    pre = prepass_launch(spec, dtype, m, backend)
     return _run_int8(pre, main, out_shape, (m, spec.k), (m, 1)), (pre.variant, main.variant)
 
 
