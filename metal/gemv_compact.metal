@@ -1,38 +1,45 @@
-// Decode GEMV, compact packing (base-3, 5 trits per byte): y (M, N) = x (M, K) @ (s*t).T
-// + bias for a few tokens. Compact is the memory option (1.6-1.75 bits per weight); its
-// decode costs more ALU per weight than the fast packing's (docs/KERNELS.md).
+// Decode GEMV, compact packing (base-3, 5 trits per byte): y (M, N) = act_quant(x) (M, K) @
+// (s * t).T + bias for up to 16 tokens in one launch, every packed byte read once whatever M.
 //
-// Thread mapping: one threadgroup = 2 SIMD groups x 32 lanes, 4 rows per SIMD group
-// (grid.y = ceil(N / 8)), TM <= 4 tokens per threadgroup (grid.z = ceil(M / TM)). Lane l
-// reads 32-bit word j = l, l + 32, ... of each of its rows: 4 bytes = 20 trits; a SIMD-group
-// step streams 128 bytes per row, each word read once per token chunk. Each byte goes to
-// the top of a 16-bit register (u = q << 8); per trit, two unsigned compares against
-// 86 << 8 and 171 << 8 select -1, 0 or +1 and u += u << 1 (x3, wrapping mod 2^16) brings up
-// the next trit: no multiply, shift or convert per trit. Trits are decoded once per step
-// and shared by the tokens.
+// Thread mapping: as gemv_fast.metal. One threadgroup = NSG SIMD groups owns 64 output rows
+// and every token; lane l works on word lane wl = l % WL of row group l / WL and owns RL rows.
+// A step is WL 32-bit words = 64 bytes = 320 trits of each row; the threadgroup stages, per
+// token and byte of the step, the byte's six decode coefficients (below) and, per word, the
+// (negated) correction of each byte, then each lane decodes its word of each of its rows once
+// and applies it to every token. ACTQ quantizes x while staging (one launch per call).
+//
+// Decode ("exact-float" fractions, after PrismML's llama.cpp PR #157, in two 16-bit lanes):
+// byte q holds digits d_n = floor(3 f_n) (trit t_n = d_n - 1) of the fractions f_0 = q / 256,
+// f_{n+1} = frac(3 f_n), so d_n = 3 f_n - f_{n+1} and, for the 5 columns y_0..y_4 of a byte,
+//   sum_n t_n y_n = sum_{k=0..5} f_k e_k - sum_n y_n,
+//   e_0 = 3 y_0, e_k = 3 y_k - y_{k-1} (k = 1..4), e_5 = -y_4.
+// The fraction lives in the mantissa of a half: h_k = 2 (1 + f_k), bits 0x4000 | r_k << 2 with
+// r_k = 256 f_k. Two bytes share a 32-bit register (bits 2-9 and 18-25, two halves), and one
+// step k -> k + 1 of both is two full-rate integer ops: u += u << 1 (x3; the low half's
+// carry stays below bit 16 and the exponent bit 14 stays set, since 3 * 0x4000 = 0xC000
+// keeps bit 14 and the carry lands in bits 10-11 and 15) and u &= 0x43FC43FC (drop carry and
+// sign). Since sum_k h_k e_k = 2 sum_k f_k e_k + 4 sum_n y_n, the staged coefficients are
+// c_k = e_k / 2 and the correction is 3 sum_n y_n:
+//   sum_n t_n y_n = sum_k h_k c_k - 3 sum_n y_n.
+// Per word: 2 placements (shift, AND, OR) and 5 x 2 steps = 26 integer ops for 20 trits,
+// 24 FMAs per token (docs/KERNELS.md counts both kernels). With integer activations every
+// product and sum is exact (c_k is a multiple of 1/2 below 257, h_k has 9 significant bits).
 //
 // Blocks: with group scales (G > 0) a block is one group of G columns, BPB = ceil(G / 5)
-// bytes (a template constant: 13, 26 or 52); byte b holds columns blk * G + 5 (b - blk BPB)
-// .. +4 of block blk = b / BPB, and a word's 4 bytes span at most 2 blocks (BPB > 4), each
-// with its own partial sum and scale. Without group scales (G == 0) the row is one block:
-// byte b holds columns 5b..5b+4 and there is no routing. Pad trits are zero trits, and bytes
-// past the last block (row padding to 4 bytes) are never decoded.
+// bytes; byte b holds columns blk * G + 5 (b - blk BPB) .. +4 of block blk = b / BPB, and a
+// word's 4 bytes span at most 2 blocks (BPB > 4): each byte's sum takes its block's scale.
+// Without group scales the row is one block: byte b holds columns 5b..5b+4. Pad trits are
+// zero trits; bytes past the last block (row padding to 4 bytes) get zero coefficients.
 //
 // File convention: text above the "//// BODY ////" line is the `header`, text below the `source`.
-// Inputs: x (M, K) XT; aux (M, AW) float (ACTQ: aux[m][0] = 1 / scale from the pre-pass; a
-// 1-element dummy otherwise); wq (N, RB) uint8; scales ST; bias (N,) BT (dummy when
-// !HAS_BIAS); params int32 [M, N, K, RB, SC, AW, VB (valid bytes per row)].
-// Output: y (M, N) T. Templates: T, XT, ST, BT, TM (1..4), SMODE, G, ACTQ, HAS_BIAS.
-// Geometry macros (TERNARY_*: SIMD groups, rows, word size, TERNARY_UNROLL) come from the
-// prelude runtime/metal/geometry.py generates.
+// Inputs: x (M, K) XT; wq (N, RB) uint8; scales ST; bias (N,) BT (dummy when !HAS_BIAS);
+// params int32 [M, N, K, RB, SC, VB (valid bytes per row)]. Output: y (M, N) T.
+// Templates: T, XT, XS (coefficient type: half with ACTQ, else float), ST, BT, TM, RL, NSG,
+// SMODE, G, ACTQ, HAS_BIAS. Geometry macros (TERNARY_*) come from runtime/metal/geometry.py.
 
-constant constexpr ushort TERNARY_T1 = 86 << 8;
-constant constexpr ushort TERNARY_T2 = 171 << 8;
-
-// Trit value (-1, 0, +1) of the byte in the top of u, as a half.
-inline half ternary_trit(ushort u) {
-  return u < TERNARY_T1 ? -1.0h : (u < TERNARY_T2 ? 0.0h : 1.0h);
-}
+constant constexpr uint TERNARY_LANE_MASK = 0x03FC03FCu;  // r << 2 in both halves
+constant constexpr uint TERNARY_FRAC_EXP = 0x40004000u;   // fp16 exponent of 2 in both halves
+constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP;
 
 //// BODY ////
   const int M = params[0];
@@ -40,27 +47,42 @@ inline half ternary_trit(ushort u) {
   const int K = params[2];
   const int RB = params[3];
   const int SC = params[4];
-  const int AW = params[5];
-  const int VB = params[6];
-  constexpr int R = TERNARY_GEMV_SG_ROWS;     // rows per SIMD group
-  constexpr int L = TERNARY_SIMD_WIDTH;       // lanes = words per row per step
-  constexpr int WB = TERNARY_WORD_BYTES;      // bytes per word
-  constexpr int TB = TERNARY_BYTE_TRITS;      // trits per byte
+  const int VB = params[5];
+  constexpr int L = TERNARY_SIMD_WIDTH;
+  constexpr int WL = TERNARY_GEMV_WORD_LANES;  // lanes along K per row group
+  constexpr int WB = TERNARY_WORD_BYTES;       // bytes per word
+  constexpr int TB = TERNARY_BYTE_TRITS;       // trits per byte
+  constexpr int NF = TB + 1;                   // fractions per byte
+  constexpr int SR = (L / WL) * RL;            // rows per SIMD group
+  constexpr int NT = NSG * L;
   constexpr int BPB = G > 0 ? (G + TB - 1) / TB : 1;
+  const uint tid = thread_index_in_threadgroup;
   const uint lane = thread_index_in_simdgroup;
   const uint sg = simdgroup_index_in_threadgroup;
-  const int row0 = (int(threadgroup_position_in_grid.y) * TERNARY_GEMV_SIMDGROUPS + int(sg)) * R;
-  const int m0 = int(threadgroup_position_in_grid.z) * TM;
-  const int mc = min(TM, M - m0);
+  const int wl = int(lane) % WL;
+  const int row0 = int(threadgroup_position_in_grid.y) * NSG * SR + int(sg) * SR +
+                   (int(lane) / WL) * RL;
 
-  int rows[R];
-  TERNARY_UNROLL
-  for (int r = 0; r < R; r++) {
-    rows[r] = min(row0 + r, N - 1);
+  // Per token and staged word: for each of its two registers (bytes 0 and 2; bytes 1 and 3)
+  // and each k, the pair (c_k of the low byte, c_k of the high byte), two k per vector.
+  threadgroup vec<XS, 4> ce[TM][WL][2][NF / 2];
+  // Per word: -3 sum y of each byte (G > 0), or of the whole word in .x (G == 0).
+  threadgroup float4 cc[TM][WL];
+  threadgroup float tsc[TM];
+  threadgroup float tinv[TM];
+  threadgroup float tred[NSG * TM];
+  if (ACTQ) {
+    ternary_token_scales<XT, TM, NSG>(x, M, K, tid, lane, sg, tred, tsc, tinv);
   }
-  float acc[R][TM];
+
+  int rows[RL];
   TERNARY_UNROLL
-  for (int r = 0; r < R; r++) {
+  for (int r = 0; r < RL; r++) {
+    rows[r] = min(row0 + r, N - 1);  // in bounds; rows past N are skipped
+  }
+  float acc[RL][TM];
+  TERNARY_UNROLL
+  for (int r = 0; r < RL; r++) {
     TERNARY_UNROLL
     for (int m = 0; m < TM; m++) {
       acc[r][m] = 0.0f;
@@ -69,114 +91,167 @@ inline half ternary_trit(ushort u) {
   const device uint* wwords = (const device uint*)wq;
   const int nwords = (VB + WB - 1) / WB;
   const int RW = RB / WB;
-  for (int j = int(lane); j < nwords; j += L) {
-    // Columns of the word's 4 bytes and the block part (0: first block, 1: the next).
-    const int b0 = WB * j;
-    const int blk0 = G > 0 ? b0 / BPB : 0;
-    int col[WB];
-    int part[WB];
-    bool ok[WB];
-    TERNARY_UNROLL
-    for (int i = 0; i < WB; i++) {
-      if (G > 0) {
-        int off = b0 + i - blk0 * BPB;
-        part[i] = off >= BPB ? 1 : 0;
-        off -= part[i] * BPB;
-        col[i] = (blk0 + part[i]) * G + TB * off;
-      } else {
-        part[i] = 0;
-        col[i] = TB * (b0 + i);
-      }
-      ok[i] = b0 + i < VB;
-    }
-    // Trits of R rows x WB * TB columns, decoded once and shared by the tokens.
-    half t[R][WB * TB];
-    TERNARY_UNROLL
-    for (int r = 0; r < R; r++) {
-      // Rows past N read nothing: byte 128 is five zero trits.
-      const uint w = row0 + r < N ? wwords[rows[r] * RW + j] : 0x80808080u;
-      const ushort2 halves = as_type<ushort2>(w);
-      ushort u[WB];
-      u[0] = halves.x << 8;
-      u[1] = halves.x & 0xFF00;
-      u[2] = halves.y << 8;
-      u[3] = halves.y & 0xFF00;
+  const int steps = (nwords + WL - 1) / WL;
+  for (int s = 0; s < steps; s++) {
+    // The word's bytes: first column and block part (0: the word's first block, 1: the next).
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int e = int(tid); e < M * WL; e += NT) {
+      const int m = e / WL;
+      const int w = e % WL;
+      const int b0 = (s * WL + w) * WB;
+      const int blk0 = G > 0 ? b0 / BPB : 0;
+      float4 corr = float4(0.0f);
+      float c[WB][NF];
       TERNARY_UNROLL
       for (int i = 0; i < WB; i++) {
-        ushort v = ok[i] ? u[i] : ushort(0x8000);  // q = 128: five zero trits
+        const int b = b0 + i;
+        int part = 0;
+        int col = TB * b;
+        int lim = K;
+        if (G > 0) {
+          int off = b - blk0 * BPB;
+          part = off >= BPB ? 1 : 0;
+          off -= part * BPB;
+          col = (blk0 + part) * G + TB * off;
+          lim = min((blk0 + part) * G + G, K);
+        }
+        float yv[TB];
+        float sum = 0.0f;
         TERNARY_UNROLL
         for (int d = 0; d < TB; d++) {
-          t[r][TB * i + d] = ternary_trit(v);
-          v = v + (v << 1);
+          float f = (b < VB && col + d < lim) ? static_cast<float>(x[m * K + col + d]) : 0.0f;
+          if (ACTQ) {
+            f = ternary_act_quant(f, tsc[m]);
+          }
+          yv[d] = f;
+          sum += f;
+        }
+        corr[G > 0 ? i : 0] -= 3.0f * sum;
+        c[i][0] = 1.5f * yv[0];
+        TERNARY_UNROLL
+        for (int k = 1; k < TB; k++) {
+          c[i][k] = fma(yv[k], 1.5f, -0.5f * yv[k - 1]);
+        }
+        c[i][TB] = -0.5f * yv[TB - 1];
+      }
+      // Register 0 holds bytes 0 (low half) and 2 (high); register 1 bytes 1 and 3.
+      TERNARY_UNROLL
+      for (int g = 0; g < 2; g++) {
+        TERNARY_UNROLL
+        for (int k = 0; k < NF; k += 2) {
+          ce[m][w][g][k / 2] = vec<XS, 4>(static_cast<XS>(c[g][k]), static_cast<XS>(c[g + 2][k]),
+                                          static_cast<XS>(c[g][k + 1]),
+                                          static_cast<XS>(c[g + 2][k + 1]));
         }
       }
+      cc[m][w] = corr;
     }
-    float s0[R];
-    float s1[R];
-    TERNARY_UNROLL
-    for (int r = 0; r < R; r++) {
-      s0[r] = 1.0f;
-      s1[r] = 1.0f;
-      if (SMODE == 2) {
-        s0[r] = static_cast<float>(scales[rows[r] * SC + min(blk0, SC - 1)]);
-        s1[r] = static_cast<float>(scales[rows[r] * SC + min(blk0 + 1, SC - 1)]);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const int j = s * WL + wl;
+    if (j < nwords) {
+      const int b0 = j * WB;
+      const int blk0 = G > 0 ? b0 / BPB : 0;
+      bool hi[WB];  // byte i in the word's second block
+      TERNARY_UNROLL
+      for (int i = 0; i < WB; i++) {
+        hi[i] = G > 0 && b0 + i - blk0 * BPB >= BPB;
       }
-    }
-    TERNARY_UNROLL
-    for (int m = 0; m < TM; m++) {
-      if (m < mc) {
-        const int xrow = (m0 + m) * K;
-        float xv[WB * TB];
+      TERNARY_UNROLL
+      for (int r = 0; r < RL; r++) {
+        if (row0 + r >= N) {
+          continue;  // rows past N read nothing (and are never written)
+        }
+        const uint w = wwords[rows[r] * RW + j];
+        // h[g][k]: fractions k of register g's two bytes.
+        half2 h[2][NF];
+        uint u[2];
+        u[0] = ((w << 2) & TERNARY_LANE_MASK) | TERNARY_FRAC_EXP;
+        u[1] = ((w >> 6) & TERNARY_LANE_MASK) | TERNARY_FRAC_EXP;
         TERNARY_UNROLL
-        for (int i = 0; i < WB; i++) {
+        for (int k = 0; k < NF; k++) {
           TERNARY_UNROLL
-          for (int d = 0; d < TB; d++) {
-            const int k = col[i] + d;
-            xv[TB * i + d] = (ok[i] && k < K) ? static_cast<float>(x[xrow + k]) : 0.0f;
+          for (int g = 0; g < 2; g++) {
+            h[g][k] = as_type<half2>(u[g]);
+            u[g] = (u[g] + (u[g] << 1)) & TERNARY_FRAC_MASK;
           }
         }
-        TERNARY_UNROLL
-        for (int r = 0; r < R; r++) {
-          float p0 = 0.0f;
-          float p1 = 0.0f;
+        // Group scales: the scale of each of the word's bytes (its block's).
+        float sb[WB] = {1.0f, 1.0f, 1.0f, 1.0f};  // blocks without group scales: 1
+        if (SMODE == 2) {
+          const float s0 = static_cast<float>(scales[rows[r] * SC + min(blk0, SC - 1)]);
+          const float s1 = static_cast<float>(scales[rows[r] * SC + min(blk0 + 1, SC - 1)]);
           TERNARY_UNROLL
           for (int i = 0; i < WB; i++) {
-            float p = 0.0f;
-            TERNARY_UNROLL
-            for (int d = 0; d < TB; d++) {
-              p = fma(xv[TB * i + d], float(t[r][TB * i + d]), p);
-            }
-            if (part[i] == 0) {
-              p0 += p;
+            sb[i] = hi[i] ? s1 : s0;
+          }
+        }
+        TERNARY_UNROLL
+        for (int m = 0; m < TM; m++) {
+          if (m < M) {
+            if (G > 0) {
+              // p[i]: byte i's correction + sum_k h_k c_k (bytes 0, 2 in register 0; 1, 3
+              // in register 1), times its block's scale.
+              const float4 c0 = cc[m][wl];
+              float p[WB] = {c0.x, c0.y, c0.z, c0.w};
+              TERNARY_UNROLL
+              for (int g = 0; g < 2; g++) {
+                TERNARY_UNROLL
+                for (int k = 0; k < NF; k += 2) {
+                  const vec<XS, 4> v = ce[m][wl][g][k / 2];
+                  p[g] = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p[g]);
+                  p[g + 2] =
+                      fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p[g + 2]);
+                  p[g] = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p[g]);
+                  p[g + 2] =
+                      fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p[g + 2]);
+                }
+              }
+              TERNARY_UNROLL
+              for (int i = 0; i < WB; i++) {
+                acc[r][m] = fma(sb[i], p[i], acc[r][m]);
+              }
             } else {
-              p1 += p;
+              // One block: the word's partial sum starts at its correction, one FMA per
+              // fraction, then one add (kept per word: exact with integer activations).
+              float p = cc[m][wl].x;
+              TERNARY_UNROLL
+              for (int g = 0; g < 2; g++) {
+                TERNARY_UNROLL
+                for (int k = 0; k < NF; k += 2) {
+                  const vec<XS, 4> v = ce[m][wl][g][k / 2];
+                  p = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p);
+                  p = fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p);
+                  p = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p);
+                  p = fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p);
+                }
+              }
+              acc[r][m] += p;
             }
           }
-          acc[r][m] = G > 0 ? fma(s0[r], p0, fma(s1[r], p1, acc[r][m])) : acc[r][m] + p0;
         }
       }
     }
   }
 
-  // Lane 0 writes: only it reads the row scale, bias and activation scale.
   TERNARY_UNROLL
-  for (int r = 0; r < R; r++) {
+  for (int r = 0; r < RL; r++) {
     const int n = row0 + r;
     TERNARY_UNROLL
     for (int m = 0; m < TM; m++) {
-      if (m < mc) {
-        const float total = simd_sum(acc[r][m]);
-        if (lane == 0 && n < N) {
+      if (m < M) {
+        const float total = ternary_lane_sum<WL>(acc[r][m]);
+        if (wl == 0 && n < N) {
           const float srow = SMODE == 0 ? static_cast<float>(scales[0])
                            : (SMODE == 1 ? static_cast<float>(scales[n]) : 1.0f);
           float out = total * srow;
           if (ACTQ) {
-            out *= aux[(m0 + m) * AW];
+            out *= tinv[m];
           }
           if (HAS_BIAS) {
             out += static_cast<float>(bias[n]);
           }
-          y[(m0 + m) * N + n] = static_cast<T>(out);
+          y[m * N + n] = static_cast<T>(out);
         }
       }
     }

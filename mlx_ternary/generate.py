@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from .errors import TernaryError
 from .format import KV_GROUP_SIZE
+from .speculative import DEFAULT_DRAFT_TOKENS, check_draft_tokens, check_rewindable
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny-shakespeare"
 
@@ -41,8 +42,14 @@ def stream(
     kv_bits: Optional[int] = None,
     kv_group_size: int = KV_GROUP_SIZE,
     prefill_step_size: int = 2048,
+    draft_model=None,
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ) -> Iterator:
-    """Yield mlx-lm GenerationResponse objects (text segment, token, speeds, peak memory)."""
+    """Yield mlx-lm GenerationResponse objects (text segment, token, speeds, peak memory).
+
+    With `draft_model` (same tokenizer: speculative.check_draft) mlx-lm's speculative
+    decoding runs, `num_draft_tokens` drafted a round; each response's `from_draft` says
+    whether the draft proposed its token (speculative.Acceptance counts them)."""
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -51,6 +58,18 @@ def stream(
     tokens = prompt_tokens(tokenizer, prompt, system_prompt, ignore_chat_template)
     sampler, processors = sampling_processors(temp, top_p, top_k, min_p, repetition_penalty)
     cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    speculative = {}
+    if draft_model is not None:
+        if max_kv_size is not None:
+            raise TernaryError(
+                "--max-kv-size's rotating cache cannot rewind rejected draft tokens; "
+                "drop it or --draft-model"
+            )
+        cache += make_prompt_cache(draft_model)  # mlx-lm's layout: target's, then draft's
+        check_rewindable(cache)
+        speculative = dict(
+            draft_model=draft_model, num_draft_tokens=check_draft_tokens(num_draft_tokens)
+        )
     yield from stream_generate(
         model,
         tokenizer,
@@ -62,6 +81,7 @@ def stream(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         prefill_step_size=prefill_step_size,
+        **speculative,
     )
 
 

@@ -44,10 +44,10 @@ SHAPES = {  # name: (K in, N out)
     "27B down 17408->5120": (17408, 5120),
     "wide 4096->32768": (4096, 32768),
 }
-TOKENS = (1, 2, 4, 8, 16, 64, 256, 512)
+TOKENS = (1, 2, 4, 8, 16, 17, 64, 256, 512)  # 16 | 17: the GEMV -> GEMM boundary
 SWEEP_TOKENS = (1, 64)  # scale modes and dtypes are swept at these token counts
 SMOKE_SHAPES = {"smoke 256->96": (256, 96), "smoke 320->512": (320, 512)}
-SMOKE_TOKENS = (1, 3, 16, 64)  # one GEMV, split GEMV and GEMM each
+SMOKE_TOKENS = (1, 3, 16, 64)  # GEMVs of 1, 3 and 16 tokens (one launch each) and a GEMM
 CHAIN = 50  # dependent calls per timed evaluation (>= 50)
 BENCH_TRIALS = 5  # timed chains per variant: more than the tuner's, the bench reports a median
 ROTATE_BYTES = 512 * 2**20  # weights cycled per chain: well past any GPU cache
@@ -78,6 +78,7 @@ class Row:
     of_nominal: Optional[float] = None
     tflops: Optional[float] = None
     vs_stock_q2: Optional[float] = None  # stock 2-bit (same words) time / this time
+    vs_stock_q4: Optional[float] = None  # stock 4-bit g64 time / this time
 
 
 @lru_cache(maxsize=1)  # the points of one shape come in a row; packing 89 M trits is slow
@@ -285,16 +286,58 @@ def _fill_times(
 
 
 def _against_stock(rows: List[Row]) -> None:
-    """Fill vs_stock_q2: stock 2-bit's time at the same point (float x) / each row's time."""
-    stock = {
-        (r.shape, r.m, r.scale, r.dtype): r.us_min
+    """Fill vs_stock_q2 / vs_stock_q4: stock 2-bit's (4-bit's) time at the same point / each
+    row's time. Stock layers quantize no activations, so int8 rows are compared with the
+    float-x stock call at the same shape, M, scale and dtype (the user's alternative)."""
+    for bits, field in (("stock 2-bit", "vs_stock_q2"), ("stock 4-bit", "vs_stock_q4")):
+        stock = {
+            (r.shape, r.m, r.scale, r.dtype): r.us_min
+            for r in rows
+            if r.variant.startswith(bits) and r.us_min
+        }
+        for r in rows:
+            base = stock.get((r.shape, r.m, r.scale, r.dtype))
+            if base and r.us_min:
+                setattr(r, field, base / r.us_min)
+
+
+def decode_summary(rows: List[dict]) -> List[dict]:
+    """Decode (M <= 16) against stock, per shape, activations and variant: each M's time
+    over the same variant's M = 1 time (flat in M when every weight is read once) and
+    stock 2-bit's and 4-bit's time over it. Rows of dicts as `run` returns them."""
+    out = []
+    keys = {
+        (r["shape"], r["act"], r["variant"])
         for r in rows
-        if r.variant.startswith("stock 2-bit") and r.us_min
+        if r["m"] <= launch.MAX_GEMV_TOKENS and r["scale"] == "row" and r["us_min"]
     }
-    for r in rows:
-        base = stock.get((r.shape, r.m, r.scale, r.dtype))
-        if base and r.us_min:
-            r.vs_stock_q2 = base / r.us_min
+    for shape, act, variant in sorted(keys):
+        pts = {
+            r["m"]: r
+            for r in rows
+            if (r["shape"], r["act"], r["variant"]) == (shape, act, variant)
+            and r["scale"] == "row"
+            and r["us_min"]
+        }
+        if 1 not in pts:
+            continue
+        for m in sorted(pts):
+            if m > launch.MAX_GEMV_TOKENS:
+                continue
+            r = pts[m]
+            out.append(
+                {
+                    "shape": shape,
+                    "act": act,
+                    "variant": variant,
+                    "m": m,
+                    "us_min": r["us_min"],
+                    "vs_m1": r["us_min"] / pts[1]["us_min"],
+                    "vs_stock_q2": r["vs_stock_q2"],
+                    "vs_stock_q4": r["vs_stock_q4"],
+                }
+            )
+    return out
 
 
 def plan_points(backend: str, quick: bool = False):
@@ -311,7 +354,7 @@ def plan_points(backend: str, quick: bool = False):
     sweep = (1,) if emulate else SWEEP_TOKENS
     if quick:
         shapes = dict(list(shapes.items())[:1])
-        tokens, sweep = ((1, 20), (1,)) if emulate else ((1, 8, 64), SWEEP_TOKENS)
+        tokens, sweep = ((1, 16, 20), (1,)) if emulate else ((1, 8, 16, 64), SWEEP_TOKENS)
     main_dtype = mx.float32 if emulate else mx.float16
     points = []
     for name, (k, n) in shapes.items():
@@ -419,6 +462,7 @@ def run(
         "chain": chain,
         "trials": trials,
         "rows": [asdict(r) for r in rows],
+        "decode_vs_m": decode_summary([asdict(r) for r in rows]),
     }
 
 
@@ -448,6 +492,20 @@ def lines(result: dict) -> List[str]:
             f"{'ok' if r['check'] == 'ok' else 'FAIL':>6} {f(r['us_min'], '.1f'):>9} "
             f"{f(r['gbs'], '.1f'):>7} {pct:>6} {f(r['tflops'], '.2f'):>7} "
             f"{f(r['vs_stock_q2'], '.2f'):>7}"
+        )
+    out.append(
+        "decode against stock (row scales): time at M / the same variant's at M = 1, "
+        "stock 2-bit / this, stock 4-bit / this"
+    )
+    for d in result.get("decode_vs_m", []):
+
+        def g(v):
+            return f"{v:.2f}" if v is not None else "-"
+
+        out.append(
+            f"  {d['shape'][:22]:22} {'int8' if d['act'] else 'float':>5} {d['variant'][:34]:34} "
+            f"M={d['m']:<3d} {d['us_min']:9.1f} us  x{g(d['vs_m1']):>5} of M=1  "
+            f"q2/this {g(d['vs_stock_q2']):>5}  q4/this {g(d['vs_stock_q4']):>5}"
         )
     failed = [r for r in result["rows"] if r["check"] != "ok"]
     for r in failed:

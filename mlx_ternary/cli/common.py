@@ -338,3 +338,44 @@ def default_context(model, cap: int = 4096) -> int:
     """The model's max_position_embeddings, at most `cap` (cap when it does not say)."""
     trained = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     return min(trained, cap) if isinstance(trained, int) and trained > 0 else cap
+
+
+def draft_options(f):
+    """--draft-model and --num-draft-tokens (speculative decoding), for generate and serve."""
+    from ..speculative import DEFAULT_DRAFT_TOKENS
+
+    f = click.option(
+        "--num-draft-tokens",
+        default=DEFAULT_DRAFT_TOKENS,
+        show_default=True,
+        type=click.IntRange(min=1),
+        help="Tokens the draft model proposes per verify step.",
+    )(f)
+    return click.option(
+        "--draft-model",
+        default=None,
+        help="A smaller model with the same tokenizer for speculative decoding (directory, "
+        ".gguf file or repo id; ternary or any mlx-lm model). Greedy output is unchanged.",
+    )(f)
+
+
+def load_draft(path: str, model, tokenizer):
+    """--draft-model: a ternary checkpoint (native, BitNet, GGUF) through mlx-ternary's
+    loader, any other model through mlx-lm's; refused unless its vocabulary is the target's.
+    Not under mlx.launch (the draft would run unsharded beside a sharded target)."""
+    from .. import parallel as dist
+    from ..checkpoint.load import load, resolve_model_path
+    from ..lm import is_ternary_checkpoint
+    from ..speculative import check_draft
+
+    if dist.world().size() > 1:
+        raise TernaryError("--draft-model is not supported under mlx.launch; drop it")
+    local = resolve_model_path(local_model(path))
+    if is_ternary_checkpoint(local):
+        draft, draft_tokenizer = load(str(local))
+    else:
+        from mlx_lm import load as mlx_lm_load
+
+        draft, draft_tokenizer = mlx_lm_load(str(local))
+    check_draft(tokenizer, draft_tokenizer, model, draft, name=f"--draft-model {path}")
+    return draft

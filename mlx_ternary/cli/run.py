@@ -9,7 +9,9 @@ from .common import (
     activations_option,
     adapter_option,
     context_warning,
+    draft_options,
     kv_bits_option,
+    load_draft,
     local_model,
     model_option,
     or_embedded,
@@ -24,6 +26,7 @@ Examples:
   mlx-ternary generate --prompt "ROMEO:"            # the embedded model, offline
   mlx-ternary generate --model DIR --prompt "Hi" -m 64 --temp 0.7 --seed 1
   echo "Once upon a time" | mlx-ternary generate --model DIR --prompt - --verbose
+  mlx-ternary generate --model BIG --draft-model SMALL --num-draft-tokens 4 --verbose
 """
 )
 @model_option
@@ -61,24 +64,35 @@ Examples:
 )
 @kv_bits_option
 @adapter_option
-@click.option("--verbose", is_flag=True, help="Print speeds and peak memory at the end.")
+@click.option(
+    "--verbose",
+    is_flag=True,
+    help="Print speeds, peak memory (and the draft's acceptance rate) at the end.",
+)
 @activations_option()
 @threads_option
+@draft_options
 def generate(
     model, prompt, max_tokens, max_context, adapter_path, verbose, activations, **sampling
 ):
     """Generate text from a prompt, streaming tokens as they come."""
     from .. import generate as gen
+    from ..speculative import Acceptance
 
     model = or_embedded(model)
     if prompt == "":
         raise click.BadParameter("the prompt is empty; give some text", param_hint="--prompt")
+    draft_path = sampling.pop("draft_model")
     lm, tokenizer, prompt, rank0 = _load_for_generate(
         model, prompt, adapter_path, activations, sampling
     )
     max_tokens = _check_generate_memory(lm, tokenizer, prompt, max_tokens, max_context, sampling)
+    if draft_path is not None:
+        sampling["draft_model"] = load_draft(draft_path, lm, tokenizer)
+    accepted = Acceptance(sampling["num_draft_tokens"], max_tokens)
     last = None
     for last in gen.stream(lm, tokenizer, prompt, max_tokens=max_tokens, **sampling):
+        accepted.add(last.from_draft)
         if rank0:
             click.echo(last.text, nl=False)
             sys.stdout.flush()
@@ -87,6 +101,11 @@ def generate(
     click.echo()
     if verbose and last is not None:
         _print_speeds(last)
+        if draft_path is not None:
+            click.echo(
+                f"Draft: {accepted.accepted} of {accepted.drafted} drafted tokens accepted "
+                f"({100 * accepted.rate:.1f}%)"
+            )
 
 
 def _load_for_generate(model, prompt, adapter_path, activations, sampling):

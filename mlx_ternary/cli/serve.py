@@ -13,6 +13,8 @@ from .common import (
     adapter_option,
     check_kv_groups,
     context_warning,
+    draft_options,
+    load_draft,
     local_model,
     memory_limit_option,
     model_option,
@@ -38,6 +40,7 @@ SERVE_FLAGS = {
 Examples:
   mlx-ternary serve --model DIR                     # http://127.0.0.1:8080/v1
   mlx-ternary serve --model DIR --max-context 8192 --max-concurrency 4 --memory-limit 12
+  mlx-ternary serve --model BIG --draft-model SMALL   # speculative while one request runs
 """
 )
 @model_option
@@ -129,6 +132,7 @@ Examples:
     "warning: only problems; debug: also each connection's raw request line.",
 )
 @threads_option
+@draft_options
 @click.pass_context
 def serve(ctx, model, host, port, memory_limit, prompt_cache, adapter_path, activations, **options):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
@@ -139,6 +143,7 @@ def serve(ctx, model, host, port, memory_limit, prompt_cache, adapter_path, acti
 
     _configure_logging(options.pop("log_level"))
     network = {k: options.pop(k) for k in NETWORK_OPTIONS}
+    draft_path = options.pop("draft_model")
     sizes = options
     model = or_embedded(model)
     group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
@@ -155,6 +160,7 @@ def serve(ctx, model, host, port, memory_limit, prompt_cache, adapter_path, acti
         click.echo(f"WARNING: {warning}", err=True)
     cache_bytes = _prompt_cache_size(lm, prompt_cache, sizes)
     mem = _check_serve_memory(lm, memory_limit, cache_bytes, sizes)
+    draft = load_draft(draft_path, lm, tokenizer) if draft_path is not None else None
     config = ServeConfig(
         model_name=short_name(model),
         aliases=list(network["served_names"]),
@@ -170,7 +176,7 @@ def serve(ctx, model, host, port, memory_limit, prompt_cache, adapter_path, acti
         if lockstep is not None and group.rank() != 0:
             follow(make_engine(lm, tokenizer, config, lockstep))
             return
-        server = Server(lm, tokenizer, config, host, port, engine_class=lockstep)
+        server = Server(lm, tokenizer, config, host, port, engine_class=lockstep, draft_model=draft)
     except ValueError as e:  # a model whose caches --kv-bits cannot quantize
         raise TernaryError(str(e)) from None
     except OSError as e:  # the port was taken while the model loaded

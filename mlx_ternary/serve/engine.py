@@ -26,12 +26,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import mlx.core as mx
 
 from ..errors import TernaryError
 from ..format import KV_GROUP_SIZE
+from ..speculative import DEFAULT_DRAFT_TOKENS, Acceptance
+from .drafting import Speculation
 from .kv_quant import make_cache
 from .prompt_cache import PromptCache
 from .text import TextStream
@@ -40,6 +42,16 @@ log = logging.getLogger("mlx_ternary.serve.http")
 POLL_S = 0.2
 MAX_FAILED_TURNS = 3  # rounds failing in a row before the engine stops (health: 503)
 MIN_LOGPROB = -9999.0  # what OpenAI reports for a token the request made impossible
+SPECULATING = -1  # the uid of the job decoding speculatively (BatchGenerator's are >= 0)
+
+
+class _Token(NamedTuple):
+    """A speculated token, in the shape _emit reads of BatchGenerator's responses."""
+
+    uid: int
+    token: int
+    logprobs: mx.array
+    finish_reason: Optional[str]
 
 
 @dataclass
@@ -134,6 +146,8 @@ class Engine:
         kv_group_size: int = KV_GROUP_SIZE,
         prompt_cache_bytes: int = 0,
         grammars=None,
+        draft_model=None,
+        num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_concurrency = max_concurrency
@@ -152,6 +166,10 @@ class Engine:
         self.prompt_tokens_computed = 0
         self.metrics = None  # a serve.metrics.Metrics, when the server keeps them
         self._gen = None
+        # Speculative decoding (drafting.py): the draft, the one job it runs, the counts.
+        self.draft_model, self.num_draft_tokens = draft_model, num_draft_tokens
+        self.speculation: Optional[Speculation] = None
+        self.draft_tokens_proposed = self.draft_tokens_accepted = 0
 
     def start(self):
         self._thread.start()
@@ -175,9 +193,10 @@ class Engine:
 
     def kv_bytes(self) -> int:
         """Bytes of the running batch's KV cache."""
-        gen = self._gen
+        gen, spec = self._gen, self.speculation
         try:
-            return int(gen.prompt_cache_nbytes) if gen is not None else 0
+            batch = int(gen.prompt_cache_nbytes) if gen is not None else 0
+            return batch + (spec.nbytes() if spec is not None else 0)
         except Exception:  # read while the generation thread changes the batch
             return 0
 
@@ -240,9 +259,12 @@ class Engine:
         for job in self.active.values():
             job.events.put(("error", message))
         self.active.clear()
+        self.speculation = None
 
     def _step(self, gen):
         # A method, so the responses (each finished one holds its KV cache) die on return.
+        if self.speculation is not None:
+            return self._speculate(gen)
         with mx.stream(gen.stream):
             _, responses = gen.next()
         for r in responses:
@@ -255,6 +277,8 @@ class Engine:
             except queue.Empty:
                 return
             block = False
+            if self.speculation is not None:  # a second job: the speculating one joins the batch
+                self._batch_speculation(gen)
             if not job.cancelled.is_set():
                 self._start(gen, job)
 
@@ -292,6 +316,9 @@ class Engine:
         )
         if job.grammar is not None:
             procs.append(self.grammars.processor(job.grammar))
+        job.text = TextStream(self.tokenizer, job.prompt)
+        if self._speculates(job):
+            return self._start_speculation(gen, job, cache, n, procs)
         (job.uid,) = gen.insert(
             [job.prompt[n:]],
             max_tokens=[job.max_tokens],
@@ -301,7 +328,6 @@ class Engine:
             logits_processors=[procs],
             stop_sequences=[self._stops],
         )
-        job.text = TextStream(self.tokenizer, job.prompt)
         self.active[job.uid] = job
 
     def _prompt_logprobs(self, job: Job) -> List[dict]:
@@ -325,6 +351,10 @@ class Engine:
 
     def _drop_cancelled(self, gen):
         gone = [uid for uid, job in self.active.items() if job.cancelled.is_set()]
+        if SPECULATING in gone:
+            gone.remove(SPECULATING)
+            del self.active[SPECULATING]
+            self.speculation = None
         if gone:
             gen.remove(gone)
             for uid in gone:
@@ -358,12 +388,82 @@ class Engine:
             return
         job.events.put(("done", reason, job.tokens))
         del self.active[r.uid]
-        if r.finish_reason is not None:
+        if r.uid == SPECULATING:
+            self._finish_speculation(job)
+        elif r.finish_reason is not None:
             self.prompt_cache.insert(r.all_tokens, r.prompt_cache)
         else:  # a stop string ended it: leave the batch, keep its cache
             kept = gen.remove([r.uid], return_prompt_caches=True).get(r.uid)
             if kept is not None:
                 self.prompt_cache.insert(kept[1], kept[0])
+
+    # Speculative decoding: one job alone, by mlx-lm's speculative_generate_step (drafting.py).
+
+    def _speculates(self, job: Job) -> bool:
+        """Speculate for a job that starts alone: nothing running, nothing waiting. Not
+        for a grammar: its matcher cannot step back over rejected draft tokens."""
+        return (
+            self.draft_model is not None
+            and not self.active
+            and self.inbox.empty()
+            and job.grammar is None
+        )
+
+    def _start_speculation(self, gen, job: Job, cache: list, cached: int, procs: list):
+        self.speculation = Speculation(
+            self.model,
+            self.draft_model,
+            job.prompt,
+            cache,
+            cached,
+            max_tokens=job.max_tokens,
+            sampler=make_sampler(job.sampling),
+            processors=procs,
+            acceptance=Acceptance(self.num_draft_tokens, job.max_tokens),
+            eos_ids=self.tokenizer.eos_token_ids,
+            prefill_step_size=self.prefill_step_size,
+            kv_bits=self.kv_bits,
+            kv_group_size=self.kv_group_size,
+            stream=gen.stream,
+        )
+        job.uid = SPECULATING
+        self.active[SPECULATING] = job
+
+    def _speculate(self, gen):
+        """One round (draft, verify, accept) of the speculating job, its tokens emitted."""
+        spec = self.speculation
+        drafted, accepted = spec.acceptance.drafted, spec.acceptance.accepted
+        with mx.stream(gen.stream):
+            tokens = spec.round()
+        self.draft_tokens_proposed += spec.acceptance.drafted - drafted
+        self.draft_tokens_accepted += spec.acceptance.accepted - accepted
+        for token, logprobs, reason in tokens:
+            if SPECULATING not in self.active:
+                break  # a stop string ended it inside the round
+            self._emit(gen, _Token(SPECULATING, token, logprobs, reason))
+
+    def _finish_speculation(self, job: Job):
+        """The speculating job ended: its KV cache goes to the prompt cache."""
+        spec, self.speculation = self.speculation, None
+        cache, tokens, _ = spec.close(job.tokens)
+        self.prompt_cache.insert(tokens, cache)
+
+    def _batch_speculation(self, gen):
+        """Stop speculating, between rounds: the job goes on in the batch from its KV cache,
+        as a prompt-cache hit would."""
+        spec, job = self.speculation, self.active[SPECULATING]
+        cache, tokens, rest = spec.close(job.tokens)
+        (uid,) = gen.insert(
+            [rest],
+            max_tokens=[job.max_tokens - job.tokens],
+            caches=[cache],
+            all_tokens=[tokens],
+            samplers=[spec.sampler],
+            logits_processors=[spec.processors],
+            stop_sequences=[self._stops],
+        )
+        del self.active[SPECULATING]
+        job.uid, self.active[uid], self.speculation = uid, job, None
 
     @staticmethod
     def _apply_stop(job: Job, text: str, reason: Optional[str]):

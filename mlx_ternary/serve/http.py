@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from ..memory import kv_bytes, materialize
+from ..speculative import check_rewindable
 from . import answers, endpoints, openapi
 from . import anthropic as anthropic
 from .engine import POLL_S, Engine, Job
@@ -365,8 +366,9 @@ class Server(ThreadingHTTPServer):
         host: str = "127.0.0.1",
         port: int = 8080,
         engine_class=None,
+        draft_model=None,
     ):
-        self.engine = make_engine(model, tokenizer, config, engine_class or Engine)
+        self.engine = make_engine(model, tokenizer, config, engine_class or Engine, draft_model)
         self.grammars = self.engine.grammars
         self.tokenizer, self.config, self.created = tokenizer, config, int(time.time())
         self.draining = False
@@ -505,11 +507,17 @@ def drain_on_signals(server: Server, signals=(signal.SIGTERM, signal.SIGINT), fo
         signal.signal(sig, handler)
 
 
-def make_engine(model, tokenizer, config: ServeConfig, engine_class=None) -> Engine:
+def make_engine(
+    model, tokenizer, config: ServeConfig, engine_class=None, draft_model=None
+) -> Engine:
     """The generation engine for `config` (not started); `engine_class` defaults to Engine
-    (serve.lockstep.LockstepEngine runs one rank of a tensor-parallel group)."""
+    (serve.lockstep.LockstepEngine runs one rank of a tensor-parallel group); with
+    `draft_model` a request running alone decodes speculatively (drafting.py)."""
     materialize(model)
     make_cache(model, config.kv_bits, config.kv_group_size)  # refuses what cannot be
+    if draft_model is not None:
+        for name, m in (("the model", model), ("the draft model", draft_model)):
+            check_rewindable(make_cache(m, config.kv_bits, config.kv_group_size), name)
     if config.prompt_cache_bytes is None:
         config.prompt_cache_bytes = kv_bytes(
             model, config.max_context, config.max_concurrency, config.kv_bits, config.kv_group_size
@@ -523,6 +531,8 @@ def make_engine(model, tokenizer, config: ServeConfig, engine_class=None) -> Eng
         kv_group_size=config.kv_group_size,
         prompt_cache_bytes=config.prompt_cache_bytes,
         grammars=_grammars(model, tokenizer),
+        draft_model=draft_model,
+        num_draft_tokens=config.num_draft_tokens,
     )
 
 

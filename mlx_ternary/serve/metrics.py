@@ -84,6 +84,10 @@ def _engine_values(engine):
         ("kv_cache_bytes", "gauge", "bytes of the running batch's KV cache", engine.kv_bytes()),
         ("prompt_cache_bytes", "gauge", "bytes held by the prompt cache",
          engine.prompt_cache.nbytes),
+        ("draft_tokens_total", "counter", "tokens the draft model proposed (--draft-model)",
+         engine.draft_tokens_proposed),
+        ("draft_tokens_accepted_total", "counter", "draft tokens the target model accepted",
+         engine.draft_tokens_accepted),
     ]  # fmt: skip
 
 

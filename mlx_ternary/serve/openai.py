@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..format import KV_GROUP_SIZE
+from ..speculative import DEFAULT_DRAFT_TOKENS
 from .engine import Job
 
 MAX_TOP_LOGPROBS = 20
@@ -71,6 +72,7 @@ class ServeConfig:
     read_timeout: float = 60.0  # seconds a connection may send nothing
     max_connections: int = 1024  # open connections; more are answered 503
     drain_timeout: float = 25.0  # seconds in-flight requests get at SIGTERM/SIGINT
+    num_draft_tokens: int = DEFAULT_DRAFT_TOKENS  # per round, when serving with a draft model
 
     @property
     def names(self) -> List[str]:

@@ -42,7 +42,7 @@ def test_kernel_bench_smoke_run_checks_every_variant(tmp_path):
         "reference (qmm)",
         "reference (qmm + MLX act quant)",
     } <= variants
-    assert {r["m"] for r in rows} == {1, 20}
+    assert {r["m"] for r in rows} == {1, 16, 20}
     assert {r["act"] for r in rows} == {False, True}
     assert {r["scale"] for r in rows} == {"tensor", "row", "group"}
     assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
@@ -50,6 +50,18 @@ def test_kernel_bench_smoke_run_checks_every_variant(tmp_path):
     # Stock layers quantize no activations: they run only with float x.
     assert not [r for r in rows if r["act"] and r["variant"].startswith("stock")]
     assert all(r["vs_stock_q2"] for r in rows if r["scale"] == "row" and r["m"] == 20)
+    # Decode against stock 2- and 4-bit at every M <= 16, int8 rows against float-x stock.
+    summary = result["decode_vs_m"]
+    kernel_rows = [d for d in summary if d["variant"] in ("fast/default", "compact/default")]
+    assert {(d["m"], d["act"]) for d in kernel_rows} == {
+        (1, False),
+        (16, False),
+        (1, True),
+        (16, True),
+    }
+    assert all(d["vs_stock_q2"] and d["vs_stock_q4"] for d in kernel_rows)
+    assert all(d["vs_m1"] == 1.0 for d in kernel_rows if d["m"] == 1)
+    assert "decode against stock" in res.output
 
 
 def test_kernel_bench_reports_a_wrong_kernel_and_does_not_time_it(monkeypatch):
@@ -87,8 +99,14 @@ def test_overhead_bench_measures_every_path_with_stubbed_launches():
     rows = overhead.layer_overhead(k=128, n=64, rounds=2, calls=5)
     names = {(r.name, r.act) for r in rows}
     assert ("nn.QuantizedLinear 2-bit g64", False) in names
+    assert ("one MLX op (mx.zeros, called directly)", False) in names
     for act in (False, True):
-        for path in ("metal, launch stubbed", "reference", "metal, training mode (custom VJP)"):
+        for path in (
+            "metal, launch stubbed",
+            "metal, launch as one MLX op",
+            "reference",
+            "metal, training mode (custom VJP)",
+        ):
             assert (path, act) in names
         assert (("native CPU kernel", act) in names) == cpu.available()
     assert all(r.us_min > 0 and r.ratio > 0 for r in rows)

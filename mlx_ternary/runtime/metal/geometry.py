@@ -10,13 +10,30 @@ from ...format import CODES_PER_WORD, ROW_ALIGN_BYTES, TRITS_PER_BYTE
 
 SIMD_WIDTH = 32  # lanes per SIMD group on Apple GPUs
 
-# Decode GEMVs (gemv_fast.metal, gemv_compact.metal).
-GEMV_SIMDGROUPS = 2  # SIMD groups per threadgroup
-GEMV_SG_ROWS = 4  # output rows per SIMD group
-GEMV_ROWS = GEMV_SIMDGROUPS * GEMV_SG_ROWS  # output rows per threadgroup
-GEMV_THREADS = GEMV_SIMDGROUPS * SIMD_WIDTH
-GEMV_TOKENS = 4  # tokens per threadgroup at most: bounded registers
-MAX_GEMV_TOKENS = 16  # GEMV passes up to here (<= 4 threadgroups deep), GEMM above
+# Decode GEMVs (gemv_fast.metal, gemv_compact.metal): one threadgroup owns GEMV_TG_ROWS
+# output rows and every token of the call (up to MAX_GEMV_TOKENS), so the packed weights
+# are read once per call and x once per threadgroup. A SIMD group's lanes split into
+# SIMD_WIDTH / GEMV_WORD_LANES row groups of GEMV_WORD_LANES lanes along K; a lane owns
+# `gemv_layout(tm)[0]` rows, keeping its accumulators (rows x tokens) within
+# GEMV_LANE_ACCUMULATORS.
+GEMV_WORD_LANES = 16
+GEMV_TG_ROWS = 64
+GEMV_LANE_ROWS = 4  # rows per lane while tokens x rows fit the accumulator budget
+GEMV_LANE_ACCUMULATORS = 32
+MAX_GEMV_TOKENS = 16  # GEMV up to here (each weight read once), GEMM above
+GEMV_TOKEN_TILES = (1, 2, 4, 8, 16)  # the TM template values: tokens rounded up
+
+
+def gemv_token_tile(m: int) -> int:
+    """TM for an m-token GEMV: m rounded up to a power of 2 (fewer compiled variants)."""
+    return next(t for t in GEMV_TOKEN_TILES if t >= m)
+
+
+def gemv_layout(tm: int) -> tuple:
+    """(rows per lane RL, SIMD groups per threadgroup NSG) of a GEMV with TM = tm."""
+    rl = min(GEMV_LANE_ROWS, GEMV_LANE_ACCUMULATORS // tm)
+    return rl, GEMV_TG_ROWS // (rl * (SIMD_WIDTH // GEMV_WORD_LANES))
+
 
 # x pre-pass (prepass.metal): one threadgroup per token.
 PREPASS_THREADS = 256
@@ -43,8 +60,7 @@ _MACROS = {
     "TERNARY_WORD_CODES": CODES_PER_WORD,
     "TERNARY_WORD_BYTES": ROW_ALIGN_BYTES,
     "TERNARY_BYTE_TRITS": TRITS_PER_BYTE,
-    "TERNARY_GEMV_SIMDGROUPS": GEMV_SIMDGROUPS,
-    "TERNARY_GEMV_SG_ROWS": GEMV_SG_ROWS,
+    "TERNARY_GEMV_WORD_LANES": GEMV_WORD_LANES,
     "TERNARY_PREPASS_THREADS": PREPASS_THREADS,
     "TERNARY_GEMM_THREADS": GEMM_THREADS,
     "TERNARY_GEMM_TOKENS": GEMM_TOKENS,

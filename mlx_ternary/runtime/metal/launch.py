@@ -8,9 +8,10 @@ dummy inputs are all decided before the first call. Kernels are built through
 .metal file is split at its "//// BODY ////" line into `header` and kernel `source`.
 
 Kernels (docs/KERNELS.md has the thread mappings, costs and measured bytes):
-    prepass        int8 activations: per-token scale, quantized x, correction sums
-    gemv_fast      decode, fast packing, up to MAX_GEMV_TOKENS tokens; "offset" | "exact"
-    gemv_compact   decode, compact packing, up to MAX_GEMV_TOKENS tokens; "select"
+    gemv_fast      decode, fast packing, up to MAX_GEMV_TOKENS tokens in one launch (int8
+                   activations quantized inside); "offset" | "exact"
+    gemv_compact   decode, compact packing, the same; "fraction"
+    prepass        prefill with int8 activations: per-token scale and quantized x
     gemm           prefill, either packing, any M; weights decoded once per 64 tokens
 """
 
@@ -19,34 +20,35 @@ from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from ...format import CODES_PER_WORD, TRITS_PER_BYTE, fast_padded_k, packing_code
-from .geometry import (  # noqa: F401 - MAX_GEMV_TOKENS: part of the launcher's API
+from ...format import TRITS_PER_BYTE, packing_code
+from .geometry import (
     GEMM_ROWS,
     GEMM_THREADS,
     GEMM_TOKENS,
-    GEMV_ROWS,
-    GEMV_THREADS,
-    GEMV_TOKENS,
+    GEMV_TG_ROWS,
     MAX_GEMV_TOKENS,
     PREPASS_THREADS,
+    SIMD_WIDTH,
+    gemv_layout,
+    gemv_token_tile,
 )
 from .sources import kernel_source, split_source  # noqa: F401 - split_source: the launcher's API
 from .spec import FLOAT_DTYPES, MIN_DEVICE_ELEMENTS, LayerSpec, ceil_div, check_layer, check_x  # noqa: F401 - check_layer, check_x: part of the launcher's API
 
 FAST_DECODES = ("offset", "exact")
-COMPACT_DECODES = ("select",)
+COMPACT_DECODES = ("fraction",)
 KERNEL_CHOICES = ("gemv", "gemm", "gemm_fma")
 # "offset" adds ~1e-4 relative error with float activations (measured through the emulator,
 # docs/KERNELS.md): below float16/bfloat16 output rounding, so it is the default there;
 # float32 gets "exact". With int8 activations both are exact.
 DEFAULT_FAST_DECODE = {mx.float16: "offset", mx.bfloat16: "offset", mx.float32: "exact"}
 
-_MAIN_INPUTS = ["x", "aux", "wq", "scales", "bias", "params"]
+_GEMV_INPUTS = ["x", "wq", "scales", "bias", "params"]
 KERNELS = {  # name: (input names, output names)
     "prepass": (["x", "params"], ["xq", "aux"]),
-    "gemv_fast": (_MAIN_INPUTS, ["y"]),
-    "gemv_compact": (_MAIN_INPUTS, ["y"]),
-    "gemm": (_MAIN_INPUTS, ["y"]),
+    "gemv_fast": (_GEMV_INPUTS, ["y"]),
+    "gemv_compact": (_GEMV_INPUTS, ["y"]),
+    "gemm": (["x", "aux", "wq", "scales", "bias", "params"], ["y"]),
 }
 _KERNELS: Dict[Tuple[str, str, object], object] = {}
 _DUMMY: Dict[str, mx.array] = {}
@@ -91,12 +93,6 @@ def _dummy(name: str) -> mx.array:
         _DUMMY[name] = mx.zeros((1,), dtype=mx.float32)
         mx.eval(_DUMMY[name])  # kept across calls and threads: never a lazy graph
     return _DUMMY[name]
-
-
-def gemv_split(m: int) -> Tuple[int, int]:
-    """(tokens per threadgroup TM, threadgroups along z) for an m-token GEMV, balanced."""
-    chunks = ceil_div(m, GEMV_TOKENS)
-    return ceil_div(m, chunks), chunks
 
 
 def _blocks(spec: LayerSpec) -> Tuple[int, int, int]:
@@ -145,18 +141,13 @@ def _launch(name, backend, rest, template, grid, threadgroup, out_dtypes, sizes)
     )
 
 
-def _aux_width(spec: LayerSpec, corr: int) -> int:
-    """1 (the inverse scale) + one correction per packed word of a row when `corr`."""
-    return 1 + fast_padded_k(spec.k) // CODES_PER_WORD if corr else 1
-
-
-def _prepass(spec: LayerSpec, dtype, m: int, corr: int, backend: str) -> Launch:
-    params = _params([spec.k, _aux_width(spec, corr)])
+def prepass_launch(spec: LayerSpec, dtype, m: int, backend: str) -> Launch:
+    params = _params([spec.k])
     return _launch(
         "prepass",
         backend,
         (params,),
-        [("T", dtype), ("CORR", corr)],
+        [("T", dtype)],
         (PREPASS_THREADS, m, 1),
         (PREPASS_THREADS, 1, 1),
         [mx.float16, mx.float32],
@@ -164,62 +155,61 @@ def _prepass(spec: LayerSpec, dtype, m: int, corr: int, backend: str) -> Launch:
     )
 
 
-def _main_inputs(spec, packed, scales, bias, m, aw, params):
-    """(inputs after x, element counts of all inputs) of a GEMV or GEMM launch."""
+def _gemm_inputs(spec, packed, scales, bias, m, params):
+    """(inputs after x, element counts of all inputs) of a GEMM launch."""
     aux = None if spec.act else _dummy("aux")
     bias = bias if bias is not None else _dummy("bias")
-    sizes = (
-        m * spec.k,
-        m * aw if spec.act else 1,
-        packed.size,
-        scales.size,
-        bias.size,
-        params.size,
-    )
+    sizes = (m * spec.k, m if spec.act else 1, packed.size, scales.size, bias.size, params.size)
     return (aux, packed, scales, bias, params), sizes
 
 
-def _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw) -> Launch:
-    tm, chunks = gemv_split(m)
-    k = spec.k
+def _gemv(spec, packed, scales, bias, dtype, m, decode, backend) -> Launch:
+    """The one launch of an m-token decode call (m <= MAX_GEMV_TOKENS), int8 included."""
+    tm = gemv_token_tile(m)
+    rl, nsg = gemv_layout(tm)
+    # Staged values: half where exact, else float32. fast stages x (exact in half for half x
+    # and for int8 values); compact stages coefficients 1.5 y_k - 0.5 y_(k-1) (exact in half
+    # only for int8 values).
+    exact_half = spec.act or (spec.packing == "fast" and dtype == mx.float16)
+    xs = mx.float16 if exact_half else mx.float32
     tmpl = [
         ("T", dtype),
-        ("XT", xt),
+        ("XT", dtype),
+        ("XS", xs),
         ("ST", spec.scale_dtype),
         ("BT", spec.bias_dtype),
         ("TM", tm),
+        ("RL", rl),
+        ("NSG", nsg),
         ("SMODE", spec.mode),
         ("G", spec.group_size or 0),
         ("ACTQ", spec.act),
         ("HAS_BIAS", spec.has_bias),
     ]
     if spec.packing == "fast":
-        kalign = k % 16 == 0
-        tmpl += [
-            ("DECODE", FAST_DECODES.index(decode)),
-            ("KALIGN", kalign),
-            ("XVEC", kalign and xt != mx.bfloat16),
-        ]
-        params = [m, spec.n, k, spec.row_width, spec.scale_cols, aw]
+        tmpl.append(("DECODE", FAST_DECODES.index(decode)))
+        params = _params([m, spec.n, spec.k, spec.row_width, spec.scale_cols])
         name = "gemv_fast"
     else:
         _, bpb, nb = _blocks(spec)
-        params = [m, spec.n, k, spec.row_width, spec.scale_cols, aw, nb * bpb]
+        params = _params([m, spec.n, spec.k, spec.row_width, spec.scale_cols, nb * bpb])
         name = "gemv_compact"
-    rest, sizes = _main_inputs(spec, packed, scales, bias, m, aw, _params(params))
+    bias = bias if bias is not None else _dummy("bias")
+    sizes = (m * spec.k, packed.size, scales.size, bias.size, params.size)
+    threads = nsg * SIMD_WIDTH
     return _launch(
         name,
         backend,
-        rest,
+        (packed, scales, bias, params),
         tmpl,
-        (GEMV_THREADS, ceil_div(spec.n, GEMV_ROWS), chunks),
-        (GEMV_THREADS, 1, 1),
+        (threads, ceil_div(spec.n, GEMV_TG_ROWS), 1),
+        (threads, 1, 1),
         [dtype],
         sizes,
     )
 
 
-def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend, aw) -> Launch:
+def gemm_launch(spec, packed, scales, bias, xt, dtype, m, mma, backend) -> Launch:
     b, bpb, nb = _blocks(spec)
     exact_half = (xt == mx.float16) and (spec.mode != 2 or spec.scale_dtype == mx.float16)
     tmpl = [
@@ -234,8 +224,8 @@ def _gemm(spec, packed, scales, bias, xt, dtype, m, mma, backend, aw) -> Launch:
         ("HAS_BIAS", spec.has_bias),
         ("MMA", mma),
     ]
-    params = [m, spec.n, spec.k, spec.row_width, spec.scale_cols, b, bpb, nb, aw]
-    rest, sizes = _main_inputs(spec, packed, scales, bias, m, aw, _params(params))
+    params = [m, spec.n, spec.k, spec.row_width, spec.scale_cols, b, bpb, nb, 1]
+    rest, sizes = _gemm_inputs(spec, packed, scales, bias, m, _params(params))
     return _launch(
         "gemm",
         backend,
@@ -299,24 +289,20 @@ def prepare(
         m *= d
     kind = choose_kernel(m, kernel)
     decode = _decode(spec, dtype, decode)
-    corr = 0
-    if spec.act and spec.packing == "fast" and kind == "gemv":
-        corr = 1 if decode == "offset" else 2
-    aw = _aux_width(spec, corr)
-    xt = mx.float16 if spec.act else dtype
-    if kind == "gemv":
-        main = _gemv(spec, packed, scales, bias, xt, dtype, m, decode, backend, aw)
-    else:
-        main = _gemm(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend, aw)
     out_shape = (*shape[:-1], spec.n)
+    if kind == "gemv":
+        main = _gemv(spec, packed, scales, bias, dtype, m, decode, backend)
+        return _run_one(main, out_shape), (main.variant,)
+    xt = mx.float16 if spec.act else dtype
+    main = gemm_launch(spec, packed, scales, bias, xt, dtype, m, kind == "gemm", backend)
     if not spec.act:
-        return _run_float(main, out_shape), (main.variant,)
-    pre = _prepass(spec, dtype, m, corr, backend)
-    return _run_int8(pre, main, out_shape, (m, spec.k), (m, aw)), (pre.variant, main.variant)
+        return _run_one(main, out_shape), (main.variant,)
+    pre = prepass_launch(spec, dtype, m, backend)
+    return _run_int8(pre, main, out_shape, (m, spec.k), (m, 1)), (pre.variant, main.variant)
 
 
-def _run_float(main: Launch, out_shape: tuple) -> Callable[[mx.array], mx.array]:
-    """run(x) of a float-activation call: the main kernel only."""
+def _run_one(main: Launch, out_shape: tuple) -> Callable[[mx.array], mx.array]:
+    """run(x) of a one-launch call (a GEMV, or a GEMM without int8 activations)."""
     # Everything the closure touches is a local: no attribute lookups per call.
     kern, tmpl, grid, tg, odt = (
         main.kernel,
@@ -325,12 +311,12 @@ def _run_float(main: Launch, out_shape: tuple) -> Callable[[mx.array], mx.array]
         main.threadgroup,
         main.out_dtypes,
     )
-    aux, w, s, b, params = main.rest
+    rest = list(main.rest)
     out_shapes = [out_shape]
 
     def run(x):
         return kern(
-            inputs=[x, aux, w, s, b, params],
+            inputs=[x, *rest],
             template=tmpl,
             grid=grid,
             threadgroup=tg,
@@ -344,7 +330,7 @@ def _run_float(main: Launch, out_shape: tuple) -> Callable[[mx.array], mx.array]
 def _run_int8(
     pre: Launch, main: Launch, out_shape: tuple, xq_shape: tuple, aux_shape: tuple
 ) -> Callable[[mx.array], mx.array]:
-    """run(x) of an int8-activation call: the pre-pass, then the main kernel."""
+    """run(x) of an int8-activation prefill call: the pre-pass, then the GEMM."""
     kern, tmpl, grid, tg, odt = (
         main.kernel,
         main.template,
@@ -414,7 +400,7 @@ def ternary_matmul(
         group_size: scale group (and compact block) size, 64/128/256, or None.
         activation_bits: 8 for BitNet int8 per-token activations (pre-pass), else None.
         backend: "metal" (mx.fast.metal_kernel) or "emulate" (the CPU emulator).
-        decode: GEMV decode ("offset"/"exact" for fast, "select" for compact).
+        decode: GEMV decode ("offset"/"exact" for fast, "fraction" for compact).
         kernel: force "gemv", "gemm" (simdgroup-matrix tiles) or "gemm_fma" (FMA tiles);
             default: GEMV up to MAX_GEMV_TOKENS tokens, else "gemm".
 

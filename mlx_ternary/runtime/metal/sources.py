@@ -44,8 +44,12 @@ def split_source(text: str) -> Tuple[str, str]:
     return parts[0], parts[1]
 
 
+COMMON = "common.metal"  # helpers every kernel may call; no kernel of its own
+
+
 def kernel_source(name: str) -> Tuple[str, str]:
     """(header, body) of kernel `name` (metal/<name>.metal), the header after the generated
-    geometry prelude (geometry.prelude: tile sizes and TERNARY_UNROLL as macros)."""
+    geometry prelude (geometry.prelude: tile sizes and TERNARY_UNROLL as macros) and the
+    shared helpers of metal/common.metal."""
     header, body = split_source(read_source(f"{name}.metal"))
-    return prelude() + header, body
+    return prelude() + read_source(COMMON) + "\n" + header, body
