@@ -378,7 +378,9 @@ def test_serve_with_adapter_path_serves_the_adapted_model(trained_adapter, monke
             pass
 
     monkeypatch.setattr(mlx_ternary.serve.http, "Server", Recorder)
-    result = CliRunner().invoke(main, ["serve", "--adapter-path", str(trained_adapter)])
+    result = CliRunner().invoke(
+        main, ["serve", "--port", "0", "--adapter-path", str(trained_adapter)]
+    )
     assert result.exit_code == 0, result.output
     adapted, tokenizer = mlx_ternary.load(EMBEDDED, adapter_path=str(trained_adapter))
     ids = _ids(tokenizer)

@@ -1,12 +1,13 @@
 """The mlx-ternary command line. The only package that prints.
 
-One module per job: run (generate, perplexity, lm), model (convert, verify, plan), serve,
-bench; common holds what they share."""
+One module per job: run (generate, perplexity, lm), chat, model (convert, verify, plan),
+serve, bench; common holds what they share."""
 
 import click
 
 from ..errors import TernaryError
 from .bench import bench
+from .chat import chat
 from .model import convert, plan, verify
 from .models import models
 from .run import generate, lm, perplexity
@@ -30,7 +31,7 @@ class _Group(click.Group):
 @click.pass_context
 def main(ctx):
     """Run ternary (1.58-bit) LLMs with MLX."""
-    if ctx.invoked_subcommand in ("generate", "bench", "perplexity", "serve"):
+    if ctx.invoked_subcommand in ("generate", "chat", "bench", "perplexity", "serve"):
         _build_native()
 
 
@@ -49,5 +50,5 @@ def _build_native():
         cpu.available(lambda s: click.echo(f"mlx-ternary: {s}", err=True))
 
 
-for _command in (generate, perplexity, convert, verify, serve, lm, plan, bench, models):
+for _command in (generate, chat, perplexity, convert, verify, serve, lm, plan, bench, models):
     main.add_command(_command)

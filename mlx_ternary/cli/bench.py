@@ -5,6 +5,8 @@ import json
 
 import click
 
+from .common import threads_option
+
 
 @click.command(
     epilog="""\b
@@ -127,6 +129,7 @@ Examples:
     is_flag=True,
     help="On a CPU: measure the streaming-read bandwidth for the ceiling column.",
 )
+@threads_option
 def bench(model, kernels, overhead, backend, quick, json_path, plot_path, markdown, **run):
     """Measure each representation of a model: bytes, peak memory, prefill and decode speed."""
     if run.pop("old_overhead"):  # "host" now means only `serve --host`; remove in 0.3

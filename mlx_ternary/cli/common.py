@@ -230,6 +230,116 @@ def check_kv_groups(model, kv_bits: int | None, group_size: int) -> None:
         )
 
 
+def _apply_threads(ctx, param, value):
+    """--threads: the native CPU kernel's threads, for this process (and, through the
+    variable, ranks that mlx.launch pins to a block of cores keep it)."""
+    if value is None:
+        return value
+    import os
+
+    import mlx.core as mx
+
+    from ..runtime import cpu
+    from ..runtime.samehost import ENV_THREADS
+
+    os.environ[ENV_THREADS] = str(value)
+    if mx.default_device() == mx.cpu and cpu.available():
+        cpu.set_num_threads(value)
+    return value
+
+
+threads_option = click.option(
+    "--threads",
+    default=None,
+    type=click.IntRange(min=1),
+    expose_value=False,
+    callback=_apply_threads,
+    help="CPU threads of the native kernel (default: every core this process may use, "
+    "or $MLX_TERNARY_NUM_THREADS).",
+)
+
+
+def _finite(ctx, param, value):
+    """Refuse nan and inf, which FloatRange lets through."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def sampling_options(f):
+    """--temp, --top-p, --top-k, --min-p, --repetition-penalty, --seed: mlx-lm's sampling
+    flags, each refused outside its range."""
+    for option in reversed(
+        (
+            click.option(
+                "--temp",
+                default=0.0,
+                show_default=True,
+                type=click.FloatRange(min=0),
+                callback=_finite,
+                help="Sampling temperature (0: greedy).",
+            ),
+            click.option(
+                "--top-p",
+                default=1.0,
+                show_default=True,
+                type=click.FloatRange(0, 1),
+                callback=_finite,
+                help="Nucleus sampling.",
+            ),
+            click.option(
+                "--top-k",
+                default=0,
+                show_default=True,
+                type=click.IntRange(min=0),
+                help="Top-k sampling (0: off).",
+            ),
+            click.option(
+                "--min-p",
+                default=0.0,
+                show_default=True,
+                type=click.FloatRange(0, 1),
+                callback=_finite,
+                help="Min-p sampling.",
+            ),
+            click.option(
+                "--repetition-penalty",
+                default=None,
+                type=click.FloatRange(min=0, min_open=True),
+                callback=_finite,
+                help="Penalty for repeated tokens (e.g. 1.1).",
+            ),
+            click.option(
+                "--seed",
+                default=None,
+                type=click.IntRange(0, 2**64 - 1),
+                help="Random seed for sampling.",
+            ),
+        )
+    ):
+        f = option(f)
+    return f
+
+
+def context_warning(model, max_context: int, flag: str = "--max-context"):
+    """A warning when `max_context` exceeds the model's max_position_embeddings (None if not)."""
+    trained = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if isinstance(trained, int) and max_context > trained:
+        return (
+            f"{flag} {max_context} is above this model's max_position_embeddings "
+            f"({trained}): past {trained} tokens its output degrades"
+        )
+    return None
+
+
+def default_context(model, cap: int = 4096) -> int:
+    """The model's max_position_embeddings, at most `cap` (cap when it does not say)."""
+    trained = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return min(trained, cap) if isinstance(trained, int) and trained > 0 else cap
+
+
 def draft_options(f):
     """--draft-model and --num-draft-tokens (speculative decoding), for generate and serve."""
     from ..speculative import DEFAULT_DRAFT_TOKENS

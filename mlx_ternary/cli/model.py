@@ -21,6 +21,8 @@ from .common import (
     tensor_bar,
 )
 
+PLAN_DOES_NOT_FIT = 3  # plan's exit status when the run does not fit (1: an error, 2: usage)
+
 
 @click.command(
     epilog="""\b
@@ -208,7 +210,9 @@ Examples:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
 def plan(model, max_context, prompt_cache, as_json, **sizes):
-    """Memory plan: weights, KV cache, activations and overhead against the memory there is."""
+    """Memory plan: weights, KV cache, activations and overhead against the memory there is.
+
+    Exits 0 when the run fits, 3 when it does not (the plan is printed either way)."""
     import json
 
     from ..checkpoint.load import load
@@ -219,7 +223,11 @@ def plan(model, max_context, prompt_cache, as_json, **sizes):
     mem = memory_plan(lm, max_context, prompt_cache=cache_bytes, **sizes)
     if as_json:
         click.echo(json.dumps(mem.to_dict()))
+        if not mem.fits:
+            raise SystemExit(PLAN_DOES_NOT_FIT)
         return
     for line in mem.lines():
         click.echo(line)
     click.echo("fits" if mem.fits else f"does not fit; {'; '.join(mem.advice())}")
+    if not mem.fits:
+        raise SystemExit(PLAN_DOES_NOT_FIT)

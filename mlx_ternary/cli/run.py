@@ -8,12 +8,15 @@ from ..errors import TernaryError
 from .common import (
     activations_option,
     adapter_option,
+    context_warning,
     draft_options,
     kv_bits_option,
     load_draft,
     local_model,
     model_option,
     or_embedded,
+    sampling_options,
+    threads_option,
 )
 
 
@@ -39,24 +42,26 @@ Examples:
     "-m",
     default=100,
     show_default=True,
-    type=int,
+    type=click.IntRange(min=1),
     help="Maximum number of tokens to generate.",
 )
-@click.option("--temp", default=0.0, show_default=True, type=float, help="Sampling temperature.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="Top-k sampling (0: off).")
-@click.option("--min-p", default=0.0, show_default=True, type=float, help="Min-p sampling.")
-@click.option(
-    "--repetition-penalty", default=None, type=float, help="Penalty for repeated tokens (e.g. 1.1)."
-)
-@click.option("--seed", default=None, type=int, help="Random seed for sampling.")
+@sampling_options
 @click.option("--system-prompt", default=None, help="System prompt for the chat template.")
 @click.option(
     "--ignore-chat-template",
     is_flag=True,
     help="Feed the prompt as raw text even if the tokenizer has a chat template.",
 )
-@click.option("--max-kv-size", default=None, type=int, help="Rotating KV cache size.")
+@click.option(
+    "--max-kv-size", default=None, type=click.IntRange(min=1), help="Rotating KV cache size."
+)
+@click.option(
+    "--max-context",
+    default=None,
+    type=click.IntRange(min=2),
+    help="Prompt + generated tokens at most: a longer prompt is refused, generation stops "
+    "there (default: no limit but the memory plan's).",
+)
 @kv_bits_option
 @adapter_option
 @click.option(
@@ -65,20 +70,23 @@ Examples:
     help="Print speeds, peak memory (and the draft's acceptance rate) at the end.",
 )
 @activations_option()
+@threads_option
 @draft_options
-def generate(model, prompt, max_tokens, adapter_path, verbose, activations, **sampling):
+def generate(
+    model, prompt, max_tokens, max_context, adapter_path, verbose, activations, **sampling
+):
     """Generate text from a prompt, streaming tokens as they come."""
     from .. import generate as gen
     from ..speculative import Acceptance
 
     model = or_embedded(model)
-    if max_tokens < 1:
-        raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
+    if prompt == "":
+        raise click.BadParameter("the prompt is empty; give some text", param_hint="--prompt")
     draft_path = sampling.pop("draft_model")
     lm, tokenizer, prompt, rank0 = _load_for_generate(
         model, prompt, adapter_path, activations, sampling
     )
-    _check_generate_memory(lm, tokenizer, prompt, max_tokens, sampling)
+    max_tokens = _check_generate_memory(lm, tokenizer, prompt, max_tokens, max_context, sampling)
     if draft_path is not None:
         sampling["draft_model"] = load_draft(draft_path, lm, tokenizer)
     accepted = Acceptance(sampling["num_draft_tokens"], max_tokens)
@@ -127,14 +135,30 @@ def _load_for_generate(model, prompt, adapter_path, activations, sampling):
     return lm, tokenizer, prompt, group.rank() == 0
 
 
-def _check_generate_memory(lm, tokenizer, prompt, max_tokens, sampling):
-    """Refuse a run whose prompt, tokens and KV cache do not fit in memory."""
+def _check_generate_memory(lm, tokenizer, prompt, max_tokens, max_context, sampling) -> int:
+    """Refuse an empty prompt, one longer than --max-context, and a run whose prompt, tokens
+    and KV cache do not fit in memory; warn past the model's trained context. Returns the
+    tokens to generate (--max-tokens, cut at --max-context)."""
     from .. import generate as gen
     from ..memory import plan as memory_plan
 
     tokens = gen.prompt_tokens(
         tokenizer, prompt, sampling["system_prompt"], sampling["ignore_chat_template"]
     )
+    if not tokens:
+        raise click.BadParameter(
+            "the prompt is empty (no tokens); give some text", param_hint="--prompt"
+        )
+    if max_context is not None:
+        if len(tokens) >= max_context:
+            raise TernaryError(
+                f"the prompt is {len(tokens)} tokens; --max-context {max_context} leaves no "
+                "room to generate (give a larger --max-context or a shorter prompt)"
+            )
+        max_tokens = min(max_tokens, max_context - len(tokens))
+    warning = context_warning(lm, len(tokens) + max_tokens, "prompt + --max-tokens")
+    if warning:
+        click.echo(f"WARNING: {warning}", err=True)
     mem = memory_plan(
         lm,
         len(tokens) + max_tokens,
@@ -145,6 +169,7 @@ def _check_generate_memory(lm, tokenizer, prompt, max_tokens, sampling):
     )
     if not mem.fits:
         raise TernaryError(mem.refusal())
+    return max_tokens
 
 
 def _print_speeds(last):
@@ -188,6 +213,7 @@ Examples:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @activations_option()
+@threads_option
 def perplexity(model, data, context, batch_size, max_tokens, as_json, activations):
     """Perplexity of a model on a text file, evaluated in consecutive windows."""
     import json
@@ -216,7 +242,7 @@ def perplexity(model, data, context, batch_size, max_tokens, as_json, activation
 Examples:
   mlx-ternary lm server --model DIR --port 8080      # mlx-lm's OpenAI-compatible server
   mlx-ternary lm lora --model DIR --train --data DATA --iters 100
-  mlx-ternary lm chat --model DIR --adapter-path adapters
+  mlx-ternary lm chat --model DIR --adapter-path adapters   # or: mlx-ternary chat
   mlx-ternary lm TOOL --help                         # the tool's own flags
 """,
 )
@@ -229,6 +255,7 @@ def lm(ctx, tool, args):
     TOOL is one of mlx-lm's: server, chat, generate, lora, fuse, evaluate, cache_prompt,
     benchmark, perplexity, ... with mlx-lm's own flags. Ternary checkpoints (native,
     Hugging Face BitNet) load through mlx-ternary; other models through mlx-lm unchanged.
+    `mlx-ternary chat` is this project's own chat (the memory plan, /reset, --threads).
     """
     from ..lm import run_tool
 

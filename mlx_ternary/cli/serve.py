@@ -12,6 +12,7 @@ from .common import (
     activations_option,
     adapter_option,
     check_kv_groups,
+    context_warning,
     draft_options,
     load_draft,
     local_model,
@@ -20,8 +21,10 @@ from .common import (
     or_embedded,
     prefill_option,
     prompt_cache_bytes,
+    threads_option,
 )
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
 NETWORK_OPTIONS = ("served_names", "api_key", "cors_origins", "read_timeout", "max_connections")
 SERVE_FLAGS = {
     "context": "--max-context",
@@ -120,21 +123,41 @@ Examples:
     help="Open connections at most; more get HTTP 503 with Retry-After.",
 )
 @activations_option()
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    help="info: one line per request (status, tokens, time to first token, tokens/s); "
+    "warning: only problems; debug: also each connection's raw request line.",
+)
+@threads_option
 @draft_options
-def serve(model, host, port, memory_limit, prompt_cache, adapter_path, activations, **options):
+@click.pass_context
+def serve(ctx, model, host, port, memory_limit, prompt_cache, adapter_path, activations, **options):
     """An OpenAI- and Anthropic-compatible HTTP server (/v1/chat/completions,
-    /v1/completions, /v1/messages)."""
+    /v1/completions, /v1/messages) with a chat page at /."""
     from .. import parallel as dist
-    from ..serve.http import ServeConfig, Server, make_engine, short_name
+    from ..serve.http import ServeConfig, Server, bind_error, make_engine, short_name
     from ..serve.lockstep import LockstepEngine, follow
 
+    _configure_logging(options.pop("log_level"))
     network = {k: options.pop(k) for k in NETWORK_OPTIONS}
     draft_path = options.pop("draft_model")
     sizes = options
     model = or_embedded(model)
     group = dist.world()  # under mlx.launch: tensor parallel, rank 0 serves
+    if group.rank() == 0:  # refused before minutes of loading, not after
+        error = bind_error(host, port)
+        if error:
+            click.echo(f"Error: {error}", err=True)
+            ctx.exit(2)
     lm, tokenizer = _load_for_serve(local_model(model), group, adapter_path, activations)
     check_kv_groups(lm, sizes["kv_bits"], sizes["kv_group_size"])
+    explicit = ctx.get_parameter_source("max_context") != click.core.ParameterSource.DEFAULT
+    warning = explicit and context_warning(lm, sizes["max_context"])
+    if warning:
+        click.echo(f"WARNING: {warning}", err=True)
     cache_bytes = _prompt_cache_size(lm, prompt_cache, sizes)
     mem = _check_serve_memory(lm, memory_limit, cache_bytes, sizes)
     draft = load_draft(draft_path, lm, tokenizer) if draft_path is not None else None
@@ -156,28 +179,85 @@ def serve(model, host, port, memory_limit, prompt_cache, adapter_path, activatio
         server = Server(lm, tokenizer, config, host, port, engine_class=lockstep, draft_model=draft)
     except ValueError as e:  # a model whose caches --kv-bits cannot quantize
         raise TernaryError(str(e)) from None
+    except OSError as e:  # the port was taken while the model loaded
+        click.echo(f"Error: cannot listen on {host}:{port}: {e.strerror or e}", err=True)
+        ctx.exit(2)
     _announce(server, model, config, host, mem)
     try:
         server.serve_forever()
     finally:
         server.server_close()
+    if getattr(server, "draining", False):
+        _leave(0)
 
 
 def _announce(server, model, config, host, mem):
-    """What is served where, the memory plan, a warning when exposed without a key; then
-    SIGTERM/SIGINT drain the server (in-flight requests finish, new ones get 503)."""
+    """What is served where (API, chat page, the model's ids), the memory plan, a warning
+    when exposed without a key; then SIGTERM/SIGINT drain the server (in-flight requests
+    finish, new ones get 503) and a second one forces the exit."""
     from ..serve.http import drain_on_signals, exposure_warning
 
+    base = f"http://{_url_host(host)}:{server.server_address[1]}"
+    aliases = config.names[1:]
     click.echo(
-        f"Serving {model} as {', '.join(config.names)} on "
-        f"http://{host}:{server.server_address[1]}/v1 "
-        f"(plan: {mem.total / 1024**3:.2f} of {mem.limit / 1024**3:.2f} GiB)",
+        f"Serving {model}\n"
+        f"  model id:  {config.names[0]}"
+        + (f" (aliases: {', '.join(aliases)})" if aliases else "")
+        + f"\n  API:       {base}/v1  (OpenAI and Anthropic)"
+        f"\n  chat page: {base}/"
+        f"\n  memory:    {mem.total / 1024**3:.2f} of {mem.limit / 1024**3:.2f} GiB planned"
+        "\nCtrl-C to stop (twice to force).",
         err=True,
     )
     warning = exposure_warning(host, config.api_key)
     if warning:
         click.echo(f"WARNING: {warning}", err=True)
-    drain_on_signals(server)
+    drain_on_signals(server, force=_force)
+
+
+def _url_host(host: str) -> str:
+    """The host as a URL writes it (an address on every interface is reached on loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _force(signum: int) -> None:
+    click.echo("mlx-ternary serve: forced exit", err=True)
+    _leave(128 + signum)
+
+
+def _leave(code: int) -> None:
+    """Exit now, without the interpreter's shutdown: a thread that used MLX (the engine's,
+    a connection's) runs MLX's thread-local destructors as it ends, and they take the GIL;
+    once the interpreter is finalizing, taking the GIL ends the thread by a forced unwind
+    that C++ turns into std::terminate (SIGABRT, "terminate called without an active
+    exception"). The server is closed by now: nothing is left to finalize."""
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _configure_logging(level: str) -> None:
+    """The server's log (one line per request at info) on stderr, with the time."""
+    import logging
+
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("mlx_ternary").setLevel(getattr(logging, level.upper()))
 
 
 def _load_for_serve(path, group, adapter_path, activations):

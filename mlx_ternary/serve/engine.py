@@ -75,6 +75,9 @@ class Job:
     records: list = field(default_factory=list)
     tokens: int = 0
     submitted: float = 0.0  # time.monotonic() at submit, then at each token
+    started: float = 0.0  # time.monotonic() at submit
+    first_token_at: Optional[float] = None  # time.monotonic() at token 1
+    last_token_at: Optional[float] = None  # time.monotonic() at the latest token
 
 
 def _seeded_sampler(temp, top_p, top_k, min_p, seed):
@@ -173,7 +176,8 @@ class Engine:
 
     def stop(self):
         self._stop.set()
-        self._thread.join(timeout=30)
+        if self._thread.ident is not None:  # started (a server that failed to bind never is)
+            self._thread.join(timeout=30)
 
     @property
     def healthy(self) -> bool:
@@ -184,7 +188,7 @@ class Engine:
         return self.inbox.qsize() + len(self.active)
 
     def submit(self, job: Job):
-        job.submitted = time.monotonic()
+        job.submitted = job.started = time.monotonic()
         self.inbox.put(job)
 
     def kv_bytes(self) -> int:
@@ -362,8 +366,11 @@ class Engine:
             return
         job.tokens += 1
         self.tokens_generated += 1
+        now = time.monotonic()
+        if job.tokens == 1:
+            job.first_token_at = now
+        job.last_token_at = now
         if self.metrics is not None:
-            now = time.monotonic()
             (self.metrics.first_token if job.tokens == 1 else self.metrics.next_token)(
                 now - job.submitted
             )

@@ -46,6 +46,7 @@ __all__ = [
     "APIError",
     "ServeConfig",
     "Server",
+    "bind_error",
     "drain_on_signals",
     "exposure_warning",
     "load_lazily",
@@ -69,6 +70,7 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), fmt % args)
 
     def send_response(self, code, message=None):
+        self._status = code
         path = getattr(self, "path", "").split("?", 1)[0]
         known = any(path == p for _, p in ROUTES)  # a label per endpoint, not per probe
         self.server.metrics.request(path if known else "other", code)
@@ -142,7 +144,10 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         self._body_read = method in ("GET", "OPTIONS") and not length or length == "0"
         path = self.path.split("?", 1)[0]
+        self._status, self._job, start = None, None, time.monotonic()
         self._guard(lambda: self._route(method, path), anthropic_errors=path in MESSAGES_PATHS)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", request_line(method, path, self._status, self._job, self.server, start))
 
     def _route(self, method: str, path: str):
         if path not in PUBLIC:
@@ -206,6 +211,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def answer(self, req: Request, answer):
         """Run `req` on the engine and send it with `answer(handler, req)`."""
+        self._job = req.job
         self.submit(req.job)
         self.server.track(+1)
         try:
@@ -266,6 +272,26 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 done = event
         return None if done is None else ("".join(text), records, prompt_records, done)
+
+
+def request_line(method: str, path: str, status, job: Optional[Job], server, start: float) -> str:
+    """The log line of one request: method, path, status, and for a generation the model,
+    prompt and completion tokens, time to first token and decode tokens/s; then its time."""
+    parts = [method, path, str(status or "-")]
+    if job is not None:
+        parts += [
+            f"model={server.config.model_name}",
+            f"prompt={len(job.prompt)}",
+            f"cached={job.cached_tokens}",
+            f"completion={job.tokens}",
+        ]
+        if job.first_token_at is not None:
+            parts.append(f"ttft={job.first_token_at - job.started:.3f}s")
+            span = (job.last_token_at or job.first_token_at) - job.first_token_at
+            if job.tokens > 1 and span > 0:
+                parts.append(f"{(job.tokens - 1) / span:.1f} tok/s")
+    parts.append(f"{time.monotonic() - start:.3f}s")
+    return " ".join(parts)
 
 
 def _health(h: Handler):
@@ -412,6 +438,32 @@ class Server(ThreadingHTTPServer):
         self.engine.stop()
 
 
+def bind_error(host: str, port: int) -> Optional[str]:
+    """Why the server could not listen on (host, port), in one sentence; None when it can
+    (checked by binding a socket as the server does, then closing it). Port 0 always can."""
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, Server.address_family, socket.SOCK_STREAM
+        )[0]
+    except OSError as e:
+        return (
+            f"cannot listen on {host}:{port}: {e.strerror or e}; --host takes an IPv4 "
+            "address or a name that resolves to one"
+        )
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Server does
+            sock.bind(address)
+    except OSError as e:
+        advice = "; pick another --port" + (
+            " (8080 is also mlx_lm.server's and llama-server's default)" if port == 8080 else ""
+        )
+        return f"cannot listen on {host}:{port}: {e.strerror or e}{advice}"
+    return None
+
+
 def exposure_warning(host: str, api_key: Optional[str]) -> Optional[str]:
     """A warning when `host` is reachable from other machines and no API key is set."""
     if api_key or host in ("localhost", ""):
@@ -435,14 +487,21 @@ def _exposed(host: str) -> str:
     )
 
 
-def drain_on_signals(server: Server, signals=(signal.SIGTERM, signal.SIGINT)):
+def drain_on_signals(server: Server, signals=(signal.SIGTERM, signal.SIGINT), force=None):
     """Make SIGTERM/SIGINT drain `server` (Server.drain on a thread of its own, since
-    serve_forever runs on the thread that gets the signal); call from the main thread."""
+    serve_forever runs on the thread that gets the signal); call from the main thread.
+    A second signal while draining calls `force(signum)` when given (the CLI exits)."""
 
     def handler(signum, frame):
         if not server.draining:
-            log.warning("signal %d: draining (%d in flight)", signum, server.in_flight)
+            log.warning(
+                "%s: draining (%d in flight); again to force",
+                signal.Signals(signum).name,
+                server.in_flight,
+            )
             threading.Thread(target=server.drain, name="mlx-ternary-drain").start()
+        elif force is not None:
+            force(signum)
 
     for sig in signals:
         signal.signal(sig, handler)
