@@ -24,19 +24,10 @@ _PLAN_SETTINGS = (
 )
 
 
-class _LastCall(tuple):
-    """(x shape, x dtype, call) of a layer's latest inference call, what TernaryLinear's
-    call checks first: comparing x's shape and dtype to it costs less than hashing the
-    (shape, Dtype) key of the plan's dict (MLX's Dtype hashes through nanobind). A copied
-    layer starts without one (it plans again, as its copied plan is None)."""
-
-    __slots__ = ()
-
-    def __deepcopy__(self, memo):
-        return _NO_CALL
-
-
-_NO_CALL = _LastCall((None, None, None))
+# (x shape, x dtype, call) of a layer's latest inference call, which TernaryLinear's call
+# checks first: comparing x's shape and dtype to it costs less than hashing the (shape,
+# Dtype) key of the plan's dict (MLX's Dtype hashes and compares through nanobind).
+_NO_CALL = (None, None, None)
 
 
 class TernaryLinear(nn.Module):
@@ -215,6 +206,12 @@ class TernaryLinear(nn.Module):
         self.__dict__["_plan"] = None
         self.__dict__["_last"] = _NO_CALL
 
+    def __getstate__(self):
+        # copy.deepcopy (and pickle): a copy plans again (a Dtype cannot be copied)
+        state = dict(self.__dict__)
+        state["_plan"], state["_last"] = None, _NO_CALL
+        return state
+
     def plan(self) -> dispatch.LayerPlan:
         """This layer's launch plan: made on first use, again after any change."""
         plan = self.__dict__.get("_plan")
@@ -283,9 +280,6 @@ class TernaryLinear(nn.Module):
         shape, dtype, fn = self._last  # the latest inference call's (decode: every call)
         if x.shape == shape and x.dtype == dtype:
             return fn(x)
-        return self._call(x)
-
-    def _call(self, x: mx.array) -> mx.array:
         plan = self._plan or self.plan()
         training = self._training
         key = (x.shape, x.dtype)
@@ -293,7 +287,7 @@ class TernaryLinear(nn.Module):
         fn = calls.get(key) or plan.plan_call(x, training)
         # Remembered only for a kept plan's kept inference call (not a trace's).
         if not training and calls.get(key) is fn and self.__dict__.get("_plan") is plan:
-            self.__dict__["_last"] = _LastCall((*key, fn))
+            self.__dict__["_last"] = (*key, fn)
         return fn(x)
 
     def _extra_repr(self) -> str:
