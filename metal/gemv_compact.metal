@@ -27,7 +27,10 @@
 //
 // Blocks: with group scales (G > 0) a block is one group of G columns, BPB = ceil(G / 5)
 // bytes; byte b holds columns blk * G + 5 (b - blk BPB) .. +4 of block blk = b / BPB, and a
-// word's 4 bytes span at most 2 blocks (BPB > 4): each byte's sum takes its block's scale.
+// word's 4 bytes span at most 2 blocks (BPB > 4). A word's partial sum per token is kept in
+// NCH chains of bytes that always share a block (one when 4 divides BPB, G = 256; two, bytes
+// 0-1 and 2-3, when 2 does, G = 128; one per byte otherwise, G = 64), each chain's sum
+// taking its block's scale in one FMA.
 // Without group scales the row is one block: byte b holds columns 5b..5b+4. Pad trits are
 // zero trits; bytes past the last block (row padding to 4 bytes) get zero coefficients.
 //
@@ -56,6 +59,12 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
   constexpr int SR = (L / WL) * RL;            // rows per SIMD group
   constexpr int NT = NSG * L;
   constexpr int BPB = G > 0 ? (G + TB - 1) / TB : 1;
+  // Partial sums per word and token (chains): bytes in one chain always share a block.
+  // Block edges fall at multiples of BPB bytes: never inside a word when 4 divides BPB (one
+  // chain: G = 0, 256), only between bytes 1 and 2 when 2 does (two: bytes 0-1 and 2-3,
+  // the low and high halves of both registers; G = 128), anywhere otherwise (four; G = 64).
+  constexpr int NCH = (G == 0 || BPB % WB == 0) ? 1 : (BPB % 2 == 0 ? 2 : WB);
+  constexpr int CB = WB / NCH;  // bytes per chain
   const uint tid = thread_index_in_threadgroup;
   const uint lane = thread_index_in_simdgroup;
   const uint sg = simdgroup_index_in_threadgroup;
@@ -66,8 +75,11 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
   // Per token and staged word: for each of its two registers (bytes 0 and 2; bytes 1 and 3)
   // and each k, the pair (c_k of the low byte, c_k of the high byte), two k per vector.
   threadgroup vec<XS, 4> ce[TM][WL][2][NF / 2];
-  // Per word: -3 sum y of each byte (G > 0), or of the whole word in .x (G == 0).
+  // Per word: -3 sum y of each chain's bytes (chain c in component c).
   threadgroup float4 cc[TM][WL];
+  // Per word (group scales): the scale column of each chain's block, staged once for the
+  // threadgroup's 64 rows.
+  threadgroup int4 cb[WL];
   threadgroup float tsc[TM];
   threadgroup float tinv[TM];
   threadgroup float tred[NSG * TM];
@@ -126,7 +138,7 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
           yv[d] = f;
           sum += f;
         }
-        corr[G > 0 ? i : 0] -= 3.0f * sum;
+        corr[i / CB] -= 3.0f * sum;
         c[i][0] = 1.5f * yv[0];
         TERNARY_UNROLL
         for (int k = 1; k < TB; k++) {
@@ -145,18 +157,20 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
         }
       }
       cc[m][w] = corr;
+      if (G > 0 && m == 0) {
+        int4 sv = int4(0);
+        TERNARY_UNROLL
+        for (int c = 0; c < NCH; c++) {
+          sv[c] = min((b0 + c * CB) / BPB, SC - 1);
+        }
+        cb[w] = sv;
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const int j = s * WL + wl;
     if (j < nwords) {
-      const int b0 = j * WB;
-      const int blk0 = G > 0 ? b0 / BPB : 0;
-      bool hi[WB];  // byte i in the word's second block
-      TERNARY_UNROLL
-      for (int i = 0; i < WB; i++) {
-        hi[i] = G > 0 && b0 + i - blk0 * BPB >= BPB;
-      }
+      const int4 sidx = G > 0 ? cb[wl] : int4(0);  // each chain's scale column
       TERNARY_UNROLL
       for (int r = 0; r < RL; r++) {
         if (row0 + r >= N) {
@@ -176,57 +190,40 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
             u[g] = (u[g] + (u[g] << 1)) & TERNARY_FRAC_MASK;
           }
         }
-        // Group scales: the scale of each of the word's bytes (its block's).
-        float sb[WB] = {1.0f, 1.0f, 1.0f, 1.0f};  // blocks without group scales: 1
-        if (SMODE == 2) {
-          const float s0 = static_cast<float>(scales[rows[r] * SC + min(blk0, SC - 1)]);
-          const float s1 = static_cast<float>(scales[rows[r] * SC + min(blk0 + 1, SC - 1)]);
-          TERNARY_UNROLL
-          for (int i = 0; i < WB; i++) {
-            sb[i] = hi[i] ? s1 : s0;
-          }
+        float sc[NCH];  // each chain's scale (group scales; else applied at the end)
+        TERNARY_UNROLL
+        for (int c = 0; c < NCH; c++) {
+          sc[c] = SMODE == 2 ? static_cast<float>(scales[rows[r] * SC + sidx[c]]) : 1.0f;
         }
         TERNARY_UNROLL
         for (int m = 0; m < TM; m++) {
           if (m < M) {
-            if (G > 0) {
-              // p[i]: byte i's correction + sum_k h_k c_k (bytes 0, 2 in register 0; 1, 3
-              // in register 1), times its block's scale.
-              const float4 c0 = cc[m][wl];
-              float p[WB] = {c0.x, c0.y, c0.z, c0.w};
+            // Each chain starts at its correction, one FMA per fraction (byte g: register
+            // g % 2's low half, byte g + 2 its high half), then one FMA with its block's
+            // scale (group scales) or one add (kept per word: exact with integer
+            // activations).
+            const float4 c0 = cc[m][wl];
+            float p[NCH];
+            TERNARY_UNROLL
+            for (int c = 0; c < NCH; c++) {
+              p[c] = c0[c];
+            }
+            TERNARY_UNROLL
+            for (int g = 0; g < 2; g++) {
+              const int lo = g / CB;        // chain of byte g
+              const int hi = (g + 2) / CB;  // chain of byte g + 2
               TERNARY_UNROLL
-              for (int g = 0; g < 2; g++) {
-                TERNARY_UNROLL
-                for (int k = 0; k < NF; k += 2) {
-                  const vec<XS, 4> v = ce[m][wl][g][k / 2];
-                  p[g] = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p[g]);
-                  p[g + 2] =
-                      fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p[g + 2]);
-                  p[g] = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p[g]);
-                  p[g + 2] =
-                      fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p[g + 2]);
-                }
+              for (int k = 0; k < NF; k += 2) {
+                const vec<XS, 4> v = ce[m][wl][g][k / 2];
+                p[lo] = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p[lo]);
+                p[hi] = fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p[hi]);
+                p[lo] = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p[lo]);
+                p[hi] = fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p[hi]);
               }
-              TERNARY_UNROLL
-              for (int i = 0; i < WB; i++) {
-                acc[r][m] = fma(sb[i], p[i], acc[r][m]);
-              }
-            } else {
-              // One block: the word's partial sum starts at its correction, one FMA per
-              // fraction, then one add (kept per word: exact with integer activations).
-              float p = cc[m][wl].x;
-              TERNARY_UNROLL
-              for (int g = 0; g < 2; g++) {
-                TERNARY_UNROLL
-                for (int k = 0; k < NF; k += 2) {
-                  const vec<XS, 4> v = ce[m][wl][g][k / 2];
-                  p = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p);
-                  p = fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p);
-                  p = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p);
-                  p = fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p);
-                }
-              }
-              acc[r][m] += p;
+            }
+            TERNARY_UNROLL
+            for (int c = 0; c < NCH; c++) {
+              acc[r][m] = SMODE == 2 ? fma(sc[c], p[c], acc[r][m]) : acc[r][m] + p[c];
             }
           }
         }

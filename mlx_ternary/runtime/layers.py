@@ -24,6 +24,12 @@ _PLAN_SETTINGS = (
 )
 
 
+# (x shape, x dtype, call) of a layer's latest inference call, which TernaryLinear's call
+# checks first: comparing x's shape and dtype to it costs less than hashing the (shape,
+# Dtype) key of the plan's dict (MLX's Dtype hashes and compares through nanobind).
+_NO_CALL = (None, None, None)
+
+
 class TernaryLinear(nn.Module):
     """A linear layer whose weight is s * t, t in {-1, 0, +1}, kept packed.
 
@@ -67,7 +73,7 @@ class TernaryLinear(nn.Module):
         backend: Optional[str] = None,
     ):
         super().__init__()
-        self.__dict__["_plan"] = None
+        self._drop_plan()
         self.in_features = input_dims
         self.out_features = output_dims
         self.packing = fmt.check_packing(packing, "TernaryLinear packing")
@@ -180,19 +186,31 @@ class TernaryLinear(nn.Module):
     def __setattr__(self, key, val):
         super().__setattr__(key, val)
         if key in _PLAN_SETTINGS:
-            self.__dict__["_plan"] = None
+            self._drop_plan()
 
     def __setitem__(self, key, val):
         super().__setitem__(key, val)
-        self.__dict__["_plan"] = None
+        self._drop_plan()
 
     def __delitem__(self, key):
         super().__delitem__(key)
-        self.__dict__["_plan"] = None
+        self._drop_plan()
 
     def pop(self, key, *default):
-        self.__dict__["_plan"] = None
+        # nn.Module.__setattr__ pops every non-array attribute it sets, train()/eval()'s
+        # `_training` included: those drop the plan and the remembered last call too.
+        self._drop_plan()
         return super().pop(key, *default)
+
+    def _drop_plan(self) -> None:
+        self.__dict__["_plan"] = None
+        self.__dict__["_last"] = _NO_CALL
+
+    def __getstate__(self):
+        # copy.deepcopy (and pickle): a copy plans again (a Dtype cannot be copied)
+        state = dict(self.__dict__)
+        state["_plan"], state["_last"] = None, _NO_CALL
+        return state
 
     def plan(self) -> dispatch.LayerPlan:
         """This layer's launch plan: made on first use, again after any change."""
@@ -259,10 +277,18 @@ class TernaryLinear(nn.Module):
         return self.kernel_spec(), self.__dict__, "_plan"
 
     def __call__(self, x: mx.array) -> mx.array:
+        shape, dtype, fn = self._last  # the latest inference call's (decode: every call)
+        if x.shape == shape and x.dtype == dtype:
+            return fn(x)
         plan = self._plan or self.plan()
-        training = self.training
-        fn = (plan.train_calls if training else plan.calls).get((x.shape, x.dtype))
-        return (fn or plan.plan_call(x, training))(x)
+        training = self._training
+        key = (x.shape, x.dtype)
+        calls = plan.train_calls if training else plan.calls
+        fn = calls.get(key) or plan.plan_call(x, training)
+        # Remembered only for a kept plan's kept inference call (not a trace's).
+        if not training and calls.get(key) is fn and self.__dict__.get("_plan") is plan:
+            self.__dict__["_last"] = (*key, fn)
+        return fn(x)
 
     def _extra_repr(self) -> str:
         return (

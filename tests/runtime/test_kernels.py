@@ -387,6 +387,9 @@ TWIN_CASES = [  # (packing, scale, group, act, K odd)
     ("fast", "group", 64, False, 333),
     ("compact", "row", None, False, 331),
     ("compact", "group", 128, True, 333),
+    # compact's chains per word: 1 (G = 256), 2 (G = 128), 4 (G = 64; gemv_compact.metal)
+    ("compact", "group", 64, False, 333),
+    ("compact", "group", 256, True, 601),
 ]
 
 

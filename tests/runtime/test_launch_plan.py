@@ -6,6 +6,7 @@ the <8-element guard, and greedy generation through the emulated kernels.
 emulator (a correct kernel), or a kernel that raises, or one that returns wrong numbers.
 """
 
+import copy
 import json
 import warnings
 
@@ -224,6 +225,28 @@ def test_metal_kernels_are_differentiable_in_training_mode(fake_metal):
     # reaches x; on a Mac MLX refuses to differentiate a custom kernel.
     layer.eval()
     assert np.abs(np.array(input_grad(layer, x, c))).max() == 0
+
+
+def test_the_remembered_last_call_follows_dtype_mode_and_copies(fake_metal):
+    # TernaryLinear checks its latest inference call's (shape, dtype) before the plan's dict.
+    fake_metal.setattr(mx.fast, "metal_kernel", metal_kernel)
+    layer, w = make_layer(n=20, k=128, act=8)
+    layer.eval()
+    rng = np.random.default_rng(6)
+    x = mx.array(rng.normal(size=(2, 128)).astype(np.float32))
+    c = mx.array(rng.normal(size=(2, 20)).astype(np.float32))
+    for dtype in (mx.float32, mx.float16, mx.float32, mx.bfloat16):  # same shape, new dtype
+        y = layer(x.astype(dtype))
+        assert y.dtype == dtype
+        assert rel_err(y, forward_np(x.astype(dtype), w, 8)) < {mx.float32: 1e-5}.get(dtype, 2e-2)
+    assert np.abs(np.array(input_grad(layer, x, c))).max() == 0  # eval: no VJP (control)
+    layer.train()  # after eval calls of this very shape: the training call, with its VJP
+    assert rel_err(input_grad(layer, x, c), np.array(c).astype(np.float64) @ w) < 1e-5
+    layer.eval()
+    assert np.abs(np.array(input_grad(layer, x, c))).max() == 0
+    twin = copy.deepcopy(layer)  # plans again: nothing of the original's plan is kept
+    assert twin.plan() is not layer.plan()
+    assert rel_err(twin(x), forward_np(x, w, 8)) < 1e-5
 
 
 def test_reference_path_gradient_without_activation_quantization():
