@@ -8,5 +8,6 @@ int main() {
   std::string e = tk::selfcheck();
   if (e.empty()) e = tk::kq_selfcheck();
   std::printf("%s / %s: %s\n", tk::NativeOps::name, tk::dense_isa(), e.empty() ? "ok" : e.c_str());
+  std::printf("int8 digest %016llx\n", (unsigned long long)tk::int8_digest());
   return e.empty() ? 0 : 1;
 }
