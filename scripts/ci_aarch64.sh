@@ -25,6 +25,7 @@ WHEELS=(
   "jinja2==3.1.6" "markupsafe==3.0.4" "sentencepiece==0.2.3" "protobuf==7.36.2"
   "httpx2==2.16.2" "httpcore2==2.16.2" "h11==0.16.0" "anyio==4.16.0" "sniffio==1.3.1"
   "idna==3.20" "certifi==2026.10.19.post1" "truststore==0.10.5" "hf-xet==1.8.0" "click==8.5.1"
+  "rich==15.0.0" "markdown-it-py==4.3.0" "mdurl==0.1.2"
 )
 DEBS=(
   python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libpython3.11-dev libc6 libgcc-s1 libstdc++6
