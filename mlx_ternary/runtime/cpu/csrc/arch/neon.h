@@ -57,12 +57,12 @@ struct NeonOps {
 #if defined(__ARM_FEATURE_DOTPROD)
     return vdotq_s32(a, vreinterpretq_s8_u8(c), x);
 #else
-    // Lane j gets bytes 4j..4j+3, as sdot fills it (pairs of products, then pairs of pairs):
-    // group-scaled layers flush lanes with their own scales, so the order must be one.
+    // Lane j gets bytes 4j..4j+3, as sdot fills it (pairs of products in int16, |sum| <= 512,
+    // then pairs of pairs): group-scaled layers flush lanes with their own scales, so the
+    // order must be one.
     const int8x16_t cs = vreinterpretq_s8_u8(c);
     const int16x8_t lo = vmull_s8(vget_low_s8(cs), vget_low_s8(x));
-    const int16x8_t hi = vmull_high_s8(cs, x);
-    return vaddq_s32(a, vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)));
+    return vpadalq_s16(a, vpaddq_s16(lo, vmull_high_s8(cs, x)));
 #endif
   }
   template <int NV>
