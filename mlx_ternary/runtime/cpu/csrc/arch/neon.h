@@ -81,10 +81,10 @@ struct NeonOps {
   }
   static float fvsum(const FV& f) { return vaddvq_f32(vaddq_f32(f.lo, f.hi)); }
 
-#if defined(__ARM_FEATURE_DOTPROD)
   // q8k tiles (q8k.h rows_q8k_tile: 2 rows x 4 tokens; rows_q8k_r8: 8 rows x 1 token), with
-  // SDOT: one accumulator of 4 int32 lanes per (row, token), reduced at a segment's end to one
-  // lane each (integer sums: exact in any order); the float32 epilogue as x86's, lane by lane.
+  // SDOT where the CPU has it: one accumulator of 4 int32 lanes per (row, token), reduced at a
+  // segment's end to one lane each (integer sums: exact in any order); the float32 epilogue
+  // as x86's, lane by lane.
   static constexpr bool has_q8k_tile = true;
   using TA = int32x4_t;
   static TA tzero() { return vdupq_n_s32(0); }
@@ -95,8 +95,7 @@ struct NeonOps {
   }
   static V xload(const int8_t* x) { return load((const uint8_t*)x); }
   static void tdot(TA& a, const V& c, const V& x) {
-    a = vdotq_s32(a, vreinterpretq_s8_u8(c.lo), vreinterpretq_s8_u8(x.lo));
-    a = vdotq_s32(a, vreinterpretq_s8_u8(c.hi), vreinterpretq_s8_u8(x.hi));
+    a = dot16(dot16(a, c.lo, vreinterpretq_s8_u8(x.lo)), c.hi, vreinterpretq_s8_u8(x.hi));
   }
   // lane i = the sum of all lanes of a[i]; a[] is reset to zero
   static IA tsum8(TA a[8]) {
@@ -124,7 +123,6 @@ struct NeonOps {
               vaddq_f32(y.hi, vmulq_f32(vhi, vmulq_n_f32(vld1q_f32(s8 + 4), d)))};
   }
   static void fvstore(float* p, const FV& v) { vst1q_f32(p, v.lo), vst1q_f32(p + 4, v.hi); }
-#endif
 
   // float path: F8 = 8 float lanes in two registers
   struct F8 { float32x4_t a, b; };
@@ -159,9 +157,8 @@ struct NeonOps {
 
 // ---------------------------------------------------------------------------------------------
 // The kernels' NEON pieces. What arm64 lacks is visible here as what is not defined:
-//   - NeonOps has the q8k tile (kernels/q8k.h rows_q8k_tile, rows_q8k_r8) only with SDOT
-//     (+dotprod; armv8-a runs rows_q8k, one row at a time), and no 512-bit windows
-//     (has_q8k_wide);
+//   - NeonOps has the q8k tile (kernels/q8k.h rows_q8k_tile, rows_q8k_r8; SDOT or the
+//     fallback dot product) but no 512-bit windows (has_q8k_wide) and no i8mm (SMMLA) tile;
 //   - no KqNeon and no ggml_tile: llama.cpp's tables run KqScalar's generic loops;
 //   - the heads below come from arch/scalar.h (no vector exp, absmax, rounding, fast order or
 //     float16 scales), so SwiGLU, softmax and the Q8_K quantizer run their scalar loops.
