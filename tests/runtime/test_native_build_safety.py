@@ -71,11 +71,7 @@ def test_a_damaged_cached_library_is_reported_once_and_rebuilt(tmp_path):
     env = {**os.environ, "MLX_TERNARY_NATIVE_CACHE": str(tmp_path)}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     out = subprocess.run(
-        [*PYTHON, "-c", DAMAGED, str(good)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [*PYTHON, "-c", DAMAGED, str(good)], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
     rebuilt, warned, isa = out.stdout.splitlines()[-1].split("|")
