@@ -28,9 +28,9 @@ WHEELS=(
   "rich==15.0.0" "markdown-it-py==4.3.0" "mdurl==0.1.2"
 )
 DEBS=(
-  python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libpython3.11-dev libc6 libgcc-s1 libstdc++6
-  libexpat1 zlib1g libffi8 libssl3 libbz2-1.0 liblzma5 libuuid1 libsqlite3-0
-  libcrypt1 libncursesw6 libtinfo6 libreadline8 libgomp1
+  python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libpython3.11-dev libc6
+  libgcc-s1 libstdc++6 libexpat1 zlib1g libffi8 libssl3 libbz2-1.0 liblzma5 libuuid1
+  libsqlite3-0 libcrypt1 libncursesw6 libtinfo6 libreadline8 libgomp1
 )
 KEY="py$PY-mlx$MLX-$(printf '%s\n' "${WHEELS[@]}" "${DEBS[@]}" | sha256sum | cut -c1-12)"
 CACHE="${MLX_TERNARY_CI_CACHE:-$HOME/.cache/mlx_ternary-ci}/aarch64/$KEY"
@@ -50,6 +50,10 @@ if [ "${#need[@]}" -gt 0 ]; then
 fi
 QEMU=(qemu-aarch64-static -cpu max)
 
+# One CI run at a time builds the sysroot (another waits, then finds it complete).
+mkdir -p "$(dirname "$CACHE")"
+exec 9>"$(dirname "$CACHE").lock"
+flock 9
 if [ ! -f "$CACHE/.complete" ]; then
   echo "== aarch64 sysroot: building $CACHE"
   rm -rf "$(dirname "$CACHE")"  # stacks of other versions too
@@ -60,11 +64,14 @@ if [ ! -f "$CACHE/.complete" ]; then
   fi
   for deb in "$CACHE"/debs/*.deb; do dpkg-deb -x "$deb" "$SYSROOT"; done
   rm -f "$SYSROOT"/usr/lib/python$PY/config-*/*.a  # the static libpython: unused
-  python3 -m pip install -q --root-user-action=ignore --no-deps --target "$SITE" --platform manylinux_2_35_aarch64 \
-    --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --python-version "$PY" --implementation cp --only-binary=:all: "${WHEELS[@]}"
+  python3 -m pip install -q --root-user-action=ignore --no-deps --target "$SITE" \
+    --platform manylinux_2_35_aarch64 --platform manylinux_2_28_aarch64 \
+    --platform manylinux_2_17_aarch64 --python-version "$PY" --implementation cp \
+    --only-binary=:all: "${WHEELS[@]}"
   rm -rf "$CACHE/debs"
   touch "$CACHE/.complete"
 fi
+flock -u 9
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
