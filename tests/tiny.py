@@ -1,6 +1,9 @@
 """Tiny seeded models and tokenizers built by the tests themselves (nothing downloaded)."""
 
 import json
+import os
+import shlex
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -14,6 +17,10 @@ from mlx_ternary.runtime.layers import ternarize_model
 TESTS = Path(__file__).resolve().parent
 FIXTURES = TESTS / "fixtures"
 ROOT = TESTS.parent  # the checkout
+# How a test starts a second Python: this one, or $MLX_TERNARY_TEST_PYTHON's command where the
+# interpreter cannot be exec'ed directly (scripts/ci_aarch64.sh: an arm64 python3.11 under
+# qemu-user without binfmt names qemu-aarch64-static -L <sysroot> <python>).
+PYTHON = shlex.split(os.environ.get("MLX_TERNARY_TEST_PYTHON", "")) or [sys.executable]
 
 VOCAB = 128
 

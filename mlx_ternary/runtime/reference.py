@@ -184,9 +184,24 @@ def input_grad(
     return g @ t
 
 
-@partial(mx.compile, shapeless=True)  # one fused pass over the output
+# The epilogue ((y * s) * (1 / scale)) + bias, every operation rounded to float32 as written:
+# the native kernels and Metal compute exactly this. Two compiled passes, never one: MLX's CPU
+# JIT compiles a fused elementwise kernel with the platform compiler's defaults, which on
+# aarch64 contract a product feeding an add into one fmadd (one rounding, not two). A product
+# that leaves a compiled function is materialized in float32, and the bias add runs as an op of
+# its own. Not inside an outer mx.compile either (it would fuse them again): `prepare` and
+# `ternary_matmul` keep the bias add outside every compiled function.
+@partial(mx.compile, shapeless=True)
+def _scale(y: mx.array, row_scale: mx.array, x_scale: mx.array):
+    return y * row_scale * x_scale
+
+
+def _add_bias(p: mx.array, bias: mx.array, dtype: mx.Dtype):
+    return (p + bias).astype(dtype)
+
+
 def _epilogue(y: mx.array, row_scale: mx.array, x_scale: mx.array, bias: mx.array):
-    return (y * row_scale * x_scale + bias).astype(y.dtype)
+    return _add_bias(_scale(y, row_scale, x_scale), bias, y.dtype)
 
 
 _ONE = mx.array([1.0])
@@ -194,14 +209,15 @@ _ZERO = mx.array([0.0])
 
 
 def _fast_layer(group: int, act: bool):
-    """act_quant -> mx.quantized_matmul -> epilogue: the fast packing's whole layer."""
+    """act_quant -> mx.quantized_matmul -> the epilogue's product, in float32 (the bias is
+    added after it, outside: see _scale)."""
 
-    def layer(x, packed, qs, qb, row_scale, bias):
+    def layer(x, packed, qs, qb, row_scale):
         x_scale = _ONE
         if act:
             x, x_scale = quantize_activations(x)
         y = mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=group, bits=2)
-        return _epilogue(y, row_scale, x_scale, bias)
+        return y * row_scale * x_scale
 
     return layer
 
@@ -254,7 +270,8 @@ def prepare(
     layer = _fast_layer(g, bool(activation_bits))
     row = _ONE if row is None else row
     bias = _ZERO if bias is None else bias
-    return mx.compile(lambda x: layer(x, packed, qs, qb, row, bias))
+    head = mx.compile(lambda x: layer(x, packed, qs, qb, row))
+    return lambda x: _add_bias(head(x), bias, x.dtype)
 
 
 def ternary_matmul(
@@ -286,9 +303,10 @@ def ternary_matmul(
         if not activation_bits and bias is None:
             y = mx.quantized_matmul(x, packed, qs, qb, transpose=True, group_size=g, bits=2)
             return y if row is None else y * row.astype(x.dtype)
-        return _fast_layer_compiled(g, bool(activation_bits))(
-            x, packed, qs, qb, _ONE if row is None else row, _ZERO if bias is None else bias
+        p = _fast_layer_compiled(g, bool(activation_bits))(
+            x, packed, qs, qb, _ONE if row is None else row
         )
+        return _add_bias(p, _ZERO if bias is None else bias, x.dtype)
     x_scale = None
     if activation_bits:
         x, x_scale = quantize_activations(x)

@@ -3,13 +3,12 @@ numpy, its gradient, the float16 tables, the dispatch, and the build's cache and
 
 import os
 import subprocess
-import sys
 import textwrap
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny import ROOT
+from tiny import PYTHON, ROOT
 
 from mlx_ternary import format as fmt
 from mlx_ternary.paths import CACHE_ENV
@@ -341,7 +340,7 @@ def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
     env.pop(build.ENV_CXX, None)
     root = str(ROOT)
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300
+        [*PYTHON, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=300
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
@@ -514,6 +513,15 @@ def test_attention_bool_masks_drop_keys_and_a_padded_row_is_its_sequence_alone()
     assert np.array_equal(np.array(rows[:, :, 3:]), np.array(alone))
     none = mx.zeros((1, 1, lq, lk), dtype=mx.bool_)
     assert not np.array(sdpa(q[:1], k[:1], v[:1], scale=0.125, mask=none)).any()
+    # Prefill (Lq = Lk) long enough for the vector softmax: each row's keys after its own are
+    # masked too, and must not move keys between the vector lanes and the scalar tail.
+    for n, pad in ((41, 5), (64, 13)):
+        qp, kp, vp = _qkv(1, hq, hkv, n, n, d, seed=6)
+        alone = sdpa(qp[:, :, pad:], kp[:, :, pad:], vp[:, :, pad:], scale=0.125, mask="causal")
+        causal = np.arange(n)[None] <= np.arange(n)[:, None]
+        padded = mx.array((causal & (np.arange(n) >= pad))[None, None])
+        rows = sdpa(qp, kp, vp, scale=0.125, mask=padded)
+        assert np.array_equal(np.array(rows[:, :, pad:]), np.array(alone)), (n, pad)
 
     g = mx.array(np.random.default_rng(5).normal(size=y.shape).astype(np.float32))
     grads = [

@@ -3,21 +3,20 @@ cached library is reported once and rebuilt."""
 
 import os
 import subprocess
-import sys
 
 import pytest
-from tiny import ROOT
+from tiny import PYTHON, ROOT
 
 from mlx_ternary.runtime.cpu import build
 from mlx_ternary.runtime.cpu.build import NativeBuildError
 
 
 def _sleeper():
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return subprocess.Popen([*PYTHON, "-c", "import time; time.sleep(60)"])
 
 
 def test_a_failed_sibling_kills_the_compilers_still_running():
-    failing = build.start_job([sys.executable, "-c", "import sys; sys.exit('error: no')"])
+    failing = build.start_job([*PYTHON, "-c", "import sys; sys.exit('error: no')"])
     slow = _sleeper()
     with pytest.raises(NativeBuildError, match="compiling a failed"):
         build.run_jobs([(failing, "a"), (slow, "b")])
@@ -38,7 +37,7 @@ def test_an_interrupted_build_kills_its_compilers(monkeypatch):
 
 def test_run_waits_for_a_good_build():
     """Negative control: compilers that succeed are waited for, nothing raised."""
-    ok = build.start_job([sys.executable, "-c", "pass"])
+    ok = build.start_job([*PYTHON, "-c", "pass"])
     build.run_jobs([(ok, "ok")])
     assert ok.returncode == 0
 
@@ -72,11 +71,7 @@ def test_a_damaged_cached_library_is_reported_once_and_rebuilt(tmp_path):
     env = {**os.environ, "MLX_TERNARY_NATIVE_CACHE": str(tmp_path)}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     out = subprocess.run(
-        [sys.executable, "-c", DAMAGED, str(good)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [*PYTHON, "-c", DAMAGED, str(good)], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
     rebuilt, warned, isa = out.stdout.splitlines()[-1].split("|")

@@ -9,6 +9,7 @@ Compared: the greedy tokens and the top-5 logprobs of every answer token (1e-4).
 import random
 import threading
 
+import numpy as np
 import pytest
 from tiny import ternary_checkpoint
 
@@ -69,3 +70,54 @@ def test_turn_two_from_the_cache_equals_an_uncached_run(tmp_path, activation_bit
         plain.stop()
     assert n >= len(turn1) and none == 0  # turn 2 did come from the cache
     assert gap(again, fresh) <= 1e-4
+
+
+def offline(model, prompt, max_tokens):
+    """mlx-lm's own greedy decode over the whole prompt, no cache reuse: [(id, logprobs)]."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda lp: mx.argmax(lp, -1)
+    )
+    return [(int(t), np.array(lp)) for t, lp in steps]
+
+
+def model_for(kind, tmp_path):
+    if kind == "embedded":  # int8 activations
+        from mlx_ternary.generate import EMBEDDED_MODEL
+
+        return mlx_ternary.load(str(EMBEDDED_MODEL))
+    path, _ = ternary_checkpoint(tmp_path, "llama", activation_bits=None)  # float activations
+    return mlx_ternary.load(str(path))
+
+
+@pytest.mark.parametrize("kind", ["embedded", "float"])
+def test_served_turn_two_of_a_long_chat_equals_mlx_lms_uncached_run(tmp_path, kind):
+    """A >1,000-token chat: turn 1 decoded in a batch with two other sequences (left padding),
+    turn 2 prefilled from the prompt cache in chunks that do not line up with it; its answer's
+    top-5 logprobs equal mlx-lm's generate_step over the whole prompt offline: exactly with int8
+    activations (integer sums, the same float32 epilogue), to 1e-5 with float activations."""
+    model, tok = model_for(kind, tmp_path)
+    vocab = model.args.vocab_size
+    rng = random.Random(1)
+    words = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    turn1 = words(1000)
+    engine = Engine(model, tok, 4, 96, prompt_cache_bytes=1 << 28)
+    engine.start()
+    try:
+        others = [threading.Thread(target=run, args=(engine, words(n), 20)) for n in (17, 230)]
+        for t in others:
+            t.start()
+        first, _ = run(engine, turn1, 12)
+        for t in others:
+            t.join()
+        turn2 = turn1 + [r["id"] for r in first] + words(40)
+        again, n = run(engine, turn2, 8)
+    finally:
+        engine.stop()
+    assert n >= len(turn1)  # turn 2 did come from the cache
+    want = offline(model, turn2, 8)
+    assert [r["id"] for r in again] == [t for t, _ in want]
+    worst = max(abs(v - float(lp[i])) for r, (_, lp) in zip(again, want) for i, v in r["top"])
+    assert worst <= (0.0 if kind == "embedded" else 1e-5), worst

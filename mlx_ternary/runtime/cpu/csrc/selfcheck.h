@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -20,7 +21,24 @@
 
 namespace tk {
 
-// Packing from FORMAT.md, written from the definition (not from the decoder).
+// FNV-1a digests of the bits of the integer-activation outputs the check computes:
+// [0] the exact records (int8 with a tensor or row scale, q8k): the same on every ISA, by
+// -ffp-contract=off; [1] group-scaled int8: float32 sums of lanes in the lane contract's order,
+// the same on every build of one vector width (armv8-a and +dotprod). check_native_isas.sh
+// compares them between its builds.
+inline uint64_t* int8_digests() {
+  static uint64_t h[2] = {1469598103934665603ull, 1469598103934665603ull};
+  return h;
+}
+inline void fold_digest(int which, const std::vector<float>& y) {
+  uint64_t& h = int8_digests()[which];
+  for (float v : y) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    for (int i = 0; i < 4; i++) h = (h ^ ((u >> (8 * i)) & 255)) * 1099511628211ull;
+  }
+}
+
 inline std::vector<uint8_t> pack_rows(const std::vector<int8_t>& t, const Geometry& g) {
   std::vector<uint8_t> out(g.n * g.row_bytes, 0);
   for (int64_t n = 0; n < g.n; n++) {
@@ -89,6 +107,7 @@ inline std::string check_case(int packing, int64_t M, int64_t N, int64_t K, int 
   run_rows<NativeOps>(L, a, M);
   L.out = y_scalar.data();
   run_rows<ScalarOps>(L, a, M);
+  if (act) fold_digest(scale_kind == 2, y_native);
   dequantize_rows(L, wd.data(), 0, N);
   std::vector<double> xd(M * K);  // the activations the layer multiplies
   for (int64_t m = 0; m < M; m++) {
@@ -151,6 +170,7 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
   run_rows<NativeOps>(L, a, M);
   L.out = y_scalar.data();
   run_rows<ScalarOps>(L, a, M);
+  fold_digest(0, y_native);
   for (int64_t m = 0; m < M; m++) {
     std::vector<float> d(g.nblocks8, 0.f);
     std::vector<int> q(K, 0);

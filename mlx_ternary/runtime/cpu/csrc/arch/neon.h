@@ -57,10 +57,12 @@ struct NeonOps {
 #if defined(__ARM_FEATURE_DOTPROD)
     return vdotq_s32(a, vreinterpretq_s8_u8(c), x);
 #else
-    int8x16_t cs = vreinterpretq_s8_u8(c);
-    int16x8_t p = vmull_s8(vget_low_s8(cs), vget_low_s8(x));
-    p = vmlal_s8(p, vget_high_s8(cs), vget_high_s8(x));
-    return vpadalq_s16(a, p);
+    // Lane j gets bytes 4j..4j+3, as sdot fills it (pairs of products in int16, |sum| <= 512,
+    // then pairs of pairs): group-scaled layers flush lanes with their own scales, so the
+    // order must be one.
+    const int8x16_t cs = vreinterpretq_s8_u8(c);
+    const int16x8_t lo = vmull_s8(vget_low_s8(cs), vget_low_s8(x));
+    return vpadalq_s16(a, vpaddq_s16(lo, vmull_high_s8(cs, x)));
 #endif
   }
   template <int NV>
@@ -78,6 +80,49 @@ struct NeonOps {
     a = izero();
   }
   static float fvsum(const FV& f) { return vaddvq_f32(vaddq_f32(f.lo, f.hi)); }
+
+  // q8k tiles (q8k.h rows_q8k_tile: 2 rows x 4 tokens; rows_q8k_r8: 8 rows x 1 token), with
+  // SDOT where the CPU has it: one accumulator of 4 int32 lanes per (row, token), reduced at a
+  // segment's end to one lane each (integer sums: exact in any order); the float32 epilogue
+  // as x86's, lane by lane.
+  static constexpr bool has_q8k_tile = true;
+  using TA = int32x4_t;
+  static TA tzero() { return vdupq_n_s32(0); }
+  static V code(const V& w, int v) {
+    const int8x16_t sh = vdupq_n_s8((int8_t)(-2 * v));
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    return V{vandq_u8(vshlq_u8(w.lo, sh), m3), vandq_u8(vshlq_u8(w.hi, sh), m3)};
+  }
+  static V xload(const int8_t* x) { return load((const uint8_t*)x); }
+  static void tdot(TA& a, const V& c, const V& x) {
+    a = dot16(dot16(a, c.lo, vreinterpretq_s8_u8(x.lo)), c.hi, vreinterpretq_s8_u8(x.hi));
+  }
+  // lane i = the sum of all lanes of a[i]; a[] is reset to zero
+  static IA tsum8(TA a[8]) {
+    const IA r{vpaddq_s32(vpaddq_s32(a[0], a[1]), vpaddq_s32(a[2], a[3])),
+               vpaddq_s32(vpaddq_s32(a[4], a[5]), vpaddq_s32(a[6], a[7]))};
+    for (int i = 0; i < 8; i++) a[i] = tzero();
+    return r;
+  }
+  // y + float(sumi - ssum) * (d * s): lanes 0-3 row 0 (tokens 0-3), lanes 4-7 row 1
+  static FV tstep(FV y, const IA& sumi, const int32_t* ssum4, const float* d4, float s0,
+                  float s1) {
+    const int32x4_t ss = vld1q_s32(ssum4);
+    const float32x4_t d = vld1q_f32(d4);
+    const float32x4_t vlo = vcvtq_f32_s32(vsubq_s32(sumi.lo, ss));
+    const float32x4_t vhi = vcvtq_f32_s32(vsubq_s32(sumi.hi, ss));
+    return FV{vaddq_f32(y.lo, vmulq_f32(vlo, vmulq_n_f32(d, s0))),
+              vaddq_f32(y.hi, vmulq_f32(vhi, vmulq_n_f32(d, s1)))};
+  }
+  // lane r = row r of one token: y + float(sumi - ssum) * (d * s8)
+  static FV tstep_rows(FV y, const IA& sumi, int32_t ssum, float d, const float* s8) {
+    const int32x4_t ss = vdupq_n_s32(ssum);
+    const float32x4_t vlo = vcvtq_f32_s32(vsubq_s32(sumi.lo, ss));
+    const float32x4_t vhi = vcvtq_f32_s32(vsubq_s32(sumi.hi, ss));
+    return FV{vaddq_f32(y.lo, vmulq_f32(vlo, vmulq_n_f32(vld1q_f32(s8), d))),
+              vaddq_f32(y.hi, vmulq_f32(vhi, vmulq_n_f32(vld1q_f32(s8 + 4), d)))};
+  }
+  static void fvstore(float* p, const FV& v) { vst1q_f32(p, v.lo), vst1q_f32(p + 4, v.hi); }
 
   // float path: F8 = 8 float lanes in two registers
   struct F8 { float32x4_t a, b; };
@@ -112,8 +157,8 @@ struct NeonOps {
 
 // ---------------------------------------------------------------------------------------------
 // The kernels' NEON pieces. What arm64 lacks is visible here as what is not defined:
-//   - NeonOps has no q8k tile (has_q8k_tile: kernels/q8k.h rows_q8k_tile, rows_q8k_r8) and no
-//     512-bit windows (has_q8k_wide): q8k layers run rows_q8k, one row at a time;
+//   - NeonOps has the q8k tile (kernels/q8k.h rows_q8k_tile, rows_q8k_r8; SDOT or the
+//     fallback dot product) but no 512-bit windows (has_q8k_wide) and no i8mm (SMMLA) tile;
 //   - no KqNeon and no ggml_tile: llama.cpp's tables run KqScalar's generic loops;
 //   - the heads below come from arch/scalar.h (no vector exp, absmax, rounding, fast order or
 //     float16 scales), so SwiGLU, softmax and the Q8_K quantizer run their scalar loops.

@@ -39,7 +39,7 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
   const float* vb = v + b * s.vs[0] + kvh * s.vs[1];
   for (int64_t i = i0; i < i1; i++) {
     const float* qi = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
-    const int64_t n = s.causal ? std::min(s.Lk, i + s.Lk - s.Lq + 1) : s.Lk;
+    int64_t n = s.causal ? std::min(s.Lk, i + s.Lk - s.Lq + 1) : s.Lk;
     const bool* mi = s.mask ? s.mask + b * s.ms[0] + h * s.ms[1] + i * s.ms[2] : nullptr;
     float* oi = out + ((b * s.Hq + h) * s.Lq + i) * D;
     float mx = -INFINITY;
@@ -77,6 +77,10 @@ void attention_rows(const AttnShape& s, const float* q, const float* k, const fl
       std::fill(oi, oi + D, 0.f);
       continue;
     }
+    // ... and end at the last key kept: keys masked after it (a batch's causal mask in prefill)
+    // would move keys between the vector head's lanes and the scalar tail (another exp, another
+    // order of the sum), 1-3 ulp off the sequence alone.
+    while (mi && scores[n - 1] == -INFINITY) n--;
     float sum = 0.f;
     int64_t j = 0;
     // Sum from the first key kept: a left-padded row then groups its keys into lanes as the
