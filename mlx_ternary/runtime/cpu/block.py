@@ -272,7 +272,7 @@ def sub_norms(block, mod, reads: Reads):
     """(attention's sub-norm, MLP's sub-norm, MLP activation code) of a block of `mod`:
     (None, None, silu) for the llama block, the two RMSNorms and relu2 for BitNet's (mlx-lm's
     bitnet MLP), None where they are not what the op computes."""
-    m = _require()
+    m = require()
     names = SUB_NORMED.get(mod.__name__.rsplit(".", 1)[-1])
     if names is None:
         return None, None, m.MLP_SILU
