@@ -292,7 +292,9 @@ def kv_layout(
             continue
         per_token = 0.0
         for a in (c.keys, c.values):
-            per_elem = (kv_bits / 8 + 2 * a.itemsize / kv_group_size) if kv_bits else a.itemsize
+            # quantized caches keep mlx-lm's block: scales in the activations' dtype
+            scale = activation_dtype(model).size
+            per_elem = (kv_bits / 8 + 2 * scale / kv_group_size) if kv_bits else a.itemsize
             per_token += a.shape[1] * a.shape[3] * per_elem
         out.append((per_token, getattr(c, "max_size", None) or None, 0))
     return out

@@ -352,13 +352,23 @@ def test_unsupported_cases_take_mlx_lm_path(tmp_path, on_cpu, fused_calls, monke
         cache.update_and_fetch(kv, kv)
         return cache
 
-    ran, a, r = both(lambda: layer(x, "causal", filled()))
+    for tokens in (6, 4):  # float16 K/V: a call that grows the cache is fused too
+        ran, a, r = both(
+            lambda: layer(x[:, :tokens], "causal", filled()),
+            lambda: layer(x[:, :tokens], "causal", filled(_half(KVCache))),
+        )
+        assert ran == 1 and _rel(a, r) <= 1e-5
+    grown = filled(_half(KVCache))
+    block.set_enabled(True)
+    with enabled():
+        mx.eval(layer(x, "causal", grown))
+    assert grown.keys.dtype == mx.float16 and grown.keys.shape[2] > 256  # still 16 bits
+    block.set_kv_dtype("float32")  # float32 K/V: a growing call keeps mlx-lm's block
+    try:
+        ran, a, r = both(lambda: layer(x, "causal", filled()))
+    finally:
+        block.set_kv_dtype(None)
     assert ran == 0 and np.array_equal(a, r)
-    ran, a, r = both(
-        lambda: layer(x[:, :4], "causal", filled()),
-        lambda: layer(x[:, :4], "causal", filled(_half(KVCache))),
-    )
-    assert ran == 1 and _rel(a, r) <= 1e-5
 
     additive = mx.triu(mx.full((6, 6), -1e9), k=1)
     ran, a, r = both(lambda: layer(x, additive, None))
@@ -369,19 +379,20 @@ def test_unsupported_cases_take_mlx_lm_path(tmp_path, on_cpu, fused_calls, monke
     layer.eval()
     assert ran == 0 and np.array_equal(a, r)
 
+    calls = fused_calls["attn_in"]
     monkeypatch.setenv(block.ENV_FUSED, "0")
     block.set_enabled(None)
     with enabled():
         layer(x, "causal", None)
-    assert fused_calls["attn_in"] == 2
+    assert fused_calls["attn_in"] == calls
 
     monkeypatch.delenv(block.ENV_FUSED)
     block.set_enabled(None)
     with enabled():
         layer(x, "causal", None)  # outside enabled(): never fused (the next lines)
-    assert fused_calls["attn_in"] == 3
+    assert fused_calls["attn_in"] == calls + 1
     layer(x, "causal", None)
-    assert fused_calls["attn_in"] == 3
+    assert fused_calls["attn_in"] == calls + 1
 
     from mlx_ternary.runtime.lora import TernaryLoRALinear
 

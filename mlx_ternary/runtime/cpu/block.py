@@ -205,17 +205,17 @@ def _rope(rope):
     return None
 
 
-def _cache_kind(cache, tokens: int):
-    """The cache's offset as (int, None) or (0, array), or None for an unsupported cache and
-    for a call that grows a filled cache: mlx-lm concatenates the old buffers with a new
-    step, and the fused layers' fewer, larger tasks let MLX run ~4 layers ahead, so ~4
-    layers' old and new buffers would be live at once (memory.py plans for one)."""
+def _cache_kind(cache, tokens: int, grow: bool = False):
+    """The cache's offset as (int, None) or (0, array), or None for an unsupported cache and,
+    unless `grow`, for a call that grows a filled cache: mlx-lm concatenates the old buffers
+    with a new step, and the fused layers' fewer, larger tasks let MLX run ~4 layers ahead, so
+    ~4 layers' old and new buffers would be live at once (_fused evaluates x first then)."""
     if cache is None:
         return 0, None
     batched = _CACHES.get(type(cache))  # exact classes: quantized, rotating... keep mlx-lm's
     if batched is None:
         return None
-    if cache.keys is not None and cache.size() + tokens > cache.keys.shape[2]:
+    if not grow and cache.keys is not None and cache.size() + tokens > cache.keys.shape[2]:
         return None  # size(): the filled length (KVCache's offset, BatchKVCache's index)
     return (0, cache.offset) if batched else (int(cache.offset), None)
 
@@ -359,6 +359,13 @@ def _fused(block, x, mask, cache, mod):
     if run is None:
         return None
     offset, how = _cache_kind(cache, x.shape[1]), _mask(mask)
+    if offset is None and kv_dtype() == "float16" and not require().is_tracer(x):
+        # a call that grows the cache: fused too, or mlx-lm's block would grow it in float32
+        # (the dtype it gets); the layers before it run first, so one layer's old and new
+        # buffers are live at a time
+        offset = _cache_kind(cache, x.shape[1], grow=True)
+        if offset is not None:
+            mx.eval(x)
     if offset is None or how is None:
         return None
     return run(x, cache, offset, how)
