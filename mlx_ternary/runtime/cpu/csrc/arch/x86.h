@@ -156,6 +156,13 @@ struct Avx2Ops {
     return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(s8))));
   }
   static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
+  // kernels/ternary.h rows_int8_r8: int32 sums of 8 rows (lane = row) added up, and their
+  // epilogue ((float)(sumi - gsum) * s8) * xs, lane by lane
+  static __m256i tadd(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+  static FV int8_rows(__m256i sumi, int32_t gsum, const float* s8, float xs) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(gsum)));
+    return _mm256_mul_ps(_mm256_mul_ps(v, _mm256_loadu_ps(s8)), _mm256_set1_ps(xs));
+  }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   // q8k windows (q8k.h rows_q8k_wide_tile, rows_q8k_r8w): two 32-byte steps of a row in one
