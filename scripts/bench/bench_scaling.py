@@ -230,8 +230,8 @@ def table(a, results: dict, shape: dict) -> list:
     """Markdown: best (median) tok/s per engine and column; mlx-ternary / engine ratios of the
     best figures; KV bytes per token."""
     cols = columns(a)
-    head = "| engine | " + " | ".join(cols) + " | KV bytes / token |"
-    rows = [head, "|" + "---|" * (len(cols) + 2)]
+    head = "| engine | " + " | ".join(cols) + " | KV bytes / token | peak RSS MB |"
+    rows = [head, "|" + "---|" * (len(cols) + 3)]
     best = {}
     for name, runs in results.items():
         cells = []
@@ -246,7 +246,8 @@ def table(a, results: dict, shape: dict) -> list:
                 kv = f"{k['per_token']:.0f} ({k['dtype']}; {k['per_token_used']:.0f} used)"
         else:
             kv = f"{kv_f16(shape)} (f16)"
-        rows.append(f"| {name} | " + " | ".join(cells) + f" | {kv} |")
+        rss = max((r["peak_rss"] for r in runs if r.get("peak_rss")), default=0) / 1e6
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {kv} | {rss:.0f} |")
     ours = next((n for n in results if n.startswith("mlx-ternary")), None)
     for name in results:
         if name == ours or ours is None:
@@ -255,7 +256,7 @@ def table(a, results: dict, shape: dict) -> list:
         for c in cols:
             x, y = best[(ours, c)], best[(name, c)]
             cells.append(f"{x / y:.2f}" if x == x and y == y and y else "-")
-        rows.append(f"| mlx-ternary / {name} | " + " | ".join(cells) + " | |")
+        rows.append(f"| mlx-ternary / {name} | " + " | ".join(cells) + " | | |")
     return rows
 
 
@@ -263,7 +264,9 @@ def _merge(runs: list) -> list:
     """One dict per repeat from the groups each repeat ran."""
     out = {}
     for r, group_result in runs:
-        out.setdefault(r, {}).update(group_result)
+        merged = out.setdefault(r, {})
+        rss = max(merged.get("peak_rss", 0), group_result.get("peak_rss", 0))
+        merged.update(group_result, peak_rss=rss)
     return [out[k] for k in sorted(out)]
 
 
