@@ -152,7 +152,11 @@ def native_perplexity(model, ids, activation_bits):
 
 
 @pytest.mark.parametrize("activation_bits", [8, None])
-def test_native_path_matches_a_dense_float_reference(embedded, activation_bits):
+def test_native_path_matches_a_dense_float_reference(embedded, activation_bits, monkeypatch):
+    from mlx_ternary.runtime.cpu import block
+
+    # the layers against a float reference: the KV cache in float32 as the reference's
+    monkeypatch.setenv(block.ENV_KV, "float32")
     model, tok, _ = embedded
     ids = sample_ids(tok, SUBSET)
     dense = perplexity(dense_twin(activation_bits), ids, context=EXPECTED["context"])

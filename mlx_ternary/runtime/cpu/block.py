@@ -118,6 +118,11 @@ def kv_dtype() -> str:
     return _state["kv"] or os.environ.get(ENV_KV, "float16")
 
 
+def kv_half(cache) -> bool:
+    """attn_in's kv_half for a call with `cache`: float16 K/V where a cache keeps them."""
+    return cache is not None and _kv_half(kv_dtype())
+
+
 def _kv_half(name: str, where: str = ENV_KV) -> bool:
     if name not in KV_DTYPES:
         raise TernaryError(f"{where}: {name!r} is not a KV dtype; use one of {sorted(KV_DTYPES)}")
@@ -296,8 +301,7 @@ def _plain_run(attn, found, subs) -> Callable:
     sub_f = dict(zip(("sub_norm_w", "sub_eps"), ffn_sub or ()), act=act)
 
     def run(x, cache, offset, how):
-        kv_half = cache is not None and _kv_half(kv_dtype())  # what a cache keeps
-        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=kv_half)
+        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=kv_half(cache))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
