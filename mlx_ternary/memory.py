@@ -271,6 +271,18 @@ def materialize(model: nn.Module, dtype=None) -> None:
     mx.eval([a for _, layer in ternary_layers(model) for a in layer.runtime_arrays(dtype)])
 
 
+def kv_itemsize(model: nn.Module) -> int:
+    """Bytes of one cached key element (float16 where the fused CPU block keeps the cache,
+    else the model's activations), from the same lazy one-token probe as `kv_layout`; the
+    activations' size for a model without a KV cache."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=cache)  # builds the graph, evaluates nothing
+    keys = [c.keys for c in cache if getattr(c, "keys", None) is not None]
+    return keys[0].itemsize if keys else activation_dtype(model).size
+
+
 def kv_layout(
     model: nn.Module,
     kv_bits: Optional[int] = None,
@@ -292,7 +304,9 @@ def kv_layout(
             continue
         per_token = 0.0
         for a in (c.keys, c.values):
-            per_elem = (kv_bits / 8 + 2 * a.itemsize / kv_group_size) if kv_bits else a.itemsize
+            # quantized caches keep mlx-lm's block: scales in the activations' dtype
+            scale = activation_dtype(model).size
+            per_elem = (kv_bits / 8 + 2 * scale / kv_group_size) if kv_bits else a.itemsize
             per_token += a.shape[1] * a.shape[3] * per_elem
         out.append((per_token, getattr(c, "max_size", None) or None, 0))
     return out

@@ -42,10 +42,16 @@ def prefill_logits(model, tokens) -> np.ndarray:
 
 def decode_logits(model, tokens) -> np.ndarray:
     """The logits of a prefill of `tokens` and DECODE_STEPS greedy steps, with mlx-lm's
-    KV cache, concatenated over the positions (the test's single process runs it too)."""
-    from mlx_lm.models.cache import make_prompt_cache
+    KV cache, concatenated over the positions (the test's single process runs it too); with
+    the fused block off, a cache that stores the float16 K/V the fused block gives it."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    cache = make_prompt_cache(model)
+    class HalfKV(KVCache):
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+
+    half = not block.is_enabled() and block.kv_dtype() == "float16"
+    cache = [HalfKV() for _ in model.layers] if half else make_prompt_cache(model)
     out = [model(tokens, cache=cache)]
     for _ in range(DECODE_STEPS):
         out.append(model(mx.argmax(out[-1][:, -1:], axis=-1), cache=cache))

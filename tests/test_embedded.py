@@ -156,8 +156,10 @@ def test_native_path_matches_a_dense_float_reference(embedded, activation_bits):
     model, tok, _ = embedded
     ids = sample_ids(tok, SUBSET)
     dense = perplexity(dense_twin(activation_bits), ids, context=EXPECTED["context"])
+    # int8 activations: a float32 rounding difference (the tiled attention's order) can flip
+    # an activation's int8 rounding, whose effect is larger than the rounding itself
     assert native_perplexity(model, ids, activation_bits) == pytest.approx(
-        dense.perplexity, rel=1e-4
+        dense.perplexity, rel=2e-4 if activation_bits else 1e-4
     )
 
 

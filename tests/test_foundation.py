@@ -120,9 +120,15 @@ def test_runtime_packing_on_cpu_is_fast_and_compact_on_request(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mlx_lm_model_routine(tmp_path, arch):
-    """mlx-lm's own model test: logits shape, cache path, one-token decode, batch 2, deepcopy."""
+def test_mlx_lm_model_routine(tmp_path, arch, monkeypatch):
+    """mlx-lm's own model test: logits shape, cache path, one-token decode, batch 2, deepcopy
+    (the cache in float32, so cached logits equal uncached ones to 1e-4; the fused CPU
+    block's default float16 cache is tests/runtime/test_block.py's)."""
     from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_ternary.runtime.cpu import block
+
+    monkeypatch.setenv(block.ENV_KV, "float32")
 
     model, _ = mlx_ternary.load(ternary_checkpoint(tmp_path, arch, "fast", "row")[0])
     vocab = model.args.vocab_size

@@ -13,6 +13,15 @@ from mlx_ternary.cli import main
 from mlx_ternary.runtime import dispatch
 
 
+def kv_itemsize() -> int:
+    """Bytes of a cached key/value element: the fused native block keeps them in float16
+    (runtime/cpu/block.py kv_dtype), mlx-lm's block in the model's float32."""
+    from mlx_ternary.runtime.cpu import block
+
+    native = dispatch.resolve_backend() == "native" and block.is_enabled()
+    return 2 if native and block.kv_dtype() == "float16" else 4
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path, _ = ternary_checkpoint(tmp_path_factory.mktemp("plan"), "llama")
@@ -67,7 +76,7 @@ def test_kv_cache_hand_formula_and_kv_bits(tiny):
     c = CONFIGS["llama"]
     # layers x (keys, values) x kv heads x head dim elements per token
     per_token = 2 * 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"])
-    assert P.kv_bytes(model, 512, batch=3) == 3 * per_token * 512 * 4  # float32
+    assert P.kv_bytes(model, 512, batch=3) == 3 * per_token * 512 * kv_itemsize()
     assert P.kv_bytes(model, 500, batch=1) == P.kv_bytes(model, 512)  # grows in 256 steps
     assert P.kv_bytes(model, 512, kv_bits=8) == int(per_token * 512 * (1 + 2 * 4 / 64))
 
@@ -86,15 +95,16 @@ def test_plan_bounds_measured_peak(request, backend, context, batch, step):
     # reference one runs MLX's unfused attention, the plan's other estimate.
     native = backend == "native" and dispatch.resolve_backend() == "native"
     assert P.native_kernels(model) == (native, native)
-    plan = P.plan(model, context, batch=batch, prefill_step_size=step)
-    planned = plan.kv_cache + plan.activations
     from mlx_ternary.runtime.cpu import block
 
     # The plan counts mlx-lm's blocks; the fused native blocks (on by default) hold fewer
-    # tensors: for them it is an upper bound only.
+    # tensors: for them it is an upper bound only. Its KV cache is the one the model keeps
+    # (float16 with fused blocks), so it is made in each setting.
     for fused in (True, False) if native else (False,):
         block.set_enabled(fused)
         try:
+            plan = P.plan(model, context, batch=batch, prefill_step_size=step)
+            planned = plan.kv_cache + plan.activations
             got = P.measure(
                 model, context - 8, batch=batch, prefill_step_size=step, decode_tokens=8
             )
@@ -113,7 +123,7 @@ def test_batching_counts_the_kv_step_slack_a_merged_prefix_causes(tiny):
     _, model = tiny
     c = CONFIGS["llama"]
     per_token = 2 * 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"])
-    per_token *= 4  # float32
+    per_token *= kv_itemsize()
     # hand formula: 255 positions of slack per sequence, plus one sequence's prompt-cache copy
     assert P.batching_bytes(model, 256, batch=8) == 8 * 255 * per_token
     assert P.batching_bytes(model, 256, batch=8, prompt_cache=10**9) == (
@@ -166,7 +176,7 @@ def test_plan_command_text_and_json(tiny):
     )
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
-    assert d["kv_cache"] == 2 * 2 * 2 * 2 * 16 * 1024 * 4 and d["fits"] is True
+    assert d["kv_cache"] == 2 * 2 * 2 * 2 * 16 * 1024 * kv_itemsize() and d["fits"] is True
     assert set(d["weights"]) == {"ternary", "float", "embeddings"}
     r = runner.invoke(main, ["plan", "--model", str(path), "--kv-bits", "8"])
     assert r.exit_code == 0 and "8-bit" in r.output and "memory limit" in r.output

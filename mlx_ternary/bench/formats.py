@@ -21,7 +21,7 @@ import numpy as np
 
 from ..checkpoint.load import load_model, resolve_model_path
 from ..errors import TernaryError
-from ..memory import kv_layout
+from ..memory import kv_itemsize, kv_layout
 from ..runtime import dispatch
 from . import bandwidth, ceiling, llamacpp, peers
 from .report import BenchResult, FormatResult, Run, apple_rows, plot, render, table_rows
@@ -190,6 +190,7 @@ def _timed_runs(variants, order, prompt, gen_tokens, repeats, external, progress
             run.peak_bytes += res.weight_bytes
             res.runs.append(run)
             res.kv_bytes_per_token, res.state_bytes = kv, state
+            res.kv_itemsize = kv_itemsize(model_)
 
 
 def _external(llama, run_llama, peer_benches, threads, prompt_tokens, gen_tokens, seed, vocab):
@@ -242,7 +243,7 @@ def _apple(variants, live, shapes, float_elements, settings) -> list:
         shapes,
         list(settings["formats"]),
         float_elements,
-        r.kv_bytes_per_token // size,
+        r.kv_bytes_per_token // r.kv_itemsize,
         r.state_bytes // size,
         settings["ceiling_context"],
     )

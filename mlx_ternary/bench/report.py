@@ -35,6 +35,7 @@ class FormatResult:
     linear_weights: int = 0  # number of weights in the ternary layers
     read_bytes: int = 0  # weight bytes one decode step reads
     kv_bytes_per_token: int = 0
+    kv_itemsize: int = 4  # bytes of a cached key element (2: the fused CPU block's float16)
     state_bytes: int = 0
     runs: List[Run] = field(default_factory=list)
 

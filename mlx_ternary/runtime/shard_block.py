@@ -122,7 +122,7 @@ def sharded_block(block, mod, reads: fused.Reads):
 
     def run(x, cache, offset, how):
         xr, w1r = _summed_gradients(group, x, w1)
-        q, k, v = m.attn_in(xr, w1r, *attn_in, *offset, *head_norms)
+        q, k, v = m.attn_in(xr, w1r, *attn_in, *offset, *head_norms, kv_half=fused.kv_half(cache))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         causal, mask_array = how

@@ -68,6 +68,10 @@ SHAPES = {
         eps=1e-5,
     ),
 }
+# BitNet b1.58 2B4T's own architecture as bitnet.cpp and ik_llama.cpp read it: the
+# `bitnet-b1.58` GGUF (an RMSNorm before o_proj and before down_proj, squared ReLU, the
+# embedding tied to the output layer); mlx-ternary runs it as mlx-lm's bitnet model
+SHAPES["bitnet-2b4t"] = dict(SHAPES["bitnet-2b"], arch="bitnet-b1.58")
 SHAPE = SHAPES["small"]
 VARIANTS = ("gguf", "fast-act8", "fast", "fast-float", "compact-act8", "compact", "compact-float")
 # quantization fields each variant suffix sets in the converted checkpoint's config.json
@@ -85,7 +89,7 @@ BITNET_SKIP = (
 
 def _header(w, shape: dict, file_type) -> None:
     h, v = shape["hidden"], shape["vocab"]
-    w.add_name("random ternary llama (mlx-ternary benchmark)")
+    w.add_name(f"random ternary {shape.get('arch', 'llama')} (mlx-ternary benchmark)")
     w.add_context_length(shape["context"])
     w.add_embedding_length(h)
     w.add_block_count(shape["layers"])
@@ -112,17 +116,23 @@ TABLE_TYPES = ("F16", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def tensor_plan(shape: dict):
-    """[(name, kind, (rows, cols))] in file order; kind: table, norm or ternary."""
+    """[(name, kind, (rows, cols))] in file order; kind: table, norm or ternary. A bitnet
+    shape adds its two sub-norms a layer and has no output layer (tied embedding)."""
     h, inter, v = shape["hidden"], shape["intermediate"], shape["vocab"]
     kv = h // shape["heads"] * shape["kv_heads"]
     dims = dict(attn_q=(h, h), attn_k=(kv, h), attn_v=(kv, h), attn_output=(h, h))
     dims.update(ffn_gate=(inter, h), ffn_up=(inter, h), ffn_down=(h, inter))
+    bitnet = shape.get("arch", "llama").startswith("bitnet")
     plan = [("token_embd.weight", "table", (v, h))]
     for i in range(shape["layers"]):
         plan.append((f"blk.{i}.attn_norm.weight", "norm", (h,)))
         plan += [(f"blk.{i}.{n}.weight", "ternary", dims[n]) for n in LINEARS]
         plan.append((f"blk.{i}.ffn_norm.weight", "norm", (h,)))
-    return plan + [("output_norm.weight", "norm", (h,)), ("output.weight", "table", (v, h))]
+        if bitnet:
+            plan.append((f"blk.{i}.attn_sub_norm.weight", "norm", (h,)))
+            plan.append((f"blk.{i}.ffn_sub_norm.weight", "norm", (inter,)))
+    plan.append(("output_norm.weight", "norm", (h,)))
+    return plan if bitnet else plan + [("output.weight", "table", (v, h))]
 
 
 def _tensors(shape: dict, seed: int, f16: bool, tables=("F16", "F16")):
@@ -164,7 +174,7 @@ def write_gguf(
     from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
     from gguf import GGMLQuantizationType as Q
 
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), shape.get("arch", "llama"))
     _header(w, shape, LlamaFileType.MOSTLY_F16 if f16 else LlamaFileType.MOSTLY_TQ2_0)
     kinds = iter(tables)
     for name, kind, dims in tensor_plan(shape):

@@ -171,8 +171,14 @@ def test_run_bench_end_to_end(tiny_dir):
         assert f.loads and len(f.runs) == 2
         assert all(x.prefill_tps > 0 and x.decode_tps > 0 for x in f.runs)
         assert all(x.peak_bytes >= f.weight_bytes for x in f.runs)
-        # 2 layers x (K and V) x 2 KV heads x head_dim 32 x float32
-        assert f.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4
+        # 2 layers x (K and V) x 2 KV heads x head_dim 32 x float32, or float16 where the
+        # fused native block runs (ternary layers on the native backend: its 16-bit cache)
+        from mlx_ternary.runtime import dispatch
+        from mlx_ternary.runtime.cpu import block
+
+        fused = f.name == "fast" and dispatch.resolve_backend() == "native"
+        item = 2 if fused and block.kv_dtype() == "float16" else 4
+        assert f.kv_bytes_per_token == 2 * 2 * 2 * 32 * item
         ctx = 8 + 3 / 2
         want = 10e9 / (f.read_bytes + f.kv_bytes_per_token * ctx)
         assert r.ceiling_tps(f) == pytest.approx(want)

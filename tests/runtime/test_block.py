@@ -55,6 +55,15 @@ CASES = {  # activations, packing, scale, group, config overrides
         256,
         dict(arch="qwen3", hidden_size=256, intermediate_size=512, head_dim=64),
     ),
+    # BitNet's block: sub-norms before o_proj and down_proj, relu2
+    "bitnet": (8, "fast", "row", None, dict(arch="bitnet")),
+    "bitnet-q8k": (
+        "q8k",
+        "fast",
+        "tensor",
+        None,
+        dict(arch="bitnet", hidden_size=256, intermediate_size=512),
+    ),
 }
 
 
@@ -97,11 +106,25 @@ def _model(tmp_path, case):
     return model
 
 
+def _half(cls):
+    """`cls` (an mlx-lm KV cache class) keeping float16 keys and values, as the fused block
+    hands them over (block.kv_dtype()): the unfused block's cache in the comparisons."""
+
+    class Half(cls):
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+
+    return Half
+
+
 def _decode(model, on: bool, steps: int = 8, cache=None, prompt=PROMPT):
-    """Logits of the prompt and of `steps` greedy steps, the tokens, and the cache."""
-    from mlx_lm.models.cache import make_prompt_cache
+    """Logits of the prompt and of `steps` greedy steps, the tokens, and the cache (the
+    unfused run's keeps the fused block's K/V dtype)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     block.set_enabled(on)
+    if cache is None and not on and block.kv_dtype() == "float16":
+        cache = [_half(KVCache)() for _ in model.layers]
     cache = make_prompt_cache(model) if cache is None else cache
     logits = [model(mx.array(prompt), cache=cache)]
     tokens = []
@@ -142,6 +165,31 @@ def test_fused_block_matches_mlx_lm_block(tmp_path, on_cpu, fused_calls, case):
         assert a.shape == r.shape and _rel(a, r) <= 1e-5
 
 
+def test_kv_dtype_float32_keeps_float32_caches_and_float16_halves_them(
+    tmp_path, on_cpu, fused_calls
+):
+    """MLX_TERNARY_KV_DTYPE / set_kv_dtype: float32 gives mlx-lm's block's own cache and
+    logits; the float16 cache holds half the bytes; a bad name is refused."""
+    from mlx_ternary.errors import TernaryError
+
+    model = _model(tmp_path, "bitnet")
+    half = _decode(model, True, steps=2)
+    block.set_kv_dtype("float32")
+    try:
+        full = _decode(model, True, steps=2)
+        ref = _decode(model, False, steps=2)
+    finally:
+        block.set_kv_dtype(None)
+    for a, r in zip(full[0], ref[0]):
+        assert _rel(a, r) <= 1e-5
+    assert {a.dtype for a in _cache_arrays(full[2])} == {np.dtype(np.float32)}
+    assert {a.dtype for a in _cache_arrays(half[2])} == {np.dtype(np.float16)}
+    assert half[2][0].nbytes * 2 == full[2][0].nbytes
+    assert max(_rel(a, r) for a, r in zip(half[0], ref[0])) > 1e-6  # float16 K/V differ
+    with pytest.raises(TernaryError, match="bfloat16"):
+        block.set_kv_dtype("bfloat16")
+
+
 def test_negative_controls_are_detected(tmp_path, on_cpu, monkeypatch):
     """A RoPE offset off by one for decode steps (RoPE is relative: a shift of every position
     would change nothing) or a perturbed norm weight, in the fused path alone, shows up."""
@@ -163,6 +211,15 @@ def test_negative_controls_are_detected(tmp_path, on_cpu, monkeypatch):
     (tmp_path / "fresh").mkdir()  # a model whose blocks have no plan yet (the norms: planned)
     perturbed = _decode(_model(tmp_path / "fresh", "int8-fast-row"), True, steps=2)[0]
     assert max(_rel(a, r) for a, r in zip(perturbed, ref)) > 1e-3
+    monkeypatch.setattr(block, "_norm", real_norm)
+    (tmp_path / "bitnet").mkdir()  # BitNet's block with silu in place of relu2
+    model = _model(tmp_path / "bitnet", "bitnet")
+    ref = _decode(model, False, steps=2)[0]
+    real_subs = block.sub_norms
+    silu = cpu.require().MLP_SILU
+    monkeypatch.setattr(block, "sub_norms", lambda *a: real_subs(*a)[:2] + (silu,))
+    swapped = _decode(model, True, steps=2)[0]
+    assert max(_rel(a, r) for a, r in zip(swapped, ref)) > 1e-3
 
 
 def test_block_plan_is_made_once_and_dropped_by_what_changes_it(
@@ -247,7 +304,7 @@ def test_batched_left_padded_decode_is_fused_and_matches(tmp_path, on_cpu, fused
     prompt = [[0, 0, 0] + short, PROMPT[0]]
     runs = {}
     for on in (True, False):
-        cache = [BatchKVCache([3, 0]) for _ in range(n)]
+        cache = [(BatchKVCache if on else _half(BatchKVCache))([3, 0]) for _ in range(n)]
         runs[on] = _decode(model, on, steps=4, cache=cache, prompt=prompt)
     assert fused_calls["attn_in"] == 5 * n
     for a, r in zip(runs[True][0], runs[False][0]):
@@ -270,7 +327,7 @@ def test_unsupported_cases_take_mlx_lm_path(tmp_path, on_cpu, fused_calls, monke
     layer = model.model.layers[0]
     x = mx.random.normal((1, 6, 256), key=mx.random.key(1))
 
-    def both(fn):
+    def both(fn, ref=None):
         block.set_enabled(True)
         before = fused_calls["attn_in"]
         with enabled():
@@ -278,25 +335,40 @@ def test_unsupported_cases_take_mlx_lm_path(tmp_path, on_cpu, fused_calls, monke
         ran = fused_calls["attn_in"] - before
         block.set_enabled(False)
         with enabled():
-            r = fn()
+            r = (ref or fn)()
         return ran, np.array(a), np.array(r)
 
-    ran, a, r = both(lambda: layer(x, "causal", KVCache()))
+    ran, a, r = both(
+        lambda: layer(x, "causal", KVCache()), lambda: layer(x, "causal", _half(KVCache)())
+    )
     assert ran == 1 and _rel(a, r) <= 1e-5  # the positive case runs fused
 
     ran, a, r = both(lambda: layer(x, "causal", QuantizedKVCache(group_size=32, bits=8)))
     assert ran == 0 and np.array_equal(a, r)
 
-    def filled():  # 252 of its 256 slots used: 6 more tokens grow it, 4 do not
-        cache = KVCache()
+    def filled(cls=KVCache):  # 252 of its 256 slots used: 6 more tokens grow it, 4 do not
+        cache = cls()
         kv = mx.zeros((1, 2, 252, 64))
         cache.update_and_fetch(kv, kv)
         return cache
 
-    ran, a, r = both(lambda: layer(x, "causal", filled()))
+    for tokens in (6, 4):  # float16 K/V: a call that grows the cache is fused too
+        ran, a, r = both(
+            lambda: layer(x[:, :tokens], "causal", filled()),
+            lambda: layer(x[:, :tokens], "causal", filled(_half(KVCache))),
+        )
+        assert ran == 1 and _rel(a, r) <= 1e-5
+    grown = filled(_half(KVCache))
+    block.set_enabled(True)
+    with enabled():
+        mx.eval(layer(x, "causal", grown))
+    assert grown.keys.dtype == mx.float16 and grown.keys.shape[2] > 256  # still 16 bits
+    block.set_kv_dtype("float32")  # float32 K/V: a growing call keeps mlx-lm's block
+    try:
+        ran, a, r = both(lambda: layer(x, "causal", filled()))
+    finally:
+        block.set_kv_dtype(None)
     assert ran == 0 and np.array_equal(a, r)
-    ran, a, r = both(lambda: layer(x[:, :4], "causal", filled()))
-    assert ran == 1 and _rel(a, r) <= 1e-5
 
     additive = mx.triu(mx.full((6, 6), -1e9), k=1)
     ran, a, r = both(lambda: layer(x, additive, None))
@@ -307,19 +379,20 @@ def test_unsupported_cases_take_mlx_lm_path(tmp_path, on_cpu, fused_calls, monke
     layer.eval()
     assert ran == 0 and np.array_equal(a, r)
 
+    calls = fused_calls["attn_in"]
     monkeypatch.setenv(block.ENV_FUSED, "0")
     block.set_enabled(None)
     with enabled():
         layer(x, "causal", None)
-    assert fused_calls["attn_in"] == 2
+    assert fused_calls["attn_in"] == calls
 
     monkeypatch.delenv(block.ENV_FUSED)
     block.set_enabled(None)
     with enabled():
         layer(x, "causal", None)  # outside enabled(): never fused (the next lines)
-    assert fused_calls["attn_in"] == 3
+    assert fused_calls["attn_in"] == calls + 1
     layer(x, "causal", None)
-    assert fused_calls["attn_in"] == 3
+    assert fused_calls["attn_in"] == calls + 1
 
     from mlx_ternary.runtime.lora import TernaryLoRALinear
 

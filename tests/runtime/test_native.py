@@ -462,6 +462,40 @@ def test_attention_matches_mlx_and_float64(shape, mask):
 
 
 @needs_native
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 8, 2, 1, 600, 64), (2, 20, 5, 1, 300, 128), (1, 8, 2, 40, 600, 64), (3, 4, 4, 2, 9, 40)],
+    ids=lambda s: "-".join(map(str, s)),
+)
+def test_attention_reads_float16_keys_and_values(shape):
+    """The fused block's 16-bit cache: float16 K/V against MLX's attention and float64 on the
+    same values widened, across chunks of keys (decode: chunks on several tasks; prefill:
+    chunks merged in each task); a left-padded row over a chunk boundary keeps the bits of
+    its sequence alone."""
+    from mlx_ternary.runtime.cpu.attention import scaled_dot_product_attention as sdpa
+
+    b, hq, hkv, lq, lk, d = shape
+    q, k, v = _qkv(*shape, seed=7)
+    kh, vh = k.astype(mx.float16), v.astype(mx.float16)
+    y = sdpa(q, kh, vh, scale=d**-0.5, mask="causal")
+    kf, vf = kh.astype(mx.float32), vh.astype(mx.float32)
+    ref = mx.fast.scaled_dot_product_attention(q, kf, vf, scale=d**-0.5, mask="causal")
+    assert y.dtype == mx.float32
+    assert np.abs(np.array(y) - np.array(ref)).max() < 1e-5
+    assert (
+        np.abs(np.array(y) - np.array(sdpa(q, kf, vf, scale=d**-0.5, mask="causal"))).max() < 1e-5
+    )
+    assert np.abs(np.array(y) - np.array(sdpa(q, k, v, scale=d**-0.5, mask="causal"))).max() > 1e-5
+    pad = lk // 2 + 1  # row 0 left-padded past the first chunk boundary
+    causal = np.arange(lk)[None] <= np.arange(lq)[:, None] + lk - lq
+    padded = mx.array((causal & (np.arange(lk) >= pad))[None, None])
+    rows = sdpa(q[:1], kh[:1], vh[:1], scale=d**-0.5, mask=padded)
+    alone = sdpa(q[:1], kh[:1, :, pad:], vh[:1, :, pad:], scale=d**-0.5, mask="causal")
+    assert np.array_equal(np.array(rows), np.array(alone))
+    assert sdpa(q, kh, v, scale=d**-0.5) is None  # mixed K/V dtypes: MLX's
+
+
+@needs_native
 def test_attention_gradient_is_mlx_own_and_arrays_masks_fall_back():
     from mlx_ternary.runtime.cpu.attention import scaled_dot_product_attention as sdpa
 

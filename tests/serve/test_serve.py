@@ -608,7 +608,11 @@ def test_prompt_cache_is_bounded_in_bytes_lru():
 
 
 def log_softmax_rows(model, tokens):
-    logits = model(mx.array(tokens)[None])[0].astype(mx.float32)
+    """The model's log softmax over `tokens`, run with a KV cache as serve runs it (the fused
+    CPU block keeps its keys and values in float16)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits = model(mx.array(tokens)[None], cache=make_prompt_cache(model))[0].astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 

@@ -276,9 +276,13 @@ def test_plan_counts_the_prompt_cache_and_kv_bits():
     model, _ = mlx_ternary.load(str(EMBEDDED_MODEL), lazy=True)
     full = kv_bytes(model, 512, 4)
     q8 = kv_bytes(model, 512, 4, kv_bits=8)
-    # 4 layers x 4 heads x 64 dims x 2 (K, V) x 512 tokens x 4 sequences, float32
-    assert full == 4 * 4 * 64 * 2 * 512 * 4 * 4
-    assert q8 == full // 4 * (1 + 2 * 4 / 64)  # 1 byte + a float32 scale and bias per 64
+    # 4 layers x 4 heads x 64 dims x 2 (K, V) x 512 tokens x 4 sequences, float16 with the
+    # fused CPU block (its cache: runtime/cpu/block.py kv_dtype), else float32
+    elems = 4 * 4 * 64 * 2 * 512 * 4
+    from mlx_ternary.memory import fused_blocks
+
+    assert full == elems * (2 if fused_blocks(model) else 4)
+    assert q8 == elems * (1 + 2 * 4 / 64)  # 1 byte + a float32 scale and bias per 64
     p = plan(model, 512, batch=4, kv_bits=8, prompt_cache=parse_bytes("3MB"))
     assert p.prompt_cache == 3 * 1024**2
     # continuous batching: 255 positions of step slack per sequence + one sequence's copy

@@ -5,7 +5,8 @@ mlx[cpu] wheel links: about half of a prefill and a tenth of a decode step of a 
 model (docs/NATIVE.md). mlx-lm's attention modules call `scaled_dot_product_attention` from
 their own module's namespace; `install(model)` puts a pass-through there that, **only while
 this model runs** (a thread-local flag set around the model's `__call__`) and only for what
-the native kernel does exactly (float32 on the CPU; no mask, "causal" or a boolean mask; no
+the native kernel does exactly (float32 queries on the CPU, float32 or float16 keys and
+values; no mask, "causal" or a boolean mask; no
 attention sinks, no quantized KV cache), calls the native kernel; every other call - other
 models, additive float masks, GPUs - goes to mlx-lm's own function unchanged. Boolean masks
 are what mlx-lm's batches use (causal plus left padding): the kernel never reads the keys
@@ -21,6 +22,9 @@ import mlx.core as mx
 
 from .. import patches
 from . import active, enabled, require
+
+# The keys' and values' dtypes the kernel reads (float16: the fused block's KV cache)
+KV_DTYPES = (mx.float32, mx.float16)
 
 
 @lru_cache(maxsize=None)
@@ -75,7 +79,10 @@ def scaled_dot_product_attention(queries, keys, values, *, scale: float, mask=No
     """The native attention, or None where it does not apply (the caller falls back)."""
     if (
         mx.default_device() != mx.cpu
-        or any(a.dtype != mx.float32 or a.ndim != 4 for a in (queries, keys, values))
+        or any(a.ndim != 4 for a in (queries, keys, values))
+        or queries.dtype != mx.float32
+        or keys.dtype != values.dtype
+        or keys.dtype not in KV_DTYPES
         or not _native_mask(mask, queries, keys)
     ):
         return None

@@ -58,15 +58,22 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...errors import TernaryError
 from ...format import Q8K, packing_code
 from .. import patches
 from . import active, require
 
 ENV_FUSED = "MLX_TERNARY_FUSED"
+# The dtype of the K/V the fused block hands mlx-lm's cache (which keeps what it gets):
+# float16 (default: half the bytes of float32, as llama.cpp's f16 cache) or float32
+ENV_KV = "MLX_TERNARY_KV_DTYPE"
+KV_DTYPES = {"float16": True, "float32": False}  # name -> attn_in's kv_half
 # mlx-lm's modules whose TransformerBlock is the llama block (qwen2: q/k/v biases; qwen3:
-# an RMSNorm of each q and k head before RoPE), all with `swiglu` MLPs
-ARCHS = ("llama", "qwen2", "qwen3")
-_state = {"on": None}  # None: $MLX_TERNARY_FUSED decides (default on)
+# an RMSNorm of each q and k head before RoPE), all with `swiglu` MLPs, and BitNet's (an
+# RMSNorm before o_proj and before down_proj, relu2 gating: SUB_NORMED)
+ARCHS = ("llama", "qwen2", "qwen3", "bitnet")
+SUB_NORMED = {"bitnet": ("attn_sub_norm", "ffn_sub_norm")}  # module -> (attention's, MLP's)
+_state = {"on": None, "kv": None}  # None: $MLX_TERNARY_FUSED / $MLX_TERNARY_KV_DTYPE decide
 # The projections the plain fused block runs: exact class -> layer -> (its kernel arguments
 # (packed, scales, bias, packing, in_features, group_size, activation_bits), or None where a
 # call of the layer is not the native kernel on its input; mapping, key: see Reads). Filled
@@ -96,6 +103,30 @@ def is_enabled() -> bool:
     if on is None:
         return os.environ.get(ENV_FUSED, "1").lower() not in ("0", "false", "off")
     return on
+
+
+def set_kv_dtype(name: Optional[str]) -> None:
+    """The fused block's K/V dtype for this process: "float16" or "float32" (None: back to
+    $MLX_TERNARY_KV_DTYPE, default float16). Raises TernaryError for another name."""
+    if name is not None:
+        _kv_half(name, "set_kv_dtype")
+    _state["kv"] = name
+
+
+def kv_dtype() -> str:
+    """The dtype the fused block gives mlx-lm's cache its keys and values in."""
+    return _state["kv"] or os.environ.get(ENV_KV, "float16")
+
+
+def kv_half(cache) -> bool:
+    """attn_in's kv_half for a call with `cache`: float16 K/V where a cache keeps them."""
+    return cache is not None and _kv_half(kv_dtype())
+
+
+def _kv_half(name: str, where: str = ENV_KV) -> bool:
+    if name not in KV_DTYPES:
+        raise TernaryError(f"{where}: {name!r} is not a KV dtype; use one of {sorted(KV_DTYPES)}")
+    return KV_DTYPES[name]
 
 
 def register_projection(cls: type, read: Callable) -> None:
@@ -179,17 +210,17 @@ def _rope(rope):
     return None
 
 
-def _cache_kind(cache, tokens: int):
-    """The cache's offset as (int, None) or (0, array), or None for an unsupported cache and
-    for a call that grows a filled cache: mlx-lm concatenates the old buffers with a new
-    step, and the fused layers' fewer, larger tasks let MLX run ~4 layers ahead, so ~4
-    layers' old and new buffers would be live at once (memory.py plans for one)."""
+def _cache_kind(cache, tokens: int, grow: bool = False):
+    """The cache's offset as (int, None) or (0, array), or None for an unsupported cache and,
+    unless `grow`, for a call that grows a filled cache: mlx-lm concatenates the old buffers
+    with a new step, and the fused layers' fewer, larger tasks let MLX run ~4 layers ahead, so
+    ~4 layers' old and new buffers would be live at once (_fused evaluates x first then)."""
     if cache is None:
         return 0, None
     batched = _CACHES.get(type(cache))  # exact classes: quantized, rotating... keep mlx-lm's
     if batched is None:
         return None
-    if cache.keys is not None and cache.size() + tokens > cache.keys.shape[2]:
+    if not grow and cache.keys is not None and cache.size() + tokens > cache.keys.shape[2]:
         return None  # size(): the filled length (KVCache's offset, BatchKVCache's index)
     return (0, cache.offset) if batched else (int(cache.offset), None)
 
@@ -242,24 +273,40 @@ def parts(block, mod, projections=_plain_projections, reads: Optional[Reads] = N
     return n1, n2, qkv, gate_up, o, down, rope, head_norms
 
 
-def _plain_run(attn, found) -> Callable:
+def sub_norms(block, mod, reads: Reads):
+    """(attention's sub-norm, MLP's sub-norm, MLP activation code) of a block of `mod`:
+    (None, None, silu) for the llama block, the two RMSNorms and relu2 for BitNet's (mlx-lm's
+    bitnet MLP), None where they are not what the op computes."""
+    m = require()
+    names = SUB_NORMED.get(mod.__name__.rsplit(".", 1)[-1])
+    if names is None:
+        return None, None, m.MLP_SILU
+    attn, mlp = reads.child(block, "self_attn"), reads.child(block, "mlp")
+    a, f = _read_norm(reads, attn, names[0]), _read_norm(reads, mlp, names[1])
+    return None if a is None or f is None else (a, f, m.MLP_RELU2)
+
+
+def _plain_run(attn, found, subs) -> Callable:
     """(x, cache, offset, how) -> the block's output: three native ops, every argument but
-    the activations, offset and mask bound now."""
+    the activations, offset and mask bound now (and the K/V dtype, read per call)."""
     (w1, eps1), (w2, eps2), qkv, gate_up, o, down, rope, head_norms = found
+    attn_sub, ffn_sub, act = subs
     n_heads, n_kv_heads, scale = attn.n_heads, attn.n_kv_heads, attn.scale
     head_dim = qkv[0][0].shape[0] // n_heads
     m = require()
     attn_in = (w1, eps1, *qkv[:3], *qkv[3], n_heads, n_kv_heads, head_dim, *rope)
     attn_out = (*o[:3], *o[3])
     mlp = (w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3])
+    sub_a = dict(zip(("sub_norm_w", "sub_eps"), attn_sub or ()))
+    sub_f = dict(zip(("sub_norm_w", "sub_eps"), ffn_sub or ()), act=act)
 
     def run(x, cache, offset, how):
-        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms)
+        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=kv_half(cache))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
-        h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x)
-        return m.mlp(h, *mlp, h)
+        h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x, **sub_a)
+        return m.mlp(h, *mlp, h, **sub_f)
 
     return run
 
@@ -286,8 +333,9 @@ def plan(block, mod) -> BlockPlan:
     TernaryLinear keeps no LayerPlan then)."""
     reads = Reads()
     found = parts(block, mod, reads=reads)
-    run = None if found is None else _plain_run(block.self_attn, found)
-    if run is None:
+    subs = sub_norms(block, mod, reads)
+    run = None if found is None or subs is None else _plain_run(block.self_attn, found, subs)
+    if run is None and subs is not None and subs[0] is None:  # the forms know no sub-norms
         for form in FORMS:
             run = form(block, mod, reads)
             if run is not None:
@@ -315,6 +363,13 @@ def _fused(block, x, mask, cache, mod):
     if run is None:
         return None
     offset, how = _cache_kind(cache, x.shape[1]), _mask(mask)
+    if offset is None and kv_dtype() == "float16" and not require().is_tracer(x):
+        # a call that grows the cache: fused too, or mlx-lm's block would grow it in float32
+        # (the dtype it gets); the layers before it run first, so one layer's old and new
+        # buffers are live at a time
+        offset = _cache_kind(cache, x.shape[1], grow=True)
+        if offset is not None:
+            mx.eval(x)
     if offset is None or how is None:
         return None
     return run(x, cache, offset, how)

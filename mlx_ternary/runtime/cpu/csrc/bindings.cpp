@@ -80,21 +80,26 @@ NB_MODULE(_mlx_ternary_native, m) {
         nb::arg("traditional"), nb::arg("base").none(), nb::arg("rope_scale"),
         nb::arg("freqs").none(), nb::arg("offset"), nb::arg("offsets").none(),
         nb::arg("q_norm_w").none() = nb::none(), nb::arg("k_norm_w").none() = nb::none(),
-        nb::arg("qk_eps") = 0.f,
+        nb::arg("qk_eps") = 0.f, nb::arg("kv_half") = false,
         "RMSNorm(x) -> q, k, v (B, H, L, D) with RoPE applied (a fused llama attention input; "
-        "q_norm_w / k_norm_w: qwen3's RMSNorm of each q and k head before RoPE).");
+        "q_norm_w / k_norm_w: qwen3's RMSNorm of each q and k head before RoPE; kv_half: k and "
+        "v as float16, the 16-bit KV cache).");
   m.def("attn_out", &attn_out, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("causal"), nb::arg("mask").none(), nb::arg("packed"), nb::arg("scales"),
         nb::arg("bias").none(), nb::arg("packing"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("activation_bits"), nb::arg("residual").none(),
-        "[residual +] o_proj(attention(q, k, v)) in (B, L, out).");
+        nb::arg("sub_norm_w").none() = nb::none(), nb::arg("sub_eps") = 0.f,
+        "[residual +] o_proj([RMSNorm](attention(q, k, v))) in (B, L, out); k/v float32 or "
+        "float16; sub_norm_w: bitnet's attn_sub_norm.");
   m.def("mlp", &mlp, nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("packed"),
         nb::arg("scales"), nb::arg("bias"), nb::arg("packing"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("activation_bits"), nb::arg("down_packed"),
         nb::arg("down_scales"), nb::arg("down_bias").none(), nb::arg("down_packing"),
         nb::arg("down_in_features"), nb::arg("down_group_size"),
-        nb::arg("down_activation_bits"), nb::arg("residual").none(),
-        "[residual +] down(silu(gate(n)) * up(n)), n = RMSNorm(h) (a fused llama MLP).");
+        nb::arg("down_activation_bits"), nb::arg("residual").none(), nb::arg("act") = int(ACT_SILU),
+        nb::arg("sub_norm_w").none() = nb::none(), nb::arg("sub_eps") = 0.f,
+        "[residual +] down([RMSNorm](act(gate(n)) * up(n))), n = RMSNorm(h): act MLP_SILU (a "
+        "fused llama MLP) or MLP_RELU2 (bitnet's; sub_norm_w its ffn_sub_norm).");
   m.def("local_sum", &local_sum, nb::arg("x"),
         "The sum of this rank's float32 `x` and the other local rank's, over the attached "
         "segment (slot 0 + slot 1: the same bits on both ranks).");
@@ -114,6 +119,8 @@ NB_MODULE(_mlx_ternary_native, m) {
           return e.empty() ? tk::kq_selfcheck() : e;
         },
         "Compare this build's SIMD kernels with the portable ones; '' when they agree.");
+  m.attr("MLP_SILU") = int(ACT_SILU);
+  m.attr("MLP_RELU2") = int(ACT_RELU2);
   m.attr("PACKING_COMPACT") = int(tk::COMPACT);
   m.attr("PACKING_FAST") = int(tk::FAST);
   m.def("built_for_mlx", []() { return std::string(MLXT_MLX_VERSION); });

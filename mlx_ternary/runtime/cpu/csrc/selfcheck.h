@@ -230,47 +230,60 @@ inline std::string check_dense(int wd, int64_t M, int64_t N, int64_t K, uint32_t
 }
 
 template <class O>
-inline void run_attention(const AttnShape& sh, const float* q, const float* k, const float* v,
+inline void run_attention(const AttnShape& sh, const float* q, const void* k, const void* v,
                           float* out) {
-  std::vector<float> scores(sh.Lk);
-  for (int64_t b = 0; b < sh.B; b++)
-    for (int64_t h = 0; h < sh.Hq; h++) attention_rows<O>(sh, q, k, v, out, b, h, 0, sh.Lq, scores.data());
+  attention<O>(sh, q, k, v, out, [](int64_t n, const auto& f) {
+    for (int64_t i = 0; i < n; i++) f(i);
+  });
 }
 
-inline std::string check_attention(int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
-                                   bool causal, uint32_t seed) {
+// The tiled attention (float32 or float16 K/V, chunks merged in one task or across tasks)
+// against a direct float64 computation, with this build's ops and the portable ones.
+inline std::string check_attention(int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk,
+                                   int64_t D, bool causal, bool half, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
   const int64_t kpad = D + 3;  // keys and values with a row stride that is not D
-  AttnShape sh{1, Hq, Hkv, Lq, Lk, D, {Hq * Lq * D, Lq * D, D}, {Hkv * Lk * kpad, Lk * kpad, kpad},
-               {Hkv * Lk * kpad, Lk * kpad, kpad}, 1.f / std::sqrt((float)D), causal};
-  std::vector<float> q(Hq * Lq * D), k(Hkv * Lk * kpad), v(Hkv * Lk * kpad), y(Hq * Lq * D),
-      ys(Hq * Lq * D);
+  AttnShape sh{B, Hq, Hkv, Lq, Lk, D, {Hq * Lq * D, Lq * D, D},
+               {Hkv * Lk * kpad, Lk * kpad, kpad}, {Hkv * Lk * kpad, Lk * kpad, kpad},
+               {Hq * Lq * D, Lq * D, D}, 1.f / std::sqrt((float)D), causal};
+  sh.kv_half = half;
+  std::vector<float> q(B * Hq * Lq * D), k(B * Hkv * Lk * kpad), v(k.size()), y(q.size()),
+      ys(q.size());
+  std::vector<uint16_t> kh(k.size()), vh(v.size());
   for (auto& x : q) x = normal(rng);
-  for (auto& x : k) x = normal(rng);
-  for (auto& x : v) x = normal(rng);
-  run_attention<NativeOps>(sh, q.data(), k.data(), v.data(), y.data());
-  run_attention<ScalarOps>(sh, q.data(), k.data(), v.data(), ys.data());
-  for (int64_t h = 0; h < Hq; h++)
-    for (int64_t i = 0; i < Lq; i++) {
-      const int64_t kh = h / (Hq / Hkv), n = causal ? std::min(Lk, i + Lk - Lq + 1) : Lk;
-      std::vector<double> p(n);
-      double mx = -1e300, sum = 0;
-      for (int64_t j = 0; j < n; j++) {
-        double dot = 0;
-        for (int64_t d = 0; d < D; d++) dot += (double)q[(h * Lq + i) * D + d] * k[(kh * Lk + j) * kpad + d];
-        p[j] = dot * sh.scale, mx = std::max(mx, p[j]);
+  for (size_t i = 0; i < k.size(); i++) {  // values a float16 holds exactly
+    kh[i] = f32_to_f16(normal(rng)), k[i] = f16_to_f32(kh[i]);
+    vh[i] = f32_to_f16(normal(rng)), v[i] = f16_to_f32(vh[i]);
+  }
+  const void* kp = half ? (const void*)kh.data() : k.data();
+  const void* vp = half ? (const void*)vh.data() : v.data();
+  run_attention<NativeOps>(sh, q.data(), kp, vp, y.data());
+  run_attention<ScalarOps>(sh, q.data(), kp, vp, ys.data());
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < Hq; h++)
+      for (int64_t i = 0; i < Lq; i++) {
+        const int64_t kh0 = (b * Hkv + h / (Hq / Hkv)) * Lk * kpad;
+        const int64_t n = causal ? std::min(Lk, i + Lk - Lq + 1) : Lk;
+        const float* qi = q.data() + ((b * Hq + h) * Lq + i) * D;
+        std::vector<double> p(n);
+        double mx = -1e300, sum = 0;
+        for (int64_t j = 0; j < n; j++) {
+          double dot = 0;
+          for (int64_t d = 0; d < D; d++) dot += (double)qi[d] * k[kh0 + j * kpad + d];
+          p[j] = dot * sh.scale, mx = std::max(mx, p[j]);
+        }
+        for (auto& x : p) sum += (x = std::exp(x - mx));
+        for (int64_t d = 0; d < D; d++) {
+          double want = 0;
+          for (int64_t j = 0; j < n; j++) want += p[j] / sum * v[kh0 + j * kpad + d];
+          const int64_t o = ((b * Hq + h) * Lq + i) * D + d;
+          if (std::fabs(y[o] - want) > 1e-5 || std::fabs(ys[o] - want) > 1e-5)
+            return "attention differs from the direct computation (D " + std::to_string(D) +
+                   ", Lq " + std::to_string(Lq) + ", Lk " + std::to_string(Lk) +
+                   (half ? ", float16 K/V" : "") + ")";
+        }
       }
-      for (auto& x : p) sum += (x = std::exp(x - mx));
-      for (int64_t d = 0; d < D; d++) {
-        double want = 0;
-        for (int64_t j = 0; j < n; j++) want += p[j] / sum * v[(kh * Lk + j) * kpad + d];
-        int64_t o = (h * Lq + i) * D + d;
-        if (std::fabs(y[o] - want) > 1e-5 || std::fabs(ys[o] - want) > 1e-5)
-          return "attention differs from the direct computation (D " + std::to_string(D) +
-                 ", Lq " + std::to_string(Lq) + ", Lk " + std::to_string(Lk) + ")";
-      }
-    }
   return "";
 }
 
@@ -320,10 +333,22 @@ inline std::string selfcheck() {
       return e + " (8-row blocks, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
              std::to_string(K) + ")";
   }
-  for (auto [hq, hkv, lq, lk, d, causal] : {std::tuple{4, 2, 5, 9, 64, true},
-                                            std::tuple{2, 2, 1, 7, 40, false},
-                                            std::tuple{6, 3, 3, 3, 128, true}}) {
-    std::string e = check_attention(hq, hkv, lq, lk, d, causal, seed++);
+  // the per-token int8 8-row decode blocks (ternary.h rows_int8_r8): a row tail, tokens 1-3,
+  // a partial last step, rows long enough for the int16 sums to be widened mid-row
+  for (auto [M, N, K, sk, bias] : {std::tuple{1, 19, 517, 1, true}, std::tuple{3, 16, 130, 0, false},
+                                   std::tuple{2, 9, 2100, 1, false}, std::tuple{1, 8, 4000, 0, true}}) {
+    std::string e = check_case(FAST, M, N, K, 64, sk, true, bias, seed++);
+    if (!e.empty())
+      return e + " (int8 8-row blocks, M " + std::to_string(M) + ", N " + std::to_string(N) +
+             ", K " + std::to_string(K) + ")";
+  }
+  // tiles, chunks (300 keys: two), chunks merged in a task (16 tasks) and across tasks, a
+  // head size with a tail, float16 K/V
+  for (auto [b, hq, hkv, lq, lk, d, causal, half] :
+       {std::tuple{1, 4, 2, 5, 9, 64, true, false}, std::tuple{1, 2, 2, 1, 7, 40, false, true},
+        std::tuple{2, 6, 3, 3, 3, 128, true, false}, std::tuple{1, 8, 2, 1, 300, 20, true, true},
+        std::tuple{1, 16, 16, 1, 300, 8, false, true}, std::tuple{1, 4, 1, 40, 45, 16, true, false}}) {
+    std::string e = check_attention(b, hq, hkv, lq, lk, d, causal, half, seed++);
     if (!e.empty()) return e;
   }
   for (int wd : {F32, F16, BF16})

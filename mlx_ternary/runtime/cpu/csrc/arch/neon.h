@@ -142,6 +142,15 @@ struct NeonOps {
   static F8 fma8(F8 acc, F8 w, const float* x) {
     return F8{vfmaq_f32(acc.a, w.a, vld1q_f32(x)), vfmaq_f32(acc.b, w.b, vld1q_f32(x + 4))};
   }
+  static F8 f8max(F8 x, F8 y) { return F8{vmaxq_f32(x.a, y.a), vmaxq_f32(x.b, y.b)}; }
+  static float f8hmax(F8 x) { return vmaxvq_f32(vmaxq_f32(x.a, x.b)); }
+  // lane u = the sum of a[u]'s lanes (pairwise adds)
+  static F8 f8tsum(const F8 a[8]) {
+    float32x4_t s[8];
+    for (int u = 0; u < 8; u++) s[u] = vaddq_f32(a[u].a, a[u].b);
+    return F8{vpaddq_f32(vpaddq_f32(s[0], s[1]), vpaddq_f32(s[2], s[3])),
+              vpaddq_f32(vpaddq_f32(s[4], s[5]), vpaddq_f32(s[6], s[7]))};
+  }
   static F8 cvt8(int8x8_t t) {
     int16x8_t w = vmovl_s8(t);
     return F8{vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)))};

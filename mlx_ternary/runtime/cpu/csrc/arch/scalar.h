@@ -114,6 +114,21 @@ struct ScalarOps {
     for (int j = 0; j < 8; j++) acc.l[j] += w.l[j] * x[j];
     return acc;
   }
+  static F8 f8max(F8 a, const F8& b) {
+    for (int j = 0; j < 8; j++) a.l[j] = std::max(a.l[j], b.l[j]);
+    return a;
+  }
+  static float f8hmax(const F8& a) {
+    float m = a.l[0];
+    for (int j = 1; j < 8; j++) m = std::max(m, a.l[j]);
+    return m;
+  }
+  // lane u = the sum of a[u]'s lanes
+  static F8 f8tsum(const F8 a[8]) {
+    F8 r;
+    for (int u = 0; u < 8; u++) r.l[u] = f8sum(a[u]);
+    return r;
+  }
   static void fexpand(const V& c, F8 w[4]) {
     for (int b = 0; b < 32; b++) w[b / 8].l[b % 8] = (float)((int)c.b[b] - 1);
   }

@@ -156,6 +156,13 @@ struct Avx2Ops {
     return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(s8))));
   }
   static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
+  // kernels/ternary.h rows_int8_r8: int32 sums of 8 rows (lane = row) added up, and their
+  // epilogue ((float)(sumi - gsum) * s8) * xs, lane by lane
+  static __m256i tadd(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+  static FV int8_rows(__m256i sumi, int32_t gsum, const float* s8, float xs) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(gsum)));
+    return _mm256_mul_ps(_mm256_mul_ps(v, _mm256_loadu_ps(s8)), _mm256_set1_ps(xs));
+  }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   // q8k windows (q8k.h rows_q8k_wide_tile, rows_q8k_r8w): two 32-byte steps of a row in one
@@ -213,6 +220,20 @@ struct Avx2Ops {
   static F8 f8fma(F8 a, F8 w, F8 x) { return _mm256_fmadd_ps(w, x, a); }
   static F8 f8set(float v) { return _mm256_set1_ps(v); }
   static F8 fma8(F8 a, F8 w, const float* x) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a); }
+  static F8 f8max(F8 a, F8 b) { return _mm256_max_ps(a, b); }
+  static float f8hmax(F8 a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  // lane u = the sum of a[u]'s lanes (a transpose and add)
+  static F8 f8tsum(const F8 a[8]) {
+    const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
+                         _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
   // t = c - 1 as floats, from bytes 0-7, 8-15, 16-23, 24-31 of a code vector
   static void fexpand(V c, F8 w[4]) {
     __m256i t = _mm256_sub_epi8(c, _mm256_set1_epi8(1));

@@ -1,113 +1,347 @@
-// Scaled dot-product attention on the CPU, float32: out = softmax(scale * q k^T [+ causal]) v
-// for q (B, Hq, Lq, D) and k, v (B, Hkv, Lk, D), Hq a multiple of Hkv (grouped-query
-// attention), rows of D contiguous and any strides above. "causal" is MLX's: query i (of Lq)
-// sees keys j <= i + Lk - Lq. MLX's CPU fallback for this runs matmuls on the reference BLAS
-// the mlx[cpu] wheel links (~3 GFLOP/s) and costs half of a prefill; this is one pass of
-// SIMD dot products per (query, key), a max-subtracted softmax (exp vectorized where AVX2 is:
-// activation.h's, within 2 ulp), and a weighted sum of values.
-// A boolean mask (mlx-lm's batches: causal and left padding; sliding windows) drops the keys it
-// marks false: their scores are -inf, their weights exactly 0 and their values are never read,
-// so a left-padded row of a batch gets its single sequence's output bit for bit; a row with no
-// key left gets 0.
+// Scaled dot-product attention on the CPU: out = softmax(scale * q k^T [+ causal]) v for q
+// (B, Hq, Lq, D) float32 and k, v (B, Hkv, Lk, D) float32 or float16 (the KV cache the fused
+// block keeps in 16 bits), Hq a multiple of Hkv (grouped-query attention), rows of D
+// contiguous and any strides above; the output at its own strides. "causal" is MLX's: query i
+// (of Lq) sees keys j <= i + Lk - Lq. A boolean mask (mlx-lm's batches: causal and left
+// padding; sliding windows) drops the keys it marks false; a row with no key left gets 0.
+//
+// Tiled, with the online softmax of flash attention, in float32:
+// - A task is one batch row, one KV head and a tile of query positions; its rows are the
+//   query heads of the KV head's group at those positions (at most ATT_ROWS), so each K and V
+//   row is read (and widened from float16) once per group and query tile, and no score
+//   matrix exists beyond one tile of ATT_KEYS keys.
+// - Scores: one row against 8 keys at a time, an accumulator per key, the 8 reduced together
+//   (f8tsum: a transpose and add), not a horizontal sum per (row, key).
+// - The keys a task's rows see are cut into chunks of ATT_CHUNK from the first key one of them
+//   keeps. Each chunk's (max, sum of weights, weighted values) is computed from scratch and
+//   the chunks are merged left to right; a decode step (few tasks, long context) computes the
+//   chunks of a task on several threads and merges them in the same order. So the bits depend
+//   neither on the threads nor on the batch: a left-padded row of a batch, whose chunks start
+//   at its first kept key, gets the bits of its sequence alone.
+// - Within a chunk a row's running max moves only when a tile raises it (then the row's sum
+//   and values are rescaled by exp(m - m')); keys a row does not see weigh exactly 0 and a
+//   tile where it sees none leaves it untouched.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "../arch/select.h"
+#include "layer.h"
 
 namespace tk {
+
+constexpr int ATT_KEYS = 32;    // keys a tile: 4 blocks of 8
+constexpr int ATT_CHUNK = 256;  // keys a chunk (whole tiles)
+constexpr int ATT_ROWS = 32;    // rows (query heads x positions) a task, at most
+constexpr int ATT_SPLIT = 16;   // fewer tasks than this: their chunks run in parallel
 
 struct AttnShape {
   int64_t B, Hq, Hkv, Lq, Lk, D;
   int64_t qs[3], ks[3], vs[3];  // element strides of dims 0..2 (dim 3 has stride 1)
+  int64_t os[3];                // the output's strides of (b, h, i); d has stride 1
   float scale;
   bool causal;
+  bool kv_half = false;        // k and v hold float16 bits
   const bool* mask = nullptr;  // (B, Hq, Lq, Lk) at element strides ms (0 where broadcast)
   int64_t ms[4] = {0, 0, 0, 0};
+
+  int64_t group() const { return Hq / Hkv; }
+  int64_t qtile() const { return std::max<int64_t>(1, ATT_ROWS / group()); }  // positions a task
 };
 
-// Queries [i0, i1) of head h in batch b; `scores` holds Lk floats.
-template <class O>
-void attention_rows(const AttnShape& s, const float* q, const float* k, const float* v,
-                    float* out, int64_t b, int64_t h, int64_t i0, int64_t i1, float* scores) {
-  using F8 = typename O::F8;
-  const int64_t kvh = h / (s.Hq / s.Hkv), D = s.D, d8 = D / 8 * 8;
-  const float* kb = k + b * s.ks[0] + kvh * s.ks[1];
-  const float* vb = v + b * s.vs[0] + kvh * s.vs[1];
-  for (int64_t i = i0; i < i1; i++) {
-    const float* qi = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
-    int64_t n = s.causal ? std::min(s.Lk, i + s.Lk - s.Lq + 1) : s.Lk;
-    const bool* mi = s.mask ? s.mask + b * s.ms[0] + h * s.ms[1] + i * s.ms[2] : nullptr;
-    float* oi = out + ((b * s.Hq + h) * s.Lq + i) * D;
-    float mx = -INFINITY;
-    int64_t j0 = 0;
-    for (; j0 + 4 <= n; j0 += 4) {  // 4 keys at once: independent FMA chains, same sums
-      const float* kj[4];
-      F8 acc[4];
-      for (int u = 0; u < 4; u++) kj[u] = kb + (j0 + u) * s.ks[2], acc[u] = O::f8zero();
-      for (int64_t d = 0; d < d8; d += 8) {
-        const F8 qv = O::f8load(qi + d);
-        for (int u = 0; u < 4; u++) acc[u] = O::fma8(acc[u], qv, kj[u] + d);
-      }
-      for (int u = 0; u < 4; u++) {
-        float dot = O::f8sum(acc[u]);
-        for (int64_t d = d8; d < D; d++) dot += qi[d] * kj[u][d];
-        const bool dropped = mi && !mi[(j0 + u) * s.ms[3]];
-        scores[j0 + u] = dropped ? -INFINITY : dot * s.scale;
-        mx = std::max(mx, scores[j0 + u]);
-      }
-    }
-    for (int64_t j = j0; j < n; j++) {
-      if (mi && !mi[j * s.ms[3]]) {
-        scores[j] = -INFINITY;
-        continue;
-      }
-      const float* kj = kb + j * s.ks[2];
-      F8 acc = O::f8zero();
-      for (int64_t d = 0; d < d8; d += 8) acc = O::fma8(acc, O::f8load(qi + d), kj + d);
-      float dot = O::f8sum(acc);
-      for (int64_t d = d8; d < D; d++) dot += qi[d] * kj[d];
-      scores[j] = dot * s.scale;
-      mx = std::max(mx, scores[j]);
-    }
-    if (mx == -INFINITY) {  // no key to attend to
-      std::fill(oi, oi + D, 0.f);
+// The rows of one task: their queries, masks, the last key each sees, and the keys
+// [first, end) some row sees.
+struct AttnRows {
+  int n = 0;
+  const float* q[ATT_ROWS];
+  const bool* mask[ATT_ROWS];
+  int64_t last[ATT_ROWS];
+  int64_t first = 0, end = 0;
+  int64_t chunks() const { return (end - first + ATT_CHUNK - 1) / ATT_CHUNK; }
+};
+
+// A chunk's (or the merged chunks') result for a task's rows: max, sum of weights, and the
+// weighted values (rows x D at o).
+struct AttnPartial {
+  float m[ATT_ROWS], l[ATT_ROWS];
+  float* o;
+};
+
+namespace attn_detail {
+
+// Rows [j0, j0 + nk) of k or v (element stride `stride` from `base`) as float32 in dst (8 x D,
+// rows past nk zero).
+inline void widen(const AttnShape& s, const void* base, int64_t stride, int64_t j0, int nk,
+                  float* dst) {
+  const int64_t D = s.D;
+  for (int u = 0; u < nk; u++) {
+    float* out = dst + u * D;
+    if (!s.kv_half) {
+      std::memcpy(out, (const float*)base + (j0 + u) * stride, D * sizeof(float));
       continue;
     }
-    // ... and end at the last key kept: keys masked after it (a batch's causal mask in prefill)
-    // would move keys between the vector head's lanes and the scalar tail (another exp, another
-    // order of the sum), 1-3 ulp off the sequence alone.
-    while (mi && scores[n - 1] == -INFINITY) n--;
-    float sum = 0.f;
-    int64_t j = 0;
-    // Sum from the first key kept: a left-padded row then groups its keys into lanes as the
-    // sequence alone does, and gets the same sum bit for bit.
-    for (; mi && j < n && scores[j] == -INFINITY; j++) scores[j] = 0.f;
-    j = native::softmax_exp_head(scores, j, n, mx, sum);
-    for (; j < n; j++) sum += (scores[j] = std::exp(scores[j] - mx));
-    const float inv = n > 0 ? 1.f / sum : 0.f;
-    for (int64_t d0 = 0; d0 < d8; d0 += 64) {  // 8 accumulators: each value row read once
-      const int nu = (int)std::min<int64_t>(8, (d8 - d0) / 8);
-      F8 acc[8];
-      for (int u = 0; u < 8; u++) acc[u] = O::f8zero();
-      for (int64_t j = 0; j < n; j++) {
-        if (mi && scores[j] == 0.f) continue;  // masked (or a weight of exactly 0: acc + 0)
-        const F8 p = O::f8set(scores[j]);
-        const float* vj = vb + j * s.vs[2] + d0;
-        for (int u = 0; u < nu; u++) acc[u] = O::f8fma(acc[u], p, O::f8load(vj + 8 * u));
-      }
-      for (int u = 0; u < nu; u++) O::f8store(oi + d0 + 8 * u, O::f8mul(acc[u], inv));
+    const uint16_t* src = (const uint16_t*)base + (j0 + u) * stride;
+    int64_t d = 0;
+    for (; d + 8 <= D && native::f16x8_finite_to_f32(src + d, out + d); d += 8) {
     }
-    for (int64_t d = d8; d < D; d++) {
-      float acc = 0.f;
-      for (int64_t j = 0; j < n; j++)
-        if (!mi || scores[j] != 0.f) acc += scores[j] * vb[j * s.vs[2] + d];
-      oi[d] = acc * inv;
+    for (; d < D; d++) out[d] = f16_to_f32(src[d]);
+  }
+  if (nk < 8) std::memset(dst + nk * D, 0, (8 - nk) * D * sizeof(float));
+}
+
+// Scores of every row against keys [j0, j0 + 8) (widened in kr, 8 x D) into sc (rows x
+// ATT_KEYS, this block's columns); -inf where a row does not see the key.
+template <class O>
+inline void scores8(const AttnShape& s, const AttnRows& rows, const float* kr, int64_t j0, int nk,
+                    float* sc) {
+  using F8 = typename O::F8;
+  const int64_t D = s.D, d8 = D / 8 * 8;
+  for (int r = 0; r < rows.n; r++) {
+    const float* q = rows.q[r];
+    F8 acc[8];
+    for (int u = 0; u < 8; u++) acc[u] = O::f8zero();
+    for (int64_t d = 0; d < d8; d += 8) {
+      const F8 qv = O::f8load(q + d);
+      for (int u = 0; u < 8; u++) acc[u] = O::fma8(acc[u], qv, kr + u * D + d);
+    }
+    const F8 dots = O::f8tsum(acc);
+    float* out = sc + r * ATT_KEYS;
+    if (nk == 8 && d8 == D && !rows.mask[r] && j0 + 7 <= rows.last[r]) {  // every key seen
+      O::f8store(out, O::f8mul(dots, s.scale));
+      continue;
+    }
+    alignas(32) float t[8];
+    O::f8store(t, dots);
+    for (int u = 0; u < 8; u++) {
+      const int64_t j = j0 + u;
+      float dot = t[u];
+      for (int64_t d = d8; d < D; d++) dot += q[d] * kr[u * D + d];
+      const bool seen =
+          u < nk && j <= rows.last[r] && (!rows.mask[r] || rows.mask[r][j * s.ms[3]]);
+      out[u] = seen ? dot * s.scale : -INFINITY;
     }
   }
+}
+
+// o += sum_t w[t] v[t] for one row (w: its weights of the tile, 0 where unseen).
+template <class O>
+inline void add_values(const float* w, int nt, const float* vbuf, int64_t D, float* o) {
+  using F8 = typename O::F8;
+  const int64_t d8 = D / 8 * 8;
+  for (int64_t d0 = 0; d0 < d8; d0 += 64) {  // 8 accumulators: each value row read once
+    const int nu = (int)std::min<int64_t>(8, (d8 - d0) / 8);
+    F8 acc[8];
+    for (int u = 0; u < nu; u++) acc[u] = O::f8load(o + d0 + 8 * u);
+    for (int t = 0; t < nt; t++) {
+      if (w[t] == 0.f) continue;  // unseen (or a weight of exactly 0: acc + 0)
+      const F8 p = O::f8set(w[t]);
+      const float* vr = vbuf + t * D + d0;
+      for (int u = 0; u < nu; u++) acc[u] = O::fma8(acc[u], p, vr + 8 * u);
+    }
+    for (int u = 0; u < nu; u++) O::f8store(o + d0 + 8 * u, acc[u]);
+  }
+  for (int64_t d = d8; d < D; d++) {
+    float a = o[d];
+    for (int t = 0; t < nt; t++)
+      if (w[t] != 0.f) a += w[t] * vbuf[t * D + d];
+    o[d] = a;
+  }
+}
+
+}  // namespace attn_detail
+
+// One chunk, keys [c0, c1) of the task's K/V rows (kb, vb: its batch row and KV head), from
+// scratch into p; kbuf and vbuf hold ATT_KEYS x D floats each.
+template <class O>
+void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, const void* vb,
+                     int64_t c0, int64_t c1, AttnPartial& p, float* kbuf, float* vbuf) {
+  using F8 = typename O::F8;
+  const int64_t D = s.D, d8 = D / 8 * 8;
+  alignas(64) float sc[ATT_ROWS * ATT_KEYS];
+  for (int r = 0; r < rows.n; r++) p.m[r] = -INFINITY, p.l[r] = 0.f;
+  std::memset(p.o, 0, sizeof(float) * rows.n * D);
+  for (int64_t j0 = c0; j0 < c1; j0 += ATT_KEYS) {
+    const int nt = (int)std::min<int64_t>(ATT_KEYS, c1 - j0), nb = (nt + 7) / 8;
+    for (int b = 0; b < nb; b++) {
+      const int nk = std::min(8, nt - 8 * b);
+      attn_detail::widen(s, kb, s.ks[2], j0 + 8 * b, nk, kbuf + 8 * b * D);
+      attn_detail::scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, nk, sc + 8 * b);
+    }
+    bool widened = false;
+    for (int r = 0; r < rows.n; r++) {
+      float* w = sc + r * ATT_KEYS;
+      F8 mx8 = O::f8load(w);
+      for (int b = 1; b < nb; b++) mx8 = O::f8max(mx8, O::f8load(w + 8 * b));
+      float tmax = O::f8hmax(mx8);
+      for (int t = 8 * nb; t < nt; t++) tmax = std::max(tmax, w[t]);
+      if (tmax == -INFINITY) continue;  // the row sees no key of this tile
+      float* o = p.o + r * D;
+      const float m = std::max(p.m[r], tmax);
+      if (m != p.m[r]) {  // the max moved: rescale what the row has
+        const float alpha = p.m[r] == -INFINITY ? 0.f : std::exp(p.m[r] - m);
+        p.l[r] *= alpha;
+        for (int64_t d = 0; d < d8; d += 8) O::f8store(o + d, O::f8mul(O::f8load(o + d), alpha));
+        for (int64_t d = d8; d < D; d++) o[d] *= alpha;
+        p.m[r] = m;
+      }
+      float sum = 0.f;
+      int t = (int)native::softmax_exp_head(w, 0, nt, m, sum);
+      for (; t < nt; t++) sum += (w[t] = w[t] == -INFINITY ? 0.f : std::exp(w[t] - m));
+      p.l[r] += sum;
+      if (!widened) {
+        for (int b = 0; b < nb; b++)
+          attn_detail::widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
+        widened = true;
+      }
+      attn_detail::add_values<O>(w, nt, vbuf, D, o);
+    }
+  }
+}
+
+// Merge chunk partial b into the running a (rows x D), a on the left.
+inline void attention_merge(AttnPartial& a, const AttnPartial& b, int n, int64_t D) {
+  for (int r = 0; r < n; r++) {
+    if (b.m[r] == -INFINITY) continue;
+    float* ao = a.o + r * D;
+    const float* bo = b.o + r * D;
+    if (a.m[r] == -INFINITY) {
+      a.m[r] = b.m[r], a.l[r] = b.l[r];
+      std::memcpy(ao, bo, D * sizeof(float));
+      continue;
+    }
+    const float m = std::max(a.m[r], b.m[r]);
+    const float fa = std::exp(a.m[r] - m), fb = std::exp(b.m[r] - m);
+    a.l[r] = a.l[r] * fa + b.l[r] * fb;
+    for (int64_t d = 0; d < D; d++) ao[d] = ao[d] * fa + bo[d] * fb;
+    a.m[r] = m;
+  }
+}
+
+// The rows of task (batch row b, KV head g, query positions [i0, i1)) and the keys they see.
+inline AttnRows attention_rows_of(const AttnShape& s, const float* q, int64_t b, int64_t g,
+                                  int64_t i0, int64_t i1) {
+  AttnRows rows;
+  const int64_t G = s.group();
+  rows.first = s.Lk, rows.end = 0;
+  for (int64_t i = i0; i < i1; i++)
+    for (int64_t h = g * G; h < (g + 1) * G; h++) {
+      const int r = rows.n++;
+      rows.q[r] = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
+      const bool* mk = s.mask ? s.mask + b * s.ms[0] + h * s.ms[1] + i * s.ms[2] : nullptr;
+      rows.mask[r] = mk;
+      int64_t first = 0, last = s.causal ? std::min(s.Lk - 1, i + s.Lk - s.Lq) : s.Lk - 1;
+      if (mk) {
+        while (first <= last && !mk[first * s.ms[3]]) first++;
+        while (last >= first && !mk[last * s.ms[3]]) last--;
+      }
+      rows.last[r] = last;
+      if (first <= last) {
+        rows.first = std::min(rows.first, first);
+        rows.end = std::max(rows.end, last + 1);
+      }
+    }
+  if (rows.end <= rows.first) rows.first = rows.end = 0;
+  return rows;
+}
+
+// out = o / l for each row (0 for a row that sees no key).
+inline void attention_store(const AttnShape& s, const AttnRows& rows, const AttnPartial& p,
+                            float* out, int64_t b, int64_t g, int64_t i0) {
+  const int64_t G = s.group(), D = s.D;
+  for (int r = 0; r < rows.n; r++) {
+    float* dst = out + b * s.os[0] + (g * G + r % G) * s.os[1] + (i0 + r / G) * s.os[2];
+    if (p.m[r] == -INFINITY) {
+      std::fill(dst, dst + D, 0.f);
+      continue;
+    }
+    const float inv = 1.f / p.l[r];
+    for (int64_t d = 0; d < D; d++) dst[d] = p.o[r * D + d] * inv;
+  }
+}
+
+// The attention; run(n, f) calls f(i) for i in [0, n), in any order and on any threads
+// (tk::Pool::parallel_for, or a loop).
+template <class O, class Run>
+void attention(const AttnShape& s, const float* q, const void* k, const void* v, float* out,
+               const Run& run) {
+  const int64_t QT = s.qtile(), tiles = ceil_div(s.Lq, QT), D = s.D;
+  const int64_t tasks = s.B * s.Hkv * tiles;
+  const size_t esz = s.kv_half ? 2 : 4;
+  std::vector<AttnRows> all(tasks);
+  int64_t most = 0;  // chunks of the task with the most
+  for (int64_t t = 0; t < tasks; t++) {
+    const int64_t bg = t / tiles, i0 = (t % tiles) * QT;
+    all[t] = attention_rows_of(s, q, bg / s.Hkv, bg % s.Hkv, i0, std::min(s.Lq, i0 + QT));
+    most = std::max(most, all[t].chunks());
+  }
+  auto where = [&](int64_t t) {  // (b, g, i0, K rows, V rows) of task t
+    const int64_t bg = t / tiles, b = bg / s.Hkv, g = bg % s.Hkv;
+    return std::make_tuple(b, g, (t % tiles) * QT,
+                           (const void*)((const char*)k + (b * s.ks[0] + g * s.ks[1]) * esz),
+                           (const void*)((const char*)v + (b * s.vs[0] + g * s.vs[1]) * esz));
+  };
+  auto chunk = [&](int64_t t, int64_t c, AttnPartial& p, float* buf) {
+    const AttnRows& rows = all[t];
+    const auto [b, g, i0, kb, vb] = where(t);
+    const int64_t c0 = rows.first + c * ATT_CHUNK, c1 = std::min(rows.end, c0 + ATT_CHUNK);
+    attention_chunk<O>(s, rows, kb, vb, c0, c1, p, buf, buf + ATT_KEYS * D);
+  };
+  auto empty = [](AttnPartial& p, int n) {
+    for (int r = 0; r < n; r++) p.m[r] = -INFINITY, p.l[r] = 0.f;
+  };
+  if (tasks >= ATT_SPLIT || most <= 1) {  // a task's chunks in turn
+    run(tasks, [&](int64_t t) {
+      thread_local std::vector<float> buf;
+      buf.resize((2 * ATT_ROWS + 2 * ATT_KEYS) * D);
+      AttnPartial acc{{}, {}, buf.data()}, part{{}, {}, buf.data() + ATT_ROWS * D};
+      float* kv = buf.data() + 2 * ATT_ROWS * D;
+      empty(acc, all[t].n);
+      for (int64_t c = 0; c < all[t].chunks(); c++) {
+        chunk(t, c, c == 0 ? acc : part, kv);
+        if (c > 0) attention_merge(acc, part, all[t].n, D);
+      }
+      const auto [b, g, i0, kb, vb] = where(t);
+      attention_store(s, all[t], acc, out, b, g, i0);
+    });
+    return;
+  }
+  // every (task, chunk) on its own, then each task's chunks merged in order
+  std::vector<int64_t> start{0};
+  for (auto& r : all) start.push_back(start.back() + std::max<int64_t>(1, r.chunks()));
+  const int64_t stride = 2 * ATT_ROWS + ATT_ROWS * D;  // m, l, o of one partial
+  std::vector<float> parts(start.back() * stride);
+  auto partial = [&](int64_t it) {
+    AttnPartial p{{}, {}, parts.data() + it * stride + 2 * ATT_ROWS};
+    return p;
+  };
+  run(start.back(), [&](int64_t it) {
+    thread_local std::vector<float> buf;
+    buf.resize(2 * ATT_KEYS * D);
+    const int64_t t = std::upper_bound(start.begin(), start.end(), it) - start.begin() - 1;
+    AttnPartial p = partial(it);
+    if (all[t].chunks() == 0) empty(p, all[t].n);
+    else chunk(t, it - start[t], p, buf.data());
+    std::memcpy(parts.data() + it * stride, p.m, ATT_ROWS * sizeof(float));
+    std::memcpy(parts.data() + it * stride + ATT_ROWS, p.l, ATT_ROWS * sizeof(float));
+  });
+  run(tasks, [&](int64_t t) {
+    auto load = [&](int64_t it) {
+      AttnPartial p = partial(it);
+      std::memcpy(p.m, parts.data() + it * stride, ATT_ROWS * sizeof(float));
+      std::memcpy(p.l, parts.data() + it * stride + ATT_ROWS, ATT_ROWS * sizeof(float));
+      return p;
+    };
+    AttnPartial acc = load(start[t]);
+    for (int64_t it = start[t] + 1; it < start[t + 1]; it++)
+      attention_merge(acc, load(it), all[t].n, D);
+    const auto [b, g, i0, kb, vb] = where(t);
+    attention_store(s, all[t], acc, out, b, g, i0);
+  });
 }
 
 }  // namespace tk

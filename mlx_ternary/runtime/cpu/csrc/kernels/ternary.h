@@ -221,6 +221,66 @@ constexpr int COMPACT_INT_TILE = 8;
 constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 24;
 
 
+// Per-token int8 activations, decode (1 - INT8_R8_TOKENS tokens, fast packing, tensor or row
+// scales; ISAs with has_q8k_tile): one token against 8 rows at a time with the q8k blocks'
+// operations (kernels/q8k.h rows_q8k_r8) - an accumulator per row, each activation vector
+// loaded once for the 8 rows, the 8 sums reduced into one vector (lane = row) every
+// INT8_R8_STEPS steps (before int16 lanes could overflow without VNNI) and added up in int32,
+// then rows_int's epilogue ((float)(sum - gsum) * s) * x_scale for 8 rows at once: each row's
+// bits are rows_int's. The last n % 8 rows go through rows_int.
+constexpr int INT8_R8_TOKENS = 3;
+constexpr int INT8_R8_STEPS = Q8K_TILE_I16_TERMS / 4;  // 4 code vectors a step
+
+template <class O>
+void rows_int8_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  constexpr int R = Q8K_ROW_BLOCK;
+  const Geometry& g = L.g;
+  const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size(), rb = g.row_bytes;
+  alignas(32) uint8_t tail[32 * R];
+  const bool to_l2 = r8_prefetch_to_l2(g);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* w = L.w + n * rb;
+    copy_tails(g, w, R, tail);
+    alignas(32) float s8[R];
+    row_scales8(L, n, 0, s8);
+    for (int64_t m = m0; m < m1; m++) {
+      const int8_t* x = a.q.data() + m * xlen;
+      typename O::TA acc[R];
+      for (auto& v : acc) v = O::tzero();
+      auto sumi = O::tzero();  // int32 lanes on the ISAs with the tiles
+      for (int64_t s = 0; s < nsteps; s++) {
+        const Step& st = g.steps[s];
+        const uint8_t* p = w + st.off;
+        int64_t stride = rb;
+        if (st.valid != 32) {  // the rows' last step, zero-padded (copy_tails)
+          p = tail, stride = 32;
+        } else if (m == m0) {  // the next block, linearly: 256 of its bytes a step
+          prefetch_lines(w + R * rb + s * 256, 4, to_l2);
+        }
+        const int8_t* xs = x + s * 128;
+        const typename O::V x0 = O::xload(xs), x1 = O::xload(xs + 32), x2 = O::xload(xs + 64),
+                            x3 = O::xload(xs + 96);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+          const typename O::V wr = O::load(p + r * stride);
+          O::tdot(acc[r], O::code(wr, 0), x0);
+          O::tdot(acc[r], O::code(wr, 1), x1);
+          O::tdot(acc[r], O::code(wr, 2), x2);
+          O::tdot(acc[r], O::code(wr, 3), x3);
+        }
+        if ((s + 1) % INT8_R8_STEPS == 0 || s + 1 == nsteps) sumi = O::tadd(sumi, O::tsum8(acc));
+      }
+      alignas(32) float out[R];
+      O::fvstore(out, O::int8_rows(sumi, a.gsum[m * g.ngroups], s8, a.xs[m]));
+      for (int r = 0; r < R; r++)
+        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
+    }
+  }
+  if (n < n1)
+    for (int64_t m = m0; m < m1; m++) rows_int<O, 4, false, 1>(L, a, n, n1, m);
+}
+
 // All tokens for rows [n0, n1): token tiles, then the remainder.
 template <class O, int NV, bool GROUPED>
 void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
@@ -230,6 +290,8 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
       if (M >= Q8K_TILE_TOKENS) return rows_q8k_tiled<O>(L, a, M, n0, n1);
       return rows_q8k_few<O>(L, a, n0, n1, 0, M);
     }
+  if constexpr (NV == 4 && !GROUPED && HasQ8kTile<O>::value)
+    if (L.act_quant && !L.q8k && M <= INT8_R8_TOKENS) return rows_int8_r8<O>(L, a, n0, n1, 0, M);
   int64_t m = 0;
   auto run = [&](auto tile) {
     constexpr int T = decltype(tile)::value;

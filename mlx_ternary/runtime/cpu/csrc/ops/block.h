@@ -28,6 +28,7 @@
 #include "../kernels/activation.h"
 #include "../kernels/attention.h"
 #include "../kernels/ternary.h"
+#include "attention.h"
 #include "primitive.h"
 #include "ternary.h"
 
@@ -195,6 +196,7 @@ struct AttnInParams {
   int64_t hq, hkv, d;
   RopeParams rope;
   int x = 0, w = 1, freqs = -1, offsets = -1, q_norm = -1, k_norm = -1;  // qwen3: per-head norms
+  bool kv_half = false;     // k and v out as float16 (rounded to nearest even, as astype)
   std::vector<Proj> projs;  // q, k, v
 };
 
@@ -227,8 +229,8 @@ class AttnIn : public CpuMultiPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& enc = enqueue(stream(), in, outs);
-    std::vector<float*> op;
-    for (auto& o : outs) op.push_back(o.data<float>());
+    std::vector<void*> op;
+    for (auto& o : outs) op.push_back(o.data<void>());
     enc.dispatch([p = p_, in, op]() {
       std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn;
       const mx::array& x = in[p.x];
@@ -263,7 +265,7 @@ class AttnIn : public CpuMultiPrimitive {
           p.q_norm >= 0 ? (const float*)row_major(in[p.q_norm], kqn) : nullptr,
           p.k_norm >= 0 ? (const float*)row_major(in[p.k_norm], kkn) : nullptr};
       per_token(M, [&](int64_t m0, int64_t m1) {
-        std::vector<float> cs(half), sn(half), head(D);
+        std::vector<float> cs(half), sn(half), head(D), row(D);
         for (int64_t m = m0; m < m1; m++) {
           const int64_t b = m / L, l = m % L;
           const int32_t off = offs ? offs[noffs == 1 ? 0 : b] : r.offset;
@@ -277,13 +279,17 @@ class AttnIn : public CpuMultiPrimitive {
             const int64_t H = i == 0 ? p.hq : p.hkv;
             for (int64_t h = 0; h < H; h++) {
               const float* src = buf[i].data() + m * H * D + h * D;
-              float* dst = op[i] + ((b * H + h) * L + l) * D;
+              const int64_t at = ((b * H + h) * L + l) * D;
+              const bool half_out = i > 0 && p.kv_half;
+              float* dst = half_out ? row.data() : (float*)op[i] + at;
               if (i < 2 && qk_norm[i]) {  // qwen3's q_norm / k_norm: RMSNorm of each head
                 rms_norm_rows(src, qk_norm[i], p.qk_eps, D, head.data(), 0, 1);
                 src = head.data();
               }
               if (i < 2) rope_row(r, cs.data(), sn.data(), src, dst, D);
               else std::memcpy(dst, src, D * sizeof(float));
+              if (half_out)
+                for (int64_t d = 0; d < D; d++) ((uint16_t*)op[i])[at + d] = tk::f32_to_f16(row[d]);
             }
           }
         }
@@ -320,6 +326,7 @@ class AttnIn : public CpuMultiPrimitive {
                                               p.rope.scale, in[p.offsets], freqs, s)
                              : mx::fast::rope(y, p.rope.dims, p.rope.traditional, base,
                                               p.rope.scale, p.rope.offset, freqs, s);
+        if (i > 0 && p.kv_half) y = mx::astype(y, mx::float16, s);
         outs.push_back(y);
       }
       return outs;
@@ -338,7 +345,8 @@ class AttnIn : public CpuMultiPrimitive {
 struct AttnOutParams {
   float scale;
   bool causal;
-  int q = 0, k = 1, v = 2, mask = -1, residual = -1;
+  float sub_eps = 0.f;
+  int q = 0, k = 1, v = 2, mask = -1, residual = -1, sub_norm = -1;  // bitnet: attn_sub_norm
   Proj o;
 };
 
@@ -350,48 +358,29 @@ class AttnOut : public CpuPrimitive {
     auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
       const mx::array &q = in[p.q], &k = in[p.k], &v = in[p.v];
-      std::vector<uint8_t> kq, kk, kv, kr;
-      tk::AttnShape sh{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
-                       {}, {}, {}, p.scale, p.causal};
-      if (p.mask >= 0) {
-        const mx::array& mask = in[p.mask];
-        sh.mask = mask.data<bool>();
-        for (int d = 0; d < 4; d++) sh.ms[d] = mask.shape(d) == 1 ? 0 : mask.strides()[d];
-      }
-      auto view = [](const mx::array& a, std::vector<uint8_t>& keep, int64_t* st) {
-        const bool last = a.strides()[3] == 1;
-        const float* ptr = last ? a.data<float>() : (const float*)row_major(a, keep);
-        for (int d = 0; d < 3; d++) {
-          int64_t contiguous = 1;
-          for (int e = d + 1; e < 4; e++) contiguous *= a.shape(e);
-          st[d] = last ? a.strides()[d] : contiguous;
-        }
-        return ptr;
-      };
-      const float* qp = view(q, kq, sh.qs);
-      const float* kp = view(k, kk, sh.ks);
-      const float* vp = view(v, kv, sh.vs);
-      const int64_t B = sh.B, H = sh.Hq, L = sh.Lq, D = sh.D, M = B * L, HD = H * D;
-      thread_local std::vector<float> att_tl, tok_tl;
+      std::vector<uint8_t> kq, kk, kv, kr, ksn;
+      const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+      const int64_t M = B * L, HD = H * D;
+      // the attention straight into the token layout (B, L, H D) o_proj reads
+      tk::AttnShape sh = attn_shape(q, k, p.scale, p.causal, {L * HD, D, HD});
+      if (p.mask >= 0) mask_view(in[p.mask], sh);
+      const float* qp = (const float*)attn_view(q, kq, sh.qs);
+      const void* kp = attn_view(k, kk, sh.ks);
+      const void* vp = attn_view(v, kv, sh.vs);
+      thread_local std::vector<float> tok_tl;
       thread_local tk::Acts acts_tl;
-      auto& att = att_tl;
       auto& tok = tok_tl;
       tk::Acts& acts = acts_tl;
-      att.resize(B * H * L * D);
       tok.resize(M * HD);
-      const int64_t qb = 8, blocks = tk::ceil_div(L, qb);
-      pool().parallel_for(B * H * blocks, [&](int64_t t) {
-        thread_local std::vector<float> scores;
-        scores.resize(sh.Lk);
-        const int64_t bh = t / blocks, i0 = (t % blocks) * qb;
-        tk::attention_rows<tk::NativeOps>(sh, qp, kp, vp, att.data(), bh / H, bh % H, i0,
-                                          std::min(L, i0 + qb), scores.data());
+      tk::attention<tk::NativeOps>(sh, qp, kp, vp, tok.data(), [](int64_t n, const auto& f) {
+        pool().parallel_for(n, f);
       });
-      for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < H; h++)
-          for (int64_t l = 0; l < L; l++)
-            std::memcpy(tok.data() + (b * L + l) * HD + h * D, att.data() + ((b * H + h) * L + l) * D,
-                        D * sizeof(float));
+      if (p.sub_norm >= 0) {  // bitnet's attn_sub_norm, in place
+        const float* w = (const float*)row_major(in[p.sub_norm], ksn);
+        per_token(M, [&](int64_t m0, int64_t m1) {
+          rms_norm_rows(tok.data(), w, p.sub_eps, HD, tok.data(), m0, m1);
+        });
+      }
       BoundLayer o;
       o.bind(p.o, in, outp);
       prepare_acts(*o.g, p.o.p, tok.data(), tk::F32, M, acts);
@@ -420,6 +409,7 @@ class AttnOut : public CpuPrimitive {
                                    q, in[p.k], in[p.v], p.scale, p.causal ? "causal" : "", {},
                                    {}, false, s);
       att = mx::reshape(mx::transpose(att, {0, 2, 1, 3}, s), {q.shape(0), q.shape(2), -1}, s);
+      if (p.sub_norm >= 0) att = mx::fast::rms_norm(att, in[p.sub_norm], p.sub_eps, s);
       auto y = ternary_ref(att, p.o, in, s);
       if (p.residual >= 0) y = mx::add(in[p.residual], y, s);
       return std::vector<mx::array>{y};
@@ -435,9 +425,13 @@ class AttnOut : public CpuPrimitive {
 
 // ---- Mlp ---------------------------------------------------------------------------------------
 
+// The gated MLP's activation: silu(gate) * up (llama) or relu(gate)^2 * up (bitnet's relu2)
+enum MlpAct { ACT_SILU = 0, ACT_RELU2 = 1 };
+
 struct MlpParams {
-  float eps;
-  int h = 0, w = 1, residual = -1;
+  float eps, sub_eps = 0.f;
+  int act = ACT_SILU;
+  int h = 0, w = 1, residual = -1, sub_norm = -1;  // bitnet: ffn_sub_norm before down
   std::vector<Proj> gate_up;  // gate, up
   Proj down;
 };
@@ -449,7 +443,7 @@ class Mlp : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
-      std::vector<uint8_t> kh, kw, kr;
+      std::vector<uint8_t> kh, kw, kr, ksn;
       const mx::array& h = in[p.h];
       const float* hp = (const float*)row_major(h, kh);
       const float* wp = (const float*)row_major(in[p.w], kw);
@@ -469,10 +463,22 @@ class Mlp : public CpuPrimitive {
       lu.bind(p.gate_up[1], in, u.data());
       prepare_acts(*lg.g, p.gate_up[0].p, normed.data(), tk::F32, M, acts);
       rows_of_layers({&lg, &lu}, acts, M);
-      // silu(gate) * up, in place into g (the native SwiGLU's chunks)
+      // act(gate) * up, in place into g (the native SwiGLU's chunks); relu2 as mlx-lm's
+      // bitnet MLP: square(maximum(g, 0)) * up
       parallel_rows(M * F, 1 << 14, [&](int64_t i0, int64_t i1) {
-        tk::silu_mul(g.data(), u.data(), g.data(), i0, i1);
+        if (p.act == ACT_SILU) return tk::silu_mul(g.data(), u.data(), g.data(), i0, i1);
+        float *gp = g.data(), *up = u.data();
+        for (int64_t i = i0; i < i1; i++) {
+          const float r = std::max(gp[i], 0.f);
+          gp[i] = (r * r) * up[i];
+        }
       });
+      if (p.sub_norm >= 0) {  // bitnet's ffn_sub_norm, in place
+        const float* w = (const float*)row_major(in[p.sub_norm], ksn);
+        per_token(M, [&](int64_t m0, int64_t m1) {
+          rms_norm_rows(g.data(), w, p.sub_eps, F, g.data(), m0, m1);
+        });
+      }
       ld.bind(p.down, in, outp);
       prepare_acts(*ld.g, p.down.p, g.data(), tk::F32, M, acts);
       rows_of_layers({&ld}, acts, M);
@@ -496,7 +502,11 @@ class Mlp : public CpuPrimitive {
     auto reference = [p = p_, s](const std::vector<mx::array>& in) {
       auto n = mx::fast::rms_norm(in[p.h], in[p.w], p.eps, s);
       auto g = ternary_ref(n, p.gate_up[0], in, s), u = ternary_ref(n, p.gate_up[1], in, s);
-      auto y = ternary_ref(mx::multiply(mx::multiply(g, mx::sigmoid(g, s), s), u, s), p.down, in, s);
+      auto a = p.act == ACT_SILU ? mx::multiply(g, mx::sigmoid(g, s), s)
+                                 : mx::square(mx::maximum(g, mx::array(0.f), s), s);
+      a = mx::multiply(a, u, s);
+      if (p.sub_norm >= 0) a = mx::fast::rms_norm(a, in[p.sub_norm], p.sub_eps, s);
+      auto y = ternary_ref(a, p.down, in, s);
       if (p.residual >= 0) y = mx::add(in[p.residual], y, s);
       return std::vector<mx::array>{y};
     };
@@ -521,7 +531,7 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
                                std::optional<mx::array> freqs, int offset,
                                std::optional<mx::array> offsets,
                                std::optional<mx::array> q_norm_w,
-                               std::optional<mx::array> k_norm_w, float qk_eps) {
+                               std::optional<mx::array> k_norm_w, float qk_eps, bool kv_half) {
   if (x.ndim() != 3 || x.shape(2) != in_features) bad("attn_in: x must be (B, L, in_features)");
   check_f32(x, "attn_in: x");
   check_f32(norm_w, "attn_in: the norm weight");
@@ -572,7 +582,9 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
   const int B = x.shape(0), L = x.shape(1);
   std::vector<mx::Shape> shapes{{B, n_heads, L, head_dim}, {B, n_kv_heads, L, head_dim},
                                 {B, n_kv_heads, L, head_dim}};
-  return mx::array::make_arrays(std::move(shapes), {mx::float32, mx::float32, mx::float32},
+  p.kv_half = kv_half;
+  const mx::Dtype kvt = kv_half ? mx::float16 : mx::float32;
+  return mx::array::make_arrays(std::move(shapes), {mx::float32, kvt, kvt},
                                 std::make_shared<AttnIn>(s, std::move(p)), inputs);
 }
 
@@ -580,13 +592,9 @@ mx::array attn_out(const mx::array& q, const mx::array& k, const mx::array& v, f
                    bool causal, std::optional<mx::array> mask, const mx::array& packed,
                    const mx::array& scales, std::optional<mx::array> bias, int packing,
                    int in_features, int group_size, int activation_bits,
-                   std::optional<mx::array> residual) {
-  for (auto* a : {&q, &k, &v})
-    if (a->ndim() != 4 || a->dtype() != mx::float32)
-      bad("attn_out takes float32 (B, H, L, D) arrays, got " + shape_str(*a));
-  if (k.shape() != v.shape() || q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) ||
-      k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
-    bad("attn_out: q " + shape_str(q) + " does not fit k/v " + shape_str(k));
+                   std::optional<mx::array> residual, std::optional<mx::array> sub_norm_w,
+                   float sub_eps) {
+  check_attention_inputs(q, k, v, "attn_out");
   if ((int64_t)q.shape(1) * q.shape(3) != in_features)
     bad("attn_out: o_proj's in_features must be heads * head_dim");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -607,6 +615,13 @@ mx::array attn_out(const mx::array& q, const mx::array& k, const mx::array& v, f
     if (residual->shape() != shape) bad("attn_out: the residual must have shape (B, L, out)");
     p.residual = (int)inputs.size(), inputs.push_back(*residual);
   }
+  if (sub_norm_w) {
+    check_f32(*sub_norm_w, "attn_out: the sub-norm weight");
+    if (sub_norm_w->ndim() != 1 || sub_norm_w->shape(0) != in_features)
+      bad("attn_out: the sub-norm weight must have shape (in_features,)");
+    p.sub_eps = sub_eps;
+    p.sub_norm = (int)inputs.size(), inputs.push_back(*sub_norm_w);
+  }
   return mx::array(shape, mx::float32, std::make_shared<AttnOut>(s, std::move(p)),
                    std::move(inputs));
 }
@@ -617,8 +632,10 @@ mx::array mlp(const mx::array& h, const mx::array& norm_w, float eps,
               int group_size, int activation_bits, const mx::array& down_packed,
               const mx::array& down_scales, std::optional<mx::array> down_bias,
               int down_packing, int down_in_features, int down_group_size,
-              int down_activation_bits, std::optional<mx::array> residual) {
+              int down_activation_bits, std::optional<mx::array> residual, int act,
+              std::optional<mx::array> sub_norm_w, float sub_eps) {
   if (h.ndim() < 1 || h.shape(-1) != in_features) bad("mlp: h must end in in_features");
+  if (act != ACT_SILU && act != ACT_RELU2) bad("mlp: act must be MLP_SILU or MLP_RELU2");
   check_f32(h, "mlp: h");
   check_f32(norm_w, "mlp: the norm weight");
   if (norm_w.ndim() != 1 || norm_w.shape(0) != in_features)
@@ -639,6 +656,14 @@ mx::array mlp(const mx::array& h, const mx::array& norm_w, float eps,
     check_f32(*residual, "mlp: the residual");
     if (residual->shape() != shape) bad("mlp: the residual must have h's shape with down's out");
     p.residual = (int)inputs.size(), inputs.push_back(*residual);
+  }
+  p.act = act;
+  if (sub_norm_w) {
+    check_f32(*sub_norm_w, "mlp: the sub-norm weight");
+    if (sub_norm_w->ndim() != 1 || sub_norm_w->shape(0) != down_in_features)
+      bad("mlp: the sub-norm weight must have shape (down_in_features,)");
+    p.sub_eps = sub_eps;
+    p.sub_norm = (int)inputs.size(), inputs.push_back(*sub_norm_w);
   }
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32, std::make_shared<Mlp>(s, std::move(p)), std::move(inputs));
