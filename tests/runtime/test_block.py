@@ -195,23 +195,23 @@ def test_negative_controls_are_detected(tmp_path, on_cpu, monkeypatch):
     would change nothing) or a perturbed norm weight, in the fused path alone, shows up."""
     model = _model(tmp_path, "int8-fast-row")
     ref = _decode(model, False, steps=2)[0]
-    real_kind = block._cache_kind
+    real_kind = block.cache_kind
 
     def off_by_one(cache, tokens):
         offset, offsets = real_kind(cache, tokens)
         return (offset + 1 if offset else 0), offsets
 
-    monkeypatch.setattr(block, "_cache_kind", off_by_one)
+    monkeypatch.setattr(block, "cache_kind", off_by_one)
     shifted = _decode(model, True, steps=2)[0]
     assert _rel(shifted[0], ref[0]) <= 1e-5  # the prefill (offset 0) is untouched
     assert max(_rel(a, r) for a, r in zip(shifted[1:], ref[1:])) > 1e-3
-    monkeypatch.setattr(block, "_cache_kind", real_kind)
-    real_norm = block._norm
-    monkeypatch.setattr(block, "_norm", lambda n: (lambda w: (w[0] * 1.01, w[1]))(real_norm(n)))
+    monkeypatch.setattr(block, "cache_kind", real_kind)
+    real_norm = block.norm_args
+    monkeypatch.setattr(block, "norm_args", lambda n: (lambda w: (w[0] * 1.01, w[1]))(real_norm(n)))
     (tmp_path / "fresh").mkdir()  # a model whose blocks have no plan yet (the norms: planned)
     perturbed = _decode(_model(tmp_path / "fresh", "int8-fast-row"), True, steps=2)[0]
     assert max(_rel(a, r) for a, r in zip(perturbed, ref)) > 1e-3
-    monkeypatch.setattr(block, "_norm", real_norm)
+    monkeypatch.setattr(block, "norm_args", real_norm)
     (tmp_path / "bitnet").mkdir()  # BitNet's block with silu in place of relu2
     model = _model(tmp_path / "bitnet", "bitnet")
     ref = _decode(model, False, steps=2)[0]

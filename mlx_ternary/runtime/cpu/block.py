@@ -27,7 +27,7 @@ sharded layer), q/k/v (and gate/up) sharing one activation preparation, the norm
 head norms too) nn.RMSNorm with float32 weights, a RoPE whose arithmetic the op reproduces
 (nn.RoPE, Llama3RoPE, YarnRoPE with mscale 1), the cache None, a KVCache or a BatchKVCache (so
 quantized and rotating caches keep mlx-lm's path) that the call does not grow past its
-filled buffers (once every 256 tokens: see `_cache_kind`), the mask None, "causal" or a bool
+filled buffers (once every 256 tokens: see `cache_kind`), the mask None, "causal" or a bool
 array.
 
 The plan: what a block's calls need (the projections' kernel arguments, norms, RoPE,
@@ -181,18 +181,18 @@ def grouped(specs):
     return [s[0] for s in specs], [s[1] for s in specs], [s[2] for s in specs], specs[0][3]
 
 
-def _norm(norm):
+def norm_args(norm):
     if type(norm) is not nn.RMSNorm or norm.weight.dtype != mx.float32:
         return None
     return norm.weight, float(norm.eps)
 
 
 def _read_norm(reads: Reads, module, key: str):
-    """_norm of module[key], its module and weight recorded."""
+    """norm_args of module[key], its module and weight recorded."""
     norm = reads.child(module, key)
     if isinstance(norm, nn.Module):
         reads.child(norm, "weight")
-    return _norm(norm)
+    return norm_args(norm)
 
 
 def _rope(rope):
@@ -210,7 +210,7 @@ def _rope(rope):
     return None
 
 
-def _cache_kind(cache, tokens: int, grow: bool = False):
+def cache_kind(cache, tokens: int, grow: bool = False):
     """The cache's offset as (int, None) or (0, array), or None for an unsupported cache and,
     unless `grow`, for a call that grows a filled cache: mlx-lm concatenates the old buffers
     with a new step, and the fused layers' fewer, larger tasks let MLX run ~4 layers ahead, so
@@ -362,12 +362,12 @@ def _fused(block, x, mask, cache, mod):
     run = (kept if kept is not None and kept.reads.holds() else plan(block, mod)).run
     if run is None:
         return None
-    offset, how = _cache_kind(cache, x.shape[1]), _mask(mask)
+    offset, how = cache_kind(cache, x.shape[1]), _mask(mask)
     if offset is None and kv_dtype() == "float16" and not require().is_tracer(x):
         # a call that grows the cache: fused too, or mlx-lm's block would grow it in float32
         # (the dtype it gets); the layers before it run first, so one layer's old and new
         # buffers are live at a time
-        offset = _cache_kind(cache, x.shape[1], grow=True)
+        offset = cache_kind(cache, x.shape[1], grow=True)
         if offset is not None:
             mx.eval(x)
     if offset is None or how is None:
