@@ -167,7 +167,8 @@ struct NeonOps {
 // ---------------------------------------------------------------------------------------------
 // The kernels' NEON pieces. What arm64 lacks is visible here as what is not defined:
 //   - NeonOps has the q8k tile (kernels/q8k.h rows_q8k_tile, rows_q8k_r8; SDOT or the
-//     fallback dot product) but no 512-bit windows (has_q8k_wide) and no i8mm (SMMLA) tile;
+//     fallback dot product) but no 512-bit windows (has_q8k_wide), no i8mm (SMMLA) tile and
+//     no 8-row per-token int8 block (tadd, int8_rows: kernels/ternary.h rows_int8_r8);
 //   - no KqNeon and no ggml_tile: llama.cpp's tables run KqScalar's generic loops;
 //   - the heads below come from arch/scalar.h (no vector exp, absmax, rounding, fast order or
 //     float16 scales), so SwiGLU, softmax and the Q8_K quantizer run their scalar loops.

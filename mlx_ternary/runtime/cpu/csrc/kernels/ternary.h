@@ -222,7 +222,7 @@ constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 24;
 
 
 // Per-token int8 activations, decode (1 - INT8_R8_TOKENS tokens, fast packing, tensor or row
-// scales; ISAs with has_q8k_tile): one token against 8 rows at a time with the q8k blocks'
+// scales; ISAs with HasInt8R8, below): one token against 8 rows at a time with the q8k blocks'
 // operations (kernels/q8k.h rows_q8k_r8) - an accumulator per row, each activation vector
 // loaded once for the 8 rows, the 8 sums reduced into one vector (lane = row) every
 // INT8_R8_STEPS steps (before int16 lanes could overflow without VNNI) and added up in int32,
@@ -230,6 +230,13 @@ constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 24;
 // bits are rows_int's. The last n % 8 rows go through rows_int.
 constexpr int INT8_R8_TOKENS = 3;
 constexpr int INT8_R8_STEPS = Q8K_TILE_I16_TERMS / 4;  // 4 code vectors a step
+
+// Whether an ISA has the 8-row per-token int8 block's pieces (the int32 lane add and the
+// float32 epilogue of 8 rows): x86 does; NEON does not yet (arch/neon.h lists it).
+template <class O, class = void>
+struct HasInt8R8 : std::false_type {};
+template <class O>
+struct HasInt8R8<O, std::void_t<decltype(&O::int8_rows), decltype(&O::tadd)>> : std::true_type {};
 
 template <class O>
 void rows_int8_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
@@ -290,7 +297,7 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
       if (M >= Q8K_TILE_TOKENS) return rows_q8k_tiled<O>(L, a, M, n0, n1);
       return rows_q8k_few<O>(L, a, n0, n1, 0, M);
     }
-  if constexpr (NV == 4 && !GROUPED && HasQ8kTile<O>::value)
+  if constexpr (NV == 4 && !GROUPED && HasInt8R8<O>::value)
     if (L.act_quant && !L.q8k && M <= INT8_R8_TOKENS) return rows_int8_r8<O>(L, a, n0, n1, 0, M);
   int64_t m = 0;
   auto run = [&](auto tile) {
