@@ -206,6 +206,34 @@ struct Avx2Ops {
                                  _mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_castsi512_si256(t);
   }
+
+  // q8k row panels (q8k.h rows_q8k_panels): lane r of a vector = row r of a 16-row panel,
+  // whose words hold dword d of step s of each row (16 columns' codes); one token's 4
+  // activations of code v are broadcast to every lane (vpdpbusd's memory operand {1to16}),
+  // so a lane accumulates its row's whole segment and no horizontal sum is needed.
+  static constexpr bool has_q8k_panel = true;
+  using PF = __m512;  // 16 float lanes: the panel's rows
+  static W pbcast(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm512_set1_epi32(v);
+  }
+  // dword `off` (bytes) of 16 rows rb bytes apart, lane r = row r
+  static W pgather(const uint8_t* w, int64_t rb, int64_t off) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)rb));
+    return _mm512_i32gather_epi32(idx, w + off, 1);
+  }
+  static void pwstore(uint8_t* p, W v) { _mm512_store_si512(p, v); }
+  static W pwload(const uint8_t* p) { return _mm512_load_si512(p); }
+  static PF pzero() { return _mm512_setzero_ps(); }
+  static PF pload(const float* p) { return _mm512_load_ps(p); }
+  static void pstore(float* p, PF v) { _mm512_store_ps(p, v); }
+  // y + float(sumi - ssum) * (d * s), lane by lane (s: the 16 rows' scales; tstep_rows' order)
+  static PF pstep(PF y, W sumi, int32_t ssum, float d, PF s) {
+    const PF v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sumi, _mm512_set1_epi32(ssum)));
+    return _mm512_add_ps(y, _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(d), s)));
+  }
 #endif
 
   // float path: F8 = 8 float lanes
