@@ -218,17 +218,36 @@ struct Avx2Ops {
     std::memcpy(&v, x, 4);
     return _mm512_set1_epi32(v);
   }
-  // dword `off` (bytes) of 16 rows rb bytes apart, lane r = row r
-  static W pgather(const uint8_t* w, int64_t rb, int64_t off) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)rb));
-    return _mm512_i32gather_epi32(idx, w + off, 1);
+  // The 8 words of one 32-byte step of 16 rows (w: the first row's step, rb bytes apart):
+  // out + 64 d = dword d of rows 0-15. Rows r and r + 8 share a vector, an 8 x 8 dword
+  // transpose runs in both halves at once, and the halves' 128-bit quarters are interleaved.
+  static void ptranspose(const uint8_t* w, int64_t rb, uint8_t* out) {
+    __m512i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++)
+      z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w + i * rb))),
+                                _mm256_loadu_si256((const __m256i*)(w + (i + 8) * rb)), 1);
+    for (int i = 0; i < 8; i += 2)  // per 128-bit quarter: rows i, i + 1 interleaved
+      t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    for (int i = 0; i < 8; i += 4) {  // quarter q of u[i + k]: dword (q odd: 4 +) k of 4 rows
+      u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+      u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // dword k: quarters 0, 2 of u[k] (rows 0-3, 8-11) and of u[4 + k] (rows 4-7, 12-15);
+    // dword 4 + k: their quarters 1, 3
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int k = 0; k < 4; k++) {
+      _mm512_store_si512(out + 64 * k, _mm512_permutex2var_epi64(u[k], lo, u[4 + k]));
+      _mm512_store_si512(out + 64 * (4 + k), _mm512_permutex2var_epi64(u[k], hi, u[4 + k]));
+    }
   }
-  static void pwstore(uint8_t* p, W v) { _mm512_store_si512(p, v); }
   static W pwload(const uint8_t* p) { return _mm512_load_si512(p); }
   static PF pzero() { return _mm512_setzero_ps(); }
   static PF pload(const float* p) { return _mm512_load_ps(p); }
   static void pstore(float* p, PF v) { _mm512_store_ps(p, v); }
+  static void pstoreu(float* p, PF v) { _mm512_storeu_ps(p, v); }
+  static PF padd(PF a, PF b) { return _mm512_add_ps(a, b); }
   // y + float(sumi - ssum) * (d * s), lane by lane (s: the 16 rows' scales; tstep_rows' order)
   static PF pstep(PF y, W sumi, int32_t ssum, float d, PF s) {
     const PF v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sumi, _mm512_set1_epi32(ssum)));

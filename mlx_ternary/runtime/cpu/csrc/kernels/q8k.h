@@ -492,9 +492,22 @@ inline int64_t q8k_panel_chunk(int64_t n, int threads) {
   return std::min<int64_t>(128, want);
 }
 
+// Row n's float32 scale of each segment (L.scale's values; float16 through F16C where this
+// build has it, as row_scales8).
+inline void seg_scales(const Layer& L, int64_t n, float* out) {
+  const Geometry& g = L.g;
+  int64_t j = 0;
+  if (L.scale_kind == 2 && L.scale_dtype == F16 && g.seg_len == g.group) {
+    const uint16_t* h = (const uint16_t*)L.scales + n * g.ngroups;
+    for (; j + 8 <= g.nseg; j += 8)
+      if (!native::f16x8_finite_to_f32(h + j, out + j)) break;
+  }
+  for (; j < g.nseg; j++) out[j] = L.scale(n, L.scale_kind == 2 ? g.seg_group[j] : 0);
+}
+
 // T tokens (x: their activations, ss / d8: their segment sums and block scales) against PR
 // panels (wt: the first one's words, pbytes apart; scv: their rows' float32 scales, 16 per
-// segment, nseg * 16 apart); y: T x PR x 16 outputs.
+// segment, (nseg + 1) * 16 apart); y: T x PR x 16 outputs.
 template <class O, int PR, int T>
 void q8k_panel_tile(const Geometry& g, const uint8_t* wt, int64_t pbytes, const float* scv,
                     const int8_t* const* x, const int32_t* const* ss, const float* const* d8,
@@ -532,7 +545,7 @@ void q8k_panel_tile(const Geometry& g, const uint8_t* wt, int64_t pbytes, const 
     }
 #pragma GCC unroll 2
     for (int p = 0; p < PR; p++) {
-      const PF sc = O::pload(scv + p * g.nseg * 16 + 16 * j);
+      const PF sc = O::pload(scv + p * (g.nseg + 1) * 16 + 16 * j);
 #pragma GCC unroll 8
       for (int t = 0; t < T; t++) {
         float* yp = y + 16 * (PR * t + p);
@@ -554,26 +567,31 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
   const int64_t npan = ceil_div(n1 - n0, P), pbytes = rb * P;
   thread_local std::vector<uint8_t> wt_buf;
   thread_local std::vector<float> sc_buf;
-  wt_buf.resize(npan * pbytes + 64), sc_buf.resize(npan * g.nseg * P + 16);
+  // per panel: its rows' scales (nseg x 16), then their biases (16)
+  const int64_t pfloats = (g.nseg + 1) * P;
+  wt_buf.resize(npan * pbytes + 64), sc_buf.resize(npan * pfloats + 16 + g.nseg);
   // 64-byte aligned (the panels' words and scale vectors are whole cache lines)
   uint8_t* wt = wt_buf.data() + (-(uintptr_t)wt_buf.data() & 63);
   float* scv = sc_buf.data() + ((-(uintptr_t)sc_buf.data() & 63) / 4);
+  float* row_sc = scv + npan * pfloats;  // one row's scales
   for (int64_t p = 0; p < npan; p++) {
     const int64_t r0 = n0 + p * P, rows = std::min<int64_t>(P, n1 - r0);
     uint8_t* dst = wt + p * pbytes;
+    float* sp = scv + p * pfloats;
     if (rows == P) {
-      for (int64_t s = 0; s < nsteps; s++)
-        for (int d = 0; d < 8; d++)
-          O::pwstore(dst + 512 * s + 64 * d, O::pgather(L.w + r0 * rb, rb, 32 * s + 4 * d));
+      for (int64_t s = 0; s < nsteps; s++) O::ptranspose(L.w + r0 * rb + 32 * s, rb, dst + 512 * s);
     } else {
       std::memset(dst, 0, pbytes);
+      std::fill(sp, sp + pfloats, 0.f);
       for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < rb / 4; i++)
           std::memcpy(dst + 64 * i + 4 * r, L.w + (r0 + r) * rb + 4 * i, 4);
     }
-    for (int64_t j = 0; j < g.nseg; j++)
-      for (int r = 0; r < P; r++)
-        scv[(p * g.nseg + j) * P + r] = r < rows ? L.scale(n0 + p * P + r, L.scale_kind == 2 ? g.seg_group[j] : 0) : 0.f;
+    for (int64_t r = 0; r < rows; r++) {
+      seg_scales(L, r0 + r, row_sc);
+      for (int64_t j = 0; j < g.nseg; j++) sp[P * j + r] = row_sc[j];
+      sp[P * g.nseg + r] = L.bias_at(r0 + r);
+    }
   }
   alignas(64) float y[P * T * PR];
   for (int64_t m = 0; m < M; m += T) {
@@ -589,7 +607,7 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
     for (int64_t p = 0; p < npan; p += PR) {
       const int pr = (int)std::min<int64_t>(PR, npan - p);
       const uint8_t* wp = wt + p * pbytes;
-      const float* sp = scv + p * g.nseg * P;
+      const float* sp = scv + p * pfloats;
       if (pr == PR) {
         if (valid > T / 2) q8k_panel_tile<O, PR, T>(g, wp, pbytes, sp, x, ss, d8, y);
         else q8k_panel_tile<O, PR, T / 2>(g, wp, pbytes, sp, x, ss, d8, y);
@@ -599,10 +617,15 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
       }
       for (int q = 0; q < pr; q++) {
         const int64_t r0 = n0 + (p + q) * P, rows = std::min<int64_t>(P, n1 - r0);
-        for (int t = 0; t < valid; t++)
-          for (int r = 0; r < rows; r++)
-            store_from_f32(L.out, L.out_dtype, (m + t) * g.n + r0 + r,
-                           y[P * (pr * t + q) + r] + L.bias_at(r0 + r));
+        const float* bias = scv + (p + q) * pfloats + P * g.nseg;
+        for (int t = 0; t < valid; t++) {
+          const float* yt = y + P * (pr * t + q);
+          if (rows == P && L.out_dtype == F32)  // y + b, 16 rows at once
+            O::pstoreu((float*)L.out + (m + t) * g.n + r0, O::padd(O::pload(yt), O::pload(bias)));
+          else
+            for (int r = 0; r < rows; r++)
+              store_from_f32(L.out, L.out_dtype, (m + t) * g.n + r0 + r, yt[r] + bias[r]);
+        }
       }
     }
   }
