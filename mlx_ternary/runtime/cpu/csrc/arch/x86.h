@@ -639,6 +639,62 @@ inline int64_t round_clamp_head(float* x, int64_t n, float iscale, float qmax) {
   return i;
 }
 
+// One whole block of 256 floats as ggml's Q8_K codes at q, d (kernels/q8k.h q8k_block's values,
+// 16 lanes at a time: max |x| is exact in any order, the first column reaching it found by a
+// compare mask, then q8k_block's multiply, half-to-even rounding and clamp); false where this
+// build has no 512-bit body or the block is shorter (q8k_block runs).
+inline bool q8k_block_head(const float* x, int64_t n, int8_t* q, float& d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (n != Q8K_BLOCK) return false;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 vm = _mm512_setzero_ps();
+  for (int i = 0; i < Q8K_BLOCK; i += 16) vm = _mm512_max_ps(vm, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)));
+  const float amax = _mm512_reduce_max_ps(vm);
+  if (!(amax > 0.f)) {
+    std::memset(q, 0, Q8K_BLOCK);
+    d = 0.f;
+    return true;
+  }
+  int top = 0;
+  for (int i = 0; i < Q8K_BLOCK; i += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)),
+                                            _mm512_set1_ps(amax), _CMP_EQ_OQ);
+    if (eq) {
+      top = i + __builtin_ctz(eq);
+      break;
+    }
+  }
+  const float iscale = -Q8K_QMAX / x[top];
+  const __m512 vs = _mm512_set1_ps(iscale), vmax = _mm512_set1_ps(Q8K_QMAX);
+  for (int i = 0; i < Q8K_BLOCK; i += 16) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(vs, _mm512_loadu_ps(x + i)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(r, vmax))));
+  }
+  d = 1.f / iscale;
+  return true;
+#else
+  (void)x, (void)n, (void)q, (void)d;
+  return false;
+#endif
+}
+
+// The sum of the int8 values q[0, n) over the whole 64-byte vectors into sum; returns where the
+// scalar tail starts.
+inline int64_t sum_i8_head(const int8_t* q, int64_t n, int32_t& sum) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512i acc = _mm512_setzero_si512();  // sums of 8 bytes q + 128, per 64-bit lane
+  const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+  for (; i + 64 <= n; i += 64)
+    acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(q + i), flip), zero));
+  sum += (int32_t)(_mm512_reduce_add_epi64(acc) - 128 * i);
+#else
+  (void)q, (void)n, (void)sum;
+#endif
+  return i;
+}
+
 // Fast packing's activation order (kernels/q8k.h fast_order) for the whole 128-column steps;
 // returns the positions written.
 inline int64_t fast_order_head(const int8_t* c, int64_t k, int8_t* q) {

@@ -57,25 +57,39 @@ inline int64_t fast_order(const int8_t* c, int64_t k, int8_t* q) {
 // Floats of quantize_token_q8k's scratch: K floats, then K + 1 bytes.
 inline int64_t q8k_tmp_floats(int64_t k) { return k + (k + 4) / 4; }
 
+// One block of n <= 256 floats of x as ggml's Q8_K codes at q; returns d. The ISA's whole-block
+// body where it has one (native::q8k_block_head: the same values), else q8k_block on a copy in
+// tmp (n floats).
+inline float q8k_block_codes(const float* x, int64_t n, int8_t* q, float* tmp) {
+  float d;
+  if (native::q8k_block_head(x, n, q, d)) return d;
+  std::memcpy(tmp, x, n * sizeof(float));
+  d = q8k_block(tmp, n);
+  for (int64_t i = 0; i < n; i++) q[i] = (int8_t)tmp[i];
+  return d;
+}
+
 // Token m of x -> ggml's Q8_K codes at a.q[m] (permuted), d at a.d8[m], segment sums at
 // a.ssum[m]; tmp holds q8k_tmp_floats(K).
 inline void quantize_token_q8k(const Geometry& g, const void* x, int dtype, int64_t m, Acts& a,
                                float* tmp) {
   const int64_t k = g.k;
-  if (dtype == F32) std::memcpy(tmp, (const float*)x + m * k, k * sizeof(float));
-  else
+  const float* xf = (const float*)x + m * k;
+  if (dtype != F32) {
     for (int64_t i = 0; i < k; i++) tmp[i] = load_as_f32(x, dtype, m * k + i);
+    xf = tmp;
+  }
+  int8_t* qc = (int8_t*)(tmp + k);  // the codes in column order, a zero after them
   float* d = a.d8.data() + m * g.nblocks8;
   for (int64_t b = 0; b < g.nblocks8; b++) {
     const int64_t i0 = b * Q8K_BLOCK, i1 = std::min<int64_t>(k, i0 + Q8K_BLOCK);
-    d[b] = q8k_block(tmp + i0, i1 - i0);
+    d[b] = q8k_block_codes(xf + i0, i1 - i0, qc + i0, tmp + i0);
   }
   int32_t* ss = a.ssum.data() + m * g.nseg;
-  int8_t* qc = (int8_t*)(tmp + k);  // the codes in column order, a zero after them
   for (int64_t j = 0; j < g.nseg; j++) {
+    const int64_t i0 = j * g.seg_len, n = std::min<int64_t>(k, (j + 1) * g.seg_len) - i0;
     int32_t sum = 0;
-    for (int64_t i = j * g.seg_len; i < std::min<int64_t>(k, (j + 1) * g.seg_len); i++)
-      sum += (int32_t)(qc[i] = (int8_t)tmp[i]);
+    for (int64_t i = native::sum_i8_head(qc + i0, n, sum); i < n; i++) sum += qc[i0 + i];
     ss[j] = sum;
   }
   qc[k] = 0;
