@@ -171,7 +171,8 @@ def test_layer_activation_bits_and_config():
 @needs_native
 @pytest.mark.parametrize("packing", ["fast", "compact"])
 @pytest.mark.parametrize("scale,k", [("group", 512), ("group", 704), ("row", 768), ("tensor", 256)])
-@pytest.mark.parametrize("m", [1, 3, 7, 9, 13])  # token tiles (4, compact 8), short tiles, remainders
+# token tiles (4, compact 8), short tiles, remainders; prefill's row panels (9, 13)
+@pytest.mark.parametrize("m", [1, 3, 7, 9, 13])
 def test_native_is_llamacpp_bit_for_bit(packing, scale, k, m):
     rng = np.random.default_rng(k + m)
     (packed, s, kw), t, s_blocks = tq_layer(rng, 40, k, packing, scale)
