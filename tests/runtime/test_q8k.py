@@ -171,7 +171,8 @@ def test_layer_activation_bits_and_config():
 @needs_native
 @pytest.mark.parametrize("packing", ["fast", "compact"])
 @pytest.mark.parametrize("scale,k", [("group", 512), ("group", 704), ("row", 768), ("tensor", 256)])
-@pytest.mark.parametrize("m", [1, 3, 7, 9])  # token tiles (4, compact 8), short tiles, remainders
+# token tiles (4, compact 8), short tiles, remainders; prefill's row panels (9, 13)
+@pytest.mark.parametrize("m", [1, 3, 7, 9, 13])
 def test_native_is_llamacpp_bit_for_bit(packing, scale, k, m):
     rng = np.random.default_rng(k + m)
     (packed, s, kw), t, s_blocks = tq_layer(rng, 40, k, packing, scale)
@@ -198,17 +199,18 @@ def test_native_is_llamacpp_bit_for_bit(packing, scale, k, m):
 @pytest.mark.parametrize("n,scale", [(203, "group"), (1000, "group"), (37, "row"), (24, "tensor")])
 def test_native_decode_blocks_chunks_and_threads_are_the_same_bits(n, scale):
     """Decode runs 8-row blocks (a tail of n % 8 rows through the row kernel) in chunks sized
-    by the thread count; prefill runs 2 x 4 tiles in 16-row chunks. Every row of every token
-    must be ggml's, whatever the tokens per call, the chunking or the threads."""
+    by the thread count; a few tokens run 4 x 4 tiles in 16-row chunks, prefill 16-row panels
+    in chunks sized by the thread count. Every row of every token must be ggml's, whatever the
+    tokens per call, the chunking or the threads."""
     rng = np.random.default_rng(n)
     (packed, s, kw), t, s_blocks = tq_layer(rng, n, 768, "fast", scale)
-    x = tricky_x(rng, 6, 768)
+    x = tricky_x(rng, 14, 768)
     want = ggml_layer(x, t, s_blocks)
     threads = cpu.info()["threads"]
     try:
         for nt in (1, 2, 3):
             cpu.set_num_threads(nt)
-            for m0, m1 in ((0, 1), (1, 2), (2, 4), (1, 4), (0, 5), (0, 6)):
+            for m0, m1 in ((0, 1), (1, 2), (2, 4), (1, 4), (0, 5), (0, 6), (0, 13), (1, 14)):
                 y = cpu.ternary_matmul(mx.array(x[m0:m1]), packed, s, activation_bits=fmt.Q8K, **kw)
                 np.testing.assert_array_equal(np.array(y), want[m0:m1], err_msg=f"{nt} {m0}:{m1}")
     finally:
@@ -219,10 +221,11 @@ def test_native_decode_blocks_chunks_and_threads_are_the_same_bits(n, scale):
 
 
 @needs_native
-def test_native_q8k_bias_dtypes_and_gradient():
+@pytest.mark.parametrize("m", [2, 13])  # tiles; prefill's row panels
+def test_native_q8k_bias_dtypes_and_gradient(m):
     rng = np.random.default_rng(7)
     (packed, s, kw), t, s_blocks = tq_layer(rng, 16, 512, "fast", "group")
-    x = mx.array(tricky_x(rng, 2, 512))
+    x = mx.array(tricky_x(rng, m, 512))
     b = mx.array(rng.normal(size=16).astype(F32))
     args = dict(activation_bits=fmt.Q8K, **kw)
     want = reference.ternary_matmul(x, packed, s, b, **args)
@@ -236,7 +239,7 @@ def test_native_q8k_bias_dtypes_and_gradient():
     )
     g = mx.grad(lambda v: cpu.ternary_matmul(v, packed, s, **args).sum())(x)
     w = t.astype(F32) * np.repeat(s_blocks, 256, axis=1)  # straight-through: g @ (s t)
-    np.testing.assert_allclose(np.array(g), np.ones((2, 16), F32) @ w, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(g), np.ones((m, 16), F32) @ w, rtol=1e-6, atol=1e-6)
 
 
 @needs_native

@@ -145,7 +145,7 @@ inline std::string check_case(int packing, int64_t M, int64_t N, int64_t K, int 
 // q8k: NativeOps and ScalarOps bit-identical, and both equal to ggml's sum computed here from
 // the definition (Q8_K per 256 columns, integer dot products per segment, float32 in order).
 inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, int group,
-                                  int scale_kind, uint32_t seed) {
+                                  int scale_kind, uint32_t seed, bool bias = false) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> trit(-1, 1);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -159,8 +159,11 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
   for (auto& v : x) v = normal(rng) * (1 + (rng() % 4));
   if (K > 3) x[1] = 0.f, x[2] = -x[0];  // zeros and a tie of magnitudes
   if (M > 1) std::fill(x.begin() + K, x.begin() + K + std::min<int64_t>(K, Q8K_BLOCK), 0.f);
+  std::vector<float> b(N);
+  for (auto& v : b) v = normal(rng);
   Layer L(g);
   L.w = w.data(), L.scales = s.data(), L.scale_kind = scale_kind;
+  if (bias) L.bias = b.data();
   L.act_quant = L.q8k = true;
   Acts a;
   a.q.assign(M * g.xlen(), 0), a.d8.assign(M * g.nblocks8, 0.f), a.ssum.assign(M * g.nseg, 0);
@@ -194,6 +197,7 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
         float sv = scale_kind == 0 ? s[0] : scale_kind == 1 ? s[n] : s[n * g.ngroups + gi];
         want += (float)sumi * (d[sg * g.seg_len / Q8K_BLOCK] * sv);
       }
+      if (bias) want += b[n];
       if (y_native[m * N + n] != y_scalar[m * N + n])
         return std::string(NativeOps::name) + " and scalar paths differ (q8k)";
       if (y_native[m * N + n] != want) return "q8k result differs from ggml's definition";
@@ -331,6 +335,16 @@ inline std::string selfcheck() {
     std::string e = check_q8k_case(FAST, M, N, K, group, sk, seed++);
     if (!e.empty())
       return e + " (8-row blocks, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
+             std::to_string(K) + ")";
+  }
+  // prefill through the row panels (q8k.h rows_q8k_panels, where the ISA has them): short
+  // token tiles of 1, 4, 5 and 7 tokens, passes of two panels and of one, a partial last panel,
+  // every scale kind, a bias
+  for (auto [M, N, K, sk] : {std::tuple{13, 37, 512, 2}, std::tuple{23, 48, 768, 1},
+                             std::tuple{9, 16, 256, 0}, std::tuple{20, 70, 1024, 2}}) {
+    std::string e = check_q8k_case(FAST, M, N, K, 256, sk, seed++, true);
+    if (!e.empty())
+      return e + " (row panels, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
              std::to_string(K) + ")";
   }
   // the per-token int8 8-row decode blocks (ternary.h rows_int8_r8): a row tail, tokens 1-3,

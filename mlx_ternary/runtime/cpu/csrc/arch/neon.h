@@ -182,9 +182,11 @@ using portable::absmax_head;
 using portable::f16x8_finite_to_f32;
 using portable::fast_order_head;
 using portable::ggml_tile;
+using portable::q8k_block_head;
 using portable::round_clamp_head;
 using portable::silu_mul_head;
 using portable::softmax_exp_head;
+using portable::sum_i8_head;
 
 constexpr const char* DENSE_ISA = "neon";
 constexpr int DENSE_TOKENS = 4;  // 4 x DENSE_CHAINS accumulators in 32 registers

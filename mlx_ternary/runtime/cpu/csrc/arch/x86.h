@@ -206,6 +206,53 @@ struct Avx2Ops {
                                  _mm512_shuffle_i32x4(z, z, _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_castsi512_si256(t);
   }
+
+  // q8k row panels (q8k.h rows_q8k_panels): lane r of a vector = row r of a 16-row panel,
+  // whose words hold dword d of step s of each row (16 columns' codes); one token's 4
+  // activations of code v are broadcast to every lane (vpdpbusd's memory operand {1to16}),
+  // so a lane accumulates its row's whole segment and no horizontal sum is needed.
+  static constexpr bool has_q8k_panel = true;
+  using PF = __m512;  // 16 float lanes: the panel's rows
+  static W pbcast(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm512_set1_epi32(v);
+  }
+  // The 8 words of one 32-byte step of 16 rows (w: the first row's step, rb bytes apart):
+  // out + 64 d = dword d of rows 0-15. Rows r and r + 8 share a vector, an 8 x 8 dword
+  // transpose runs in both halves at once, and the halves' 128-bit quarters are interleaved.
+  static void ptranspose(const uint8_t* w, int64_t rb, uint8_t* out) {
+    __m512i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++)
+      z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w + i * rb))),
+                                _mm256_loadu_si256((const __m256i*)(w + (i + 8) * rb)), 1);
+    for (int i = 0; i < 8; i += 2)  // per 128-bit quarter: rows i, i + 1 interleaved
+      t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    for (int i = 0; i < 8; i += 4) {  // quarter q of u[i + k]: dword (q odd: 4 +) k of 4 rows
+      u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+      u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // dword k: quarters 0, 2 of u[k] (rows 0-3, 8-11) and of u[4 + k] (rows 4-7, 12-15);
+    // dword 4 + k: their quarters 1, 3
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int k = 0; k < 4; k++) {
+      _mm512_store_si512(out + 64 * k, _mm512_permutex2var_epi64(u[k], lo, u[4 + k]));
+      _mm512_store_si512(out + 64 * (4 + k), _mm512_permutex2var_epi64(u[k], hi, u[4 + k]));
+    }
+  }
+  static W pwload(const uint8_t* p) { return _mm512_load_si512(p); }
+  static PF pzero() { return _mm512_setzero_ps(); }
+  static PF pload(const float* p) { return _mm512_load_ps(p); }
+  static void pstore(float* p, PF v) { _mm512_store_ps(p, v); }
+  static void pstoreu(float* p, PF v) { _mm512_storeu_ps(p, v); }
+  static PF padd(PF a, PF b) { return _mm512_add_ps(a, b); }
+  // y + float(sumi - ssum) * (d * s), lane by lane (s: the 16 rows' scales; tstep_rows' order)
+  static PF pstep(PF y, W sumi, int32_t ssum, float d, PF s) {
+    const PF v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sumi, _mm512_set1_epi32(ssum)));
+    return _mm512_add_ps(y, _mm512_mul_ps(v, _mm512_mul_ps(_mm512_set1_ps(d), s)));
+  }
 #endif
 
   // float path: F8 = 8 float lanes
@@ -589,6 +636,62 @@ inline int64_t round_clamp_head(float* x, int64_t n, float iscale, float qmax) {
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_storeu_ps(x + i, _mm256_min_ps(r, vmax));
   }
+  return i;
+}
+
+// One whole block of 256 floats as ggml's Q8_K codes at q, d (kernels/q8k.h q8k_block's values,
+// 16 lanes at a time: max |x| is exact in any order, the first column reaching it found by a
+// compare mask, then q8k_block's multiply, half-to-even rounding and clamp); false where this
+// build has no 512-bit body or the block is shorter (q8k_block runs).
+inline bool q8k_block_head(const float* x, int64_t n, int8_t* q, float& d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (n != Q8K_BLOCK) return false;
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 vm = _mm512_setzero_ps();
+  for (int i = 0; i < Q8K_BLOCK; i += 16) vm = _mm512_max_ps(vm, _mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)));
+  const float amax = _mm512_reduce_max_ps(vm);
+  if (!(amax > 0.f)) {
+    std::memset(q, 0, Q8K_BLOCK);
+    d = 0.f;
+    return true;
+  }
+  int top = 0;
+  for (int i = 0; i < Q8K_BLOCK; i += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign, _mm512_loadu_ps(x + i)),
+                                            _mm512_set1_ps(amax), _CMP_EQ_OQ);
+    if (eq) {
+      top = i + __builtin_ctz(eq);
+      break;
+    }
+  }
+  const float iscale = -Q8K_QMAX / x[top];
+  const __m512 vs = _mm512_set1_ps(iscale), vmax = _mm512_set1_ps(Q8K_QMAX);
+  for (int i = 0; i < Q8K_BLOCK; i += 16) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(vs, _mm512_loadu_ps(x + i)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i*)(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(r, vmax))));
+  }
+  d = 1.f / iscale;
+  return true;
+#else
+  (void)x, (void)n, (void)q, (void)d;
+  return false;
+#endif
+}
+
+// The sum of the int8 values q[0, n) over the whole 64-byte vectors into sum; returns where the
+// scalar tail starts.
+inline int64_t sum_i8_head(const int8_t* q, int64_t n, int32_t& sum) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512i acc = _mm512_setzero_si512();  // sums of 8 bytes q + 128, per 64-bit lane
+  const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+  for (; i + 64 <= n; i += 64)
+    acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(q + i), flip), zero));
+  sum += (int32_t)(_mm512_reduce_add_epi64(acc) - 128 * i);
+#else
+  (void)q, (void)n, (void)sum;
+#endif
   return i;
 }
 

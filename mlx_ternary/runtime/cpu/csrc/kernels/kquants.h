@@ -36,10 +36,8 @@ namespace tk {
 inline void quantize_q8k_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* bsum) {
   alignas(32) float buf[Q8K_BLOCK];
   for (int64_t b = 0; b < k / Q8K_BLOCK; b++) {
-    std::memcpy(buf, x + Q8K_BLOCK * b, sizeof(buf));
-    d[b] = q8k_block(buf, Q8K_BLOCK);
     int8_t* qb = q + Q8K_BLOCK * b;
-    for (int i = 0; i < Q8K_BLOCK; i++) qb[i] = (int8_t)buf[i];
+    d[b] = q8k_block_codes(x + Q8K_BLOCK * b, Q8K_BLOCK, qb, buf);
     for (int j = 0; j < 16; j++) {
       int32_t s = 0;
       for (int i = 0; i < 16; i++) s += qb[16 * j + i];

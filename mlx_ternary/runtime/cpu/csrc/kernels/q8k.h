@@ -57,25 +57,39 @@ inline int64_t fast_order(const int8_t* c, int64_t k, int8_t* q) {
 // Floats of quantize_token_q8k's scratch: K floats, then K + 1 bytes.
 inline int64_t q8k_tmp_floats(int64_t k) { return k + (k + 4) / 4; }
 
+// One block of n <= 256 floats of x as ggml's Q8_K codes at q; returns d. The ISA's whole-block
+// body where it has one (native::q8k_block_head: the same values), else q8k_block on a copy in
+// tmp (n floats).
+inline float q8k_block_codes(const float* x, int64_t n, int8_t* q, float* tmp) {
+  float d;
+  if (native::q8k_block_head(x, n, q, d)) return d;
+  std::memcpy(tmp, x, n * sizeof(float));
+  d = q8k_block(tmp, n);
+  for (int64_t i = 0; i < n; i++) q[i] = (int8_t)tmp[i];
+  return d;
+}
+
 // Token m of x -> ggml's Q8_K codes at a.q[m] (permuted), d at a.d8[m], segment sums at
 // a.ssum[m]; tmp holds q8k_tmp_floats(K).
 inline void quantize_token_q8k(const Geometry& g, const void* x, int dtype, int64_t m, Acts& a,
                                float* tmp) {
   const int64_t k = g.k;
-  if (dtype == F32) std::memcpy(tmp, (const float*)x + m * k, k * sizeof(float));
-  else
+  const float* xf = (const float*)x + m * k;
+  if (dtype != F32) {
     for (int64_t i = 0; i < k; i++) tmp[i] = load_as_f32(x, dtype, m * k + i);
+    xf = tmp;
+  }
+  int8_t* qc = (int8_t*)(tmp + k);  // the codes in column order, a zero after them
   float* d = a.d8.data() + m * g.nblocks8;
   for (int64_t b = 0; b < g.nblocks8; b++) {
     const int64_t i0 = b * Q8K_BLOCK, i1 = std::min<int64_t>(k, i0 + Q8K_BLOCK);
-    d[b] = q8k_block(tmp + i0, i1 - i0);
+    d[b] = q8k_block_codes(xf + i0, i1 - i0, qc + i0, tmp + i0);
   }
   int32_t* ss = a.ssum.data() + m * g.nseg;
-  int8_t* qc = (int8_t*)(tmp + k);  // the codes in column order, a zero after them
   for (int64_t j = 0; j < g.nseg; j++) {
+    const int64_t i0 = j * g.seg_len, n = std::min<int64_t>(k, (j + 1) * g.seg_len) - i0;
     int32_t sum = 0;
-    for (int64_t i = j * g.seg_len; i < std::min<int64_t>(k, (j + 1) * g.seg_len); i++)
-      sum += (int32_t)(qc[i] = (int8_t)tmp[i]);
+    for (int64_t i = native::sum_i8_head(qc + i0, n, sum); i < n; i++) sum += qc[i0 + i];
     ss[j] = sum;
   }
   qc[k] = 0;
@@ -453,6 +467,182 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
   }
   if (n < n1)
     for (int64_t m = m0; m < m1; m++) rows_q8k<O, 4, 1>(L, a, n, n1, m);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Many tokens, 512-bit windows' rows: panels of 16 rows in the lanes (ISAs with has_q8k_panel)
+// ----------------------------------------------------------------------------------------------
+//
+// The tiles above sum a (row, token) pair's segment across the lanes of a vector and reduce
+// the lanes at the segment's end; here each lane is one row of a 16-row panel, so a lane
+// holds the whole segment sum and the epilogue runs on 16 rows at once with no reduction.
+// The panel's rows are gathered once per call into words of 16 dwords - word (s, d): dword d
+// of step s of each row, 16 columns' codes - and code v of word (s, d) holds, in lane r's
+// byte b, column 128 s + 16 d + 4 b + v of row r: the activations' positions 128 s + 32 v +
+// 4 d .. + 3 (fast_order), one dword broadcast to all lanes. Per segment, per token: the
+// integer sums of 16 rows, then y + float(sumi - ssum) * (d * s) lane by lane - tstep_rows'
+// operations in the same order, so each row's bits are rows_q8k's.
+
+template <class O, class = void>
+struct HasQ8kPanel : std::false_type {};
+template <class O>
+struct HasQ8kPanel<O, std::void_t<decltype(O::has_q8k_panel)>> : std::true_type {};
+
+constexpr int Q8K_PANEL_ROWS = 16, Q8K_PANEL_TOKENS = 8;
+// From this many tokens on, the panels (prefill); fewer take the tiles or the decode blocks.
+constexpr int64_t Q8K_PANEL_MIN_TOKENS = 9;
+constexpr int Q8K_PANEL_PASS = 2;  // panels per pass over a token tile (32 accumulators' worth)
+
+// Whether rows_all runs M tokens of a layer through the panels (an ISA with has_q8k_panel).
+inline bool q8k_panels_apply(const Geometry& g, bool q8k, int64_t M) {
+  return q8k && g.q8k_wide && M >= Q8K_PANEL_MIN_TOKENS;
+}
+
+// Rows per chunk of a call through the panels: up to 128 (each token tile's activations,
+// read from L2 or L3, serve that many rows), about 4 chunks per thread, multiples of a pass.
+inline int64_t q8k_panel_chunk(int64_t n, int threads) {
+  constexpr int64_t pass = Q8K_PANEL_ROWS * Q8K_PANEL_PASS;
+  const int64_t want = ceil_div(ceil_div(n, 4 * (int64_t)threads), pass) * pass;
+  return std::min<int64_t>(128, want);
+}
+
+// Row n's float32 scale of each segment (L.scale's values; float16 through F16C where this
+// build has it, as row_scales8).
+inline void seg_scales(const Layer& L, int64_t n, float* out) {
+  const Geometry& g = L.g;
+  int64_t j = 0;
+  if (L.scale_kind == 2 && L.scale_dtype == F16 && g.seg_len == g.group) {
+    const uint16_t* h = (const uint16_t*)L.scales + n * g.ngroups;
+    for (; j + 8 <= g.nseg; j += 8)
+      if (!native::f16x8_finite_to_f32(h + j, out + j)) break;
+  }
+  for (; j < g.nseg; j++) out[j] = L.scale(n, L.scale_kind == 2 ? g.seg_group[j] : 0);
+}
+
+// T tokens (x: their activations, ss / d8: their segment sums and block scales) against PR
+// panels (wt: the first one's words, pbytes apart; scv: their rows' float32 scales, 16 per
+// segment, (nseg + 1) * 16 apart); y: T x PR x 16 outputs.
+template <class O, int PR, int T>
+void q8k_panel_tile(const Geometry& g, const uint8_t* wt, int64_t pbytes, const float* scv,
+                    const int8_t* const* x, const int32_t* const* ss, const float* const* d8,
+                    float* y) {
+  using W = typename O::W;
+  using PF = typename O::PF;
+  for (int i = 0; i < T * PR; i++) O::pstore(y + 16 * i, O::pzero());
+  for (int64_t j = 0; j < g.nseg; j++) {
+    W acc[PR][T];
+#pragma GCC unroll 2
+    for (int p = 0; p < PR; p++)
+#pragma GCC unroll 8
+      for (int t = 0; t < T; t++) acc[p][t] = O::wzero();
+    for (int64_t s = 2 * j; s < 2 * j + 2; s++) {
+      const uint8_t* ws = wt + 512 * s;
+      const int64_t xo = 128 * s;
+#pragma GCC unroll 1
+      for (int d = 0; d < 8; d++) {
+        W w[PR];
+#pragma GCC unroll 2
+        for (int p = 0; p < PR; p++) w[p] = O::pwload(ws + p * pbytes + 64 * d);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) {
+          W c[PR];
+#pragma GCC unroll 2
+          for (int p = 0; p < PR; p++) c[p] = O::wcode(w[p], v);
+#pragma GCC unroll 8
+          for (int t = 0; t < T; t++) {
+            const W xv = O::pbcast(x[t] + xo + 32 * v + 4 * d);
+#pragma GCC unroll 2
+            for (int p = 0; p < PR; p++) O::wdot(acc[p][t], c[p], xv);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int p = 0; p < PR; p++) {
+      const PF sc = O::pload(scv + p * (g.nseg + 1) * 16 + 16 * j);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; t++) {
+        float* yp = y + 16 * (PR * t + p);
+        O::pstore(yp, O::pstep(O::pload(yp), acc[p][t], ss[t][j], d8[t][g.seg_block[j]], sc));
+      }
+    }
+  }
+}
+
+// Rows [n0, n1) for all M tokens (rows with q8k_wide): the rows are gathered into panels
+// (the last one padded with zero codes and scales), then for each tile of Q8K_PANEL_TOKENS
+// tokens every panel in turn (the tile's activations stay in L1, the panels in L2). A short
+// last tile repeats its last token and stores nothing from it.
+template <class O>
+void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
+  constexpr int P = Q8K_PANEL_ROWS, T = Q8K_PANEL_TOKENS, PR = Q8K_PANEL_PASS;
+  const Geometry& g = L.g;
+  const int64_t rb = g.row_bytes, nsteps = (int64_t)g.steps.size(), xlen = g.xlen();
+  const int64_t npan = ceil_div(n1 - n0, P), pbytes = rb * P;
+  thread_local std::vector<uint8_t> wt_buf;
+  thread_local std::vector<float> sc_buf;
+  // per panel: its rows' scales (nseg x 16), then their biases (16)
+  const int64_t pfloats = (g.nseg + 1) * P;
+  wt_buf.resize(npan * pbytes + 64), sc_buf.resize(npan * pfloats + 16 + g.nseg);
+  // 64-byte aligned (the panels' words and scale vectors are whole cache lines)
+  uint8_t* wt = wt_buf.data() + (-(uintptr_t)wt_buf.data() & 63);
+  float* scv = sc_buf.data() + ((-(uintptr_t)sc_buf.data() & 63) / 4);
+  float* row_sc = scv + npan * pfloats;  // one row's scales
+  for (int64_t p = 0; p < npan; p++) {
+    const int64_t r0 = n0 + p * P, rows = std::min<int64_t>(P, n1 - r0);
+    uint8_t* dst = wt + p * pbytes;
+    float* sp = scv + p * pfloats;
+    if (rows == P) {
+      for (int64_t s = 0; s < nsteps; s++) O::ptranspose(L.w + r0 * rb + 32 * s, rb, dst + 512 * s);
+    } else {
+      std::memset(dst, 0, pbytes);
+      std::fill(sp, sp + pfloats, 0.f);
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < rb / 4; i++)
+          std::memcpy(dst + 64 * i + 4 * r, L.w + (r0 + r) * rb + 4 * i, 4);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+      seg_scales(L, r0 + r, row_sc);
+      for (int64_t j = 0; j < g.nseg; j++) sp[P * j + r] = row_sc[j];
+      sp[P * g.nseg + r] = L.bias_at(r0 + r);
+    }
+  }
+  alignas(64) float y[P * T * PR];
+  for (int64_t m = 0; m < M; m += T) {
+    const int valid = (int)std::min<int64_t>(T, M - m);
+    const int8_t* x[T];
+    const int32_t* ss[T];
+    const float* d8[T];
+    for (int t = 0; t < T; t++) {
+      const int64_t mt = m + std::min(t, valid - 1);
+      x[t] = a.q.data() + mt * xlen, ss[t] = a.ssum.data() + mt * g.nseg;
+      d8[t] = a.d8.data() + mt * g.nblocks8;
+    }
+    for (int64_t p = 0; p < npan; p += PR) {
+      const int pr = (int)std::min<int64_t>(PR, npan - p);
+      const uint8_t* wp = wt + p * pbytes;
+      const float* sp = scv + p * pfloats;
+      if (pr == PR) {
+        if (valid > T / 2) q8k_panel_tile<O, PR, T>(g, wp, pbytes, sp, x, ss, d8, y);
+        else q8k_panel_tile<O, PR, T / 2>(g, wp, pbytes, sp, x, ss, d8, y);
+      } else {
+        if (valid > T / 2) q8k_panel_tile<O, 1, T>(g, wp, pbytes, sp, x, ss, d8, y);
+        else q8k_panel_tile<O, 1, T / 2>(g, wp, pbytes, sp, x, ss, d8, y);
+      }
+      for (int q = 0; q < pr; q++) {
+        const int64_t r0 = n0 + (p + q) * P, rows = std::min<int64_t>(P, n1 - r0);
+        const float* bias = scv + (p + q) * pfloats + P * g.nseg;
+        for (int t = 0; t < valid; t++) {
+          const float* yt = y + P * (pr * t + q);
+          if (rows == P && L.out_dtype == F32)  // y + b, 16 rows at once
+            O::pstoreu((float*)L.out + (m + t) * g.n + r0, O::padd(O::pload(yt), O::pload(bias)));
+          else
+            for (int r = 0; r < rows; r++)
+              store_from_f32(L.out, L.out_dtype, (m + t) * g.n + r0 + r, yt[r] + bias[r]);
+        }
+      }
+    }
+  }
 }
 
 // One token (or a few) against rows [n0, n1): the windows where they apply.

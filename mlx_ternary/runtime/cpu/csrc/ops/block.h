@@ -82,7 +82,7 @@ struct BoundLayer {
 inline void rows_of_layers(const std::vector<BoundLayer*>& ls, const tk::Acts& a, int64_t M) {
   std::vector<int64_t> start{0}, chunk;
   for (auto* l : ls) {
-    chunk.push_back(row_chunk(l->g->n, M));
+    chunk.push_back(row_chunk(*l->g, l->L->q8k, M));
     start.push_back(start.back() + tk::ceil_div(l->g->n, chunk.back()));
   }
   pool().parallel_for(start.back(), [&](int64_t c) {

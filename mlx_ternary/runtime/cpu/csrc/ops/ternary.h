@@ -13,8 +13,12 @@ namespace mlxt {
 
 // Rows per chunk of a ternary layer: 16 from TOKEN_TILE tokens on (the token tiles pass over
 // a chunk's rows while they sit in L1); for decode, about 8 chunks per thread in multiples of
-// 16: fewer claims, and the row kernels prefetch the next rows of their own chunk.
-int64_t row_chunk(int64_t n, int64_t M) {
+// 16: fewer claims, and the row kernels prefetch the next rows of their own chunk. Prefill
+// through q8k's row panels takes q8k_panel_chunk's.
+int64_t row_chunk(const tk::Geometry& g, bool q8k, int64_t M) {
+  const int64_t n = g.n;
+  if (tk::HasQ8kPanel<tk::NativeOps>::value && tk::q8k_panels_apply(g, q8k, M))
+    return tk::q8k_panel_chunk(n, pool().size());
   if (M >= tk::TOKEN_TILE) return 16;
   const int64_t want = tk::ceil_div(n, 8 * (int64_t)pool().size());
   return std::max<int64_t>(16, tk::ceil_div(want, 16) * 16);
@@ -87,7 +91,7 @@ class TernaryMatmul : public CpuPrimitive {
       thread_local tk::Acts acts_buffer;  // reused across calls on this stream thread
       tk::Acts& a = acts_buffer;           // (a thread_local named in a lambda is per thread)
       prepare_acts(*g, p, xp, xd, M, a);
-      parallel_rows(p.n, row_chunk(p.n, M), [&](int64_t n0, int64_t n1) {
+      parallel_rows(p.n, row_chunk(*g, p.q8k, M), [&](int64_t n0, int64_t n1) {
         tk::rows_dispatch<tk::NativeOps>(L, a, M, n0, n1);
       });
     });
