@@ -423,7 +423,7 @@ TWIN_CASES = [  # (packing, scale, group, act, K odd)
     ("fast", "group", 64, False, 333),
     ("compact", "row", None, False, 331),
     ("compact", "group", 128, True, 333),
-    # compact's chains per word: 1 (G = 256), 2 (G = 128), 4 (G = 64; gemv_compact.metal)
+    # compact: block edges inside a unit word at G = 128 and 64 (two chains; gemv_compact.metal)
     ("compact", "group", 64, False, 333),
     ("compact", "group", 256, True, 601),
 ]
