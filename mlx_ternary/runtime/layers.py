@@ -27,9 +27,10 @@ _PLAN_SETTINGS = (
 # (x shape, x dtype, call, launch...) of a layer's latest inference call, which
 # TernaryLinear's call checks first: comparing x's shape and dtype to it costs less than
 # hashing the (shape, Dtype) key of the plan's dict (MLX's Dtype hashes and compares through
-# nanobind). Where the call is one Metal kernel launch (launch.py's `run.direct`), the call
+# nanobind). Where the call is one Metal GEMV launch (launch.py's `run.direct`: kernel, its
+# four inputs after x, template, grid, threadgroup, output shapes and dtypes), the call
 # launches it itself, without the closure's frame; else the launch fields are None.
-_NO_LAUNCH = (None,) * 7
+_NO_LAUNCH = (None,) * 10
 _NO_CALL = (None, None, None, *_NO_LAUNCH)
 
 
@@ -281,12 +282,12 @@ class TernaryLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         # The latest inference call's (decode: every call), its launch unpacked.
-        shape, dtype, fn, kern, rest, tmpl, grid, tg, out_shapes, odt = self._last
+        shape, dtype, fn, kern, w, s, b, p, tmpl, grid, tg, out_shapes, odt = self._last
         if x.shape == shape and x.dtype == dtype:
             if kern is None:
                 return fn(x)
             return kern(
-                inputs=[x, *rest],
+                inputs=[x, w, s, b, p],
                 template=tmpl,
                 grid=grid,
                 threadgroup=tg,

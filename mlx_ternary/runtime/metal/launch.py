@@ -45,6 +45,7 @@ KERNEL_CHOICES = ("gemv", "gemm", "gemm_fma")
 DEFAULT_FAST_DECODE = {mx.float16: "offset", mx.bfloat16: "offset", mx.float32: "exact"}
 
 _GEMV_INPUTS = ["x", "wq", "scales", "bias", "params"]
+DIRECT_INPUTS = _GEMV_INPUTS[1:]  # the inputs after x of a launch with `run.direct`
 KERNELS = {  # name: (input names, output names)
     "prepass": (["x", "params"], ["xq", "aux"]),
     "gemv_fast": (_GEMV_INPUTS, ["y"]),
@@ -327,9 +328,10 @@ def _run_one(main: Launch, out_shape: tuple) -> Callable[[mx.array], mx.array]:
             output_dtypes=odt,
         )[0]
 
-    # The launch's pieces, for a caller that launches without this closure's frame
-    # (TernaryLinear's repeated call): y = kern(inputs=[x, *rest], ...)[0], as run does.
-    run.direct = (kern, tuple(rest), tmpl, grid, tg, out_shapes, odt)
+    if len(rest) == len(DIRECT_INPUTS):  # a GEMV (decode): x and these four
+        # The launch's pieces, for a caller that launches without this closure's frame
+        # (TernaryLinear's repeated call): y = kern(inputs=[x, *rest], ...)[0], as run does.
+        run.direct = (kern, *rest, tmpl, grid, tg, out_shapes, odt)
     return run
 
 
