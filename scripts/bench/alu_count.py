@@ -50,7 +50,7 @@ def fast_slots(g: int, m: int) -> float:
 
 def compact_slots(g: int, m: int) -> float:
     blocks, inside = compact_blocks(g)
-    scales = 1 + 2 * blocks if g else 0  # address, then (min, load) per block
+    scales = 1 + 3 * blocks if g else 0  # address, then (add, min, load) per block
     per_row = UNIT_OVERHEAD + UNIT_WORDS * WORD_DECODE + scales
     per_token = UNIT_WORDS * (WORD_TOKEN + 1) + inside  # + 1 FMA/add per chain
     return (per_row + per_token * m) / UNIT_TRITS
