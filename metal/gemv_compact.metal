@@ -1,12 +1,21 @@
 // Decode GEMV, compact packing (base-3, 5 trits per byte): y (M, N) = act_quant(x) (M, K) @
 // (s * t).T + bias for up to 16 tokens in one launch, every packed byte read once whatever M.
 //
-// Thread mapping: as gemv_fast.metal. One threadgroup = NSG SIMD groups owns 64 output rows
-// and every token; lane l works on word lane wl = l % WL of row group l / WL and owns RL rows.
-// A step is WL 32-bit words = 64 bytes = 320 trits of each row; the threadgroup stages, per
-// token and byte of the step, the byte's six decode coefficients (below) and, per word, the
-// (negated) correction of each byte, then each lane decodes its word of each of its rows once
-// and applies it to every token. ACTQ quantizes x while staging (one launch per call).
+// Thread mapping: one threadgroup = NSG = 2 WL SIMD groups owns 64 output rows (grid.y =
+// ceil(N / 64)) and every token; in a SIMD group, lane l works on unit lane wl = l % WL of
+// row l / WL (one row per lane). A row is cut into units of UB = 52 bytes (13 words, 260
+// trits: TERNARY_UNIT_BYTES, the smallest span that is whole words and whole blocks of every
+// group size; blocks are 13, 26 or 52 bytes). The threadgroup walks K in super-steps of WL
+// units per row; lane wl holds unit s * WL + wl of its row in 13 registers (52 contiguous
+// bytes) and decodes word i = 0..12 of it in sub-step i. So where a block edge falls inside
+// a word is the same for every lane and known at compile time (the sub-steps are unrolled):
+// a word's bytes sum into at most 2 chains (block parts), each taking its block's scale in
+// one FMA per token, with no per-lane routing. Sub-steps run in phases of PH; per phase the
+// threadgroup stages, for every token and each of the WL units' words of the phase (<= 16
+// words, as many as before), the bytes' six decode coefficients (below) and each chain's
+// (negated) correction. WL (2, 4 or 8) is chosen per layer so that the last super-step
+// leaves few lanes idle (geometry.compact_unit_lanes). ACTQ quantizes x while staging (one
+// launch per call).
 //
 // Decode ("exact-float" fractions, after PrismML's llama.cpp PR #157, in two 16-bit lanes):
 // byte q holds digits d_n = floor(3 f_n) (trit t_n = d_n - 1) of the fractions f_0 = q / 256,
@@ -23,21 +32,19 @@
 //   sum_n t_n y_n = sum_k h_k c_k - 3 sum_n y_n.
 // Per word: 2 placements (shift, AND, OR) and 5 x 2 steps = 26 integer ops for 20 trits,
 // 24 FMAs per token (docs/KERNELS.md counts both kernels). With integer activations every
-// product and sum is exact (c_k is a multiple of 1/2 below 257, h_k has 9 significant bits).
+// product and sum is exact (c_k is a multiple of 1/2 below 257, h_k has 9 significant bits,
+// a word's chain sums at most 24 products), hence the bit-identical twin.
 //
 // Blocks: with group scales (G > 0) a block is one group of G columns, BPB = ceil(G / 5)
-// bytes; byte b holds columns blk * G + 5 (b - blk BPB) .. +4 of block blk = b / BPB, and a
-// word's 4 bytes span at most 2 blocks (BPB > 4). A word's partial sum per token is kept in
-// NCH chains of bytes that always share a block (one when 4 divides BPB, G = 256; two, bytes
-// 0-1 and 2-3, when 2 does, G = 128; one per byte otherwise, G = 64), each chain's sum
-// taking its block's scale in one FMA.
-// Without group scales the row is one block: byte b holds columns 5b..5b+4. Pad trits are
-// zero trits; bytes past the last block (row padding to 4 bytes) get zero coefficients.
+// bytes; byte b holds columns blk * G + 5 (b - blk BPB) .. +4 of block blk = b / BPB. BPB
+// divides UB, so a unit holds UB / BPB whole blocks. Without group scales the row is one
+// block (byte b holds columns 5b..5b+4) and a unit one chain per word. Pad trits are zero
+// trits; bytes past the last block (row padding to 4 bytes) get zero coefficients.
 //
 // File convention: text above the "//// BODY ////" line is the `header`, text below the `source`.
 // Inputs: x (M, K) XT; wq (N, RB) uint8; scales ST; bias (N,) BT (dummy when !HAS_BIAS);
 // params int32 [M, N, K, RB, SC, VB (valid bytes per row)]. Output: y (M, N) T.
-// Templates: T, XT, XS (coefficient type: half with ACTQ, else float), ST, BT, TM, RL, NSG,
+// Templates: T, XT, XS (coefficient type: half with ACTQ, else float), ST, BT, TM, WL, NSG,
 // SMODE, G, ACTQ, HAS_BIAS. Geometry macros (TERNARY_*) come from runtime/metal/geometry.py.
 
 constant constexpr uint TERNARY_LANE_MASK = 0x03FC03FCu;  // r << 2 in both halves
@@ -52,34 +59,31 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
   const int SC = params[4];
   const int VB = params[5];
   constexpr int L = TERNARY_SIMD_WIDTH;
-  constexpr int WL = TERNARY_GEMV_WORD_LANES;  // lanes along K per row group
-  constexpr int WB = TERNARY_WORD_BYTES;       // bytes per word
-  constexpr int TB = TERNARY_BYTE_TRITS;       // trits per byte
-  constexpr int NF = TB + 1;                   // fractions per byte
-  constexpr int SR = (L / WL) * RL;            // rows per SIMD group
+  constexpr int WB = TERNARY_WORD_BYTES;    // bytes per word
+  constexpr int TB = TERNARY_BYTE_TRITS;    // trits per byte
+  constexpr int UB = TERNARY_UNIT_BYTES;    // bytes per unit
+  constexpr int UW = UB / WB;               // words per unit (sub-steps per super-step)
+  constexpr int NF = TB + 1;                // fractions per byte
   constexpr int NT = NSG * L;
-  constexpr int BPB = G > 0 ? (G + TB - 1) / TB : 1;
-  // Partial sums per word and token (chains): bytes in one chain always share a block.
-  // Block edges fall at multiples of BPB bytes: never inside a word when 4 divides BPB (one
-  // chain: G = 0, 256), only between bytes 1 and 2 when 2 does (two: bytes 0-1 and 2-3,
-  // the low and high halves of both registers; G = 128), anywhere otherwise (four; G = 64).
-  constexpr int NCH = (G == 0 || BPB % WB == 0) ? 1 : (BPB % 2 == 0 ? 2 : WB);
-  constexpr int CB = WB / NCH;  // bytes per chain
+  constexpr int BU = G > 0 ? (G + TB - 1) / TB : UB;  // bytes per block (a unit without groups)
+  constexpr int NBU = UB / BU;                        // blocks per unit
+  // Phases: PH sub-steps (words of each of the WL units) staged together, <= 16 words.
+  constexpr int NPH = (UW * WL + TERNARY_GEMV_STAGE_WORDS - 1) / TERNARY_GEMV_STAGE_WORDS;
+  constexpr int PH = (UW + NPH - 1) / NPH;
+  constexpr int SW = WL * PH;  // staged words per phase
   const uint tid = thread_index_in_threadgroup;
   const uint lane = thread_index_in_simdgroup;
   const uint sg = simdgroup_index_in_threadgroup;
   const int wl = int(lane) % WL;
-  const int row0 = int(threadgroup_position_in_grid.y) * NSG * SR + int(sg) * SR +
-                   (int(lane) / WL) * RL;
+  const int row = int(threadgroup_position_in_grid.y) * (NSG * L / WL) + int(sg) * (L / WL) +
+                  int(lane) / WL;
+  const int rowc = min(row, N - 1);  // in bounds; a row past N is skipped
 
   // Per token and staged word: for each of its two registers (bytes 0 and 2; bytes 1 and 3)
   // and each k, the pair (c_k of the low byte, c_k of the high byte), two k per vector.
-  threadgroup vec<XS, 4> ce[TM][WL][2][NF / 2];
-  // Per word: -3 sum y of each chain's bytes (chain c in component c).
-  threadgroup float4 cc[TM][WL];
-  // Per word (group scales): the scale column of each chain's block, staged once for the
-  // threadgroup's 64 rows.
-  threadgroup int4 cb[WL];
+  threadgroup vec<XS, 4> ce[TM][SW][2][NF / 2];
+  // Per token and staged word: -3 sum y of each chain's bytes (chain c in component c).
+  threadgroup float2 cc[TM][SW];
   threadgroup float tsc[TM];
   threadgroup float tinv[TM];
   threadgroup float tred[NSG * TM];
@@ -87,143 +91,149 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
     ternary_token_scales<XT, TM, NSG>(x, M, K, tid, lane, sg, tred, tsc, tinv);
   }
 
-  int rows[RL];
+  float acc[TM];
   TERNARY_UNROLL
-  for (int r = 0; r < RL; r++) {
-    rows[r] = min(row0 + r, N - 1);  // in bounds; rows past N are skipped
-  }
-  float acc[RL][TM];
-  TERNARY_UNROLL
-  for (int r = 0; r < RL; r++) {
-    TERNARY_UNROLL
-    for (int m = 0; m < TM; m++) {
-      acc[r][m] = 0.0f;
-    }
+  for (int m = 0; m < TM; m++) {
+    acc[m] = 0.0f;
   }
   const device uint* wwords = (const device uint*)wq;
-  const int nwords = (VB + WB - 1) / WB;
   const int RW = RB / WB;
-  const int steps = (nwords + WL - 1) / WL;
+  const int units = (VB + UB - 1) / UB;
+  const int steps = (units + WL - 1) / WL;
   for (int s = 0; s < steps; s++) {
-    // The word's bytes: first column and block part (0: the word's first block, 1: the next).
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int e = int(tid); e < M * WL; e += NT) {
-      const int m = e / WL;
-      const int w = e % WL;
-      const int b0 = (s * WL + w) * WB;
-      const int blk0 = G > 0 ? b0 / BPB : 0;
-      float4 corr = float4(0.0f);
-      float c[WB][NF];
+    const int u = s * WL + wl;
+    const bool active = row < N && u < units;
+    // The unit's 13 words (words past the row read as 0: their coefficients are 0).
+    uint w[UW];
+    const int j0 = u * UW;
+    const device uint* src = wwords + rowc * RW + j0;
+    if (active && j0 + UW <= RW) {
       TERNARY_UNROLL
-      for (int i = 0; i < WB; i++) {
-        const int b = b0 + i;
-        int part = 0;
-        int col = TB * b;
-        int lim = K;
-        if (G > 0) {
-          int off = b - blk0 * BPB;
-          part = off >= BPB ? 1 : 0;
-          off -= part * BPB;
-          col = (blk0 + part) * G + TB * off;
-          lim = min((blk0 + part) * G + G, K);
-        }
-        float yv[TB];
-        float sum = 0.0f;
-        TERNARY_UNROLL
-        for (int d = 0; d < TB; d++) {
-          float f = (b < VB && col + d < lim) ? static_cast<float>(x[m * K + col + d]) : 0.0f;
-          if (ACTQ) {
-            f = ternary_act_quant(f, tsc[m]);
-          }
-          yv[d] = f;
-          sum += f;
-        }
-        corr[i / CB] -= 3.0f * sum;
-        c[i][0] = 1.5f * yv[0];
-        TERNARY_UNROLL
-        for (int k = 1; k < TB; k++) {
-          c[i][k] = fma(yv[k], 1.5f, -0.5f * yv[k - 1]);
-        }
-        c[i][TB] = -0.5f * yv[TB - 1];
+      for (int i = 0; i < UW; i++) {
+        w[i] = src[i];
       }
-      // Register 0 holds bytes 0 (low half) and 2 (high); register 1 bytes 1 and 3.
+    } else {
       TERNARY_UNROLL
-      for (int g = 0; g < 2; g++) {
-        TERNARY_UNROLL
-        for (int k = 0; k < NF; k += 2) {
-          ce[m][w][g][k / 2] = vec<XS, 4>(static_cast<XS>(c[g][k]), static_cast<XS>(c[g + 2][k]),
-                                          static_cast<XS>(c[g][k + 1]),
-                                          static_cast<XS>(c[g + 2][k + 1]));
-        }
-      }
-      cc[m][w] = corr;
-      if (G > 0 && m == 0) {
-        int4 sv = int4(0);
-        TERNARY_UNROLL
-        for (int c = 0; c < NCH; c++) {
-          sv[c] = min((b0 + c * CB) / BPB, SC - 1);
-        }
-        cb[w] = sv;
+      for (int i = 0; i < UW; i++) {
+        w[i] = active && j0 + i < RW ? src[i] : 0u;
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float sc[NBU];  // each block's scale (group scales; else applied at the end)
+    TERNARY_UNROLL
+    for (int b = 0; b < NBU; b++) {
+      sc[b] = SMODE == 2 ? static_cast<float>(scales[rowc * SC + min(u * NBU + b, SC - 1)])
+                         : 1.0f;
+    }
 
-    const int j = s * WL + wl;
-    if (j < nwords) {
-      const int4 sidx = G > 0 ? cb[wl] : int4(0);  // each chain's scale column
-      TERNARY_UNROLL
-      for (int r = 0; r < RL; r++) {
-        if (row0 + r >= N) {
-          continue;  // rows past N read nothing (and are never written)
-        }
-        const uint w = wwords[rows[r] * RW + j];
-        // h[g][k]: fractions k of register g's two bytes.
-        half2 h[2][NF];
-        uint u[2];
-        u[0] = ((w << 2) & TERNARY_LANE_MASK) | TERNARY_FRAC_EXP;
-        u[1] = ((w >> 6) & TERNARY_LANE_MASK) | TERNARY_FRAC_EXP;
+    TERNARY_UNROLL
+    for (int ph = 0; ph < NPH; ph++) {
+      const int i0 = ph * PH;
+      const int nw = min(PH, UW - i0);  // sub-steps of this phase
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      // Stage: item e = (token m, unit lane v, sub-step ii): the word's 4 bytes.
+      for (int e = int(tid); e < M * WL * nw; e += NT) {
+        const int m = e / (WL * nw);
+        const int v = (e / nw) % WL;
+        const int ii = e % nw;
+        const int ub = i0 * WB + ii * WB;           // the word's first byte in its unit
+        const int b0 = (s * WL + v) * UB + ub;      // ... in the row
+        float2 corr = float2(0.0f);
+        float c[WB][NF];
         TERNARY_UNROLL
-        for (int k = 0; k < NF; k++) {
+        for (int t = 0; t < WB; t++) {
+          const int b = b0 + t;
+          int col = TB * b;
+          int lim = K;
+          if (G > 0) {
+            const int blk = b / BU;
+            col = blk * G + TB * (b - blk * BU);
+            lim = min(blk * G + G, K);
+          }
+          float yv[TB];
+          float sum = 0.0f;
           TERNARY_UNROLL
-          for (int g = 0; g < 2; g++) {
-            h[g][k] = as_type<half2>(u[g]);
-            u[g] = (u[g] + (u[g] << 1)) & TERNARY_FRAC_MASK;
+          for (int d = 0; d < TB; d++) {
+            float f = (b < VB && col + d < lim) ? static_cast<float>(x[m * K + col + d]) : 0.0f;
+            if (ACTQ) {
+              f = ternary_act_quant(f, tsc[m]);
+            }
+            yv[d] = f;
+            sum += f;
+          }
+          corr[(ub + t) / BU == ub / BU ? 0 : 1] -= 3.0f * sum;
+          c[t][0] = 1.5f * yv[0];
+          TERNARY_UNROLL
+          for (int k = 1; k < TB; k++) {
+            c[t][k] = fma(yv[k], 1.5f, -0.5f * yv[k - 1]);
+          }
+          c[t][TB] = -0.5f * yv[TB - 1];
+        }
+        // Register 0 holds bytes 0 (low half) and 2 (high); register 1 bytes 1 and 3.
+        const int sw = v * PH + ii;
+        TERNARY_UNROLL
+        for (int g = 0; g < 2; g++) {
+          TERNARY_UNROLL
+          for (int k = 0; k < NF; k += 2) {
+            ce[m][sw][g][k / 2] = vec<XS, 4>(static_cast<XS>(c[g][k]), static_cast<XS>(c[g + 2][k]),
+                                             static_cast<XS>(c[g][k + 1]),
+                                             static_cast<XS>(c[g + 2][k + 1]));
           }
         }
-        float sc[NCH];  // each chain's scale (group scales; else applied at the end)
+        cc[m][sw] = corr;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+
+      if (active) {
         TERNARY_UNROLL
-        for (int c = 0; c < NCH; c++) {
-          sc[c] = SMODE == 2 ? static_cast<float>(scales[rows[r] * SC + sidx[c]]) : 1.0f;
-        }
-        TERNARY_UNROLL
-        for (int m = 0; m < TM; m++) {
-          if (m < M) {
-            // Each chain starts at its correction, one FMA per fraction (byte g: register
-            // g % 2's low half, byte g + 2 its high half), then one FMA with its block's
-            // scale (group scales) or one add (kept per word: exact with integer
-            // activations).
-            const float4 c0 = cc[m][wl];
-            float p[NCH];
+        for (int ii = 0; ii < PH; ii++) {
+          const int i = i0 + ii;  // the word of the unit: a compile-time constant once unrolled
+          if (i < UW) {
+            // Chains: the block of the word's first byte (0) and, where a block edge falls
+            // inside the word, the next one (1); byte t's chain and each chain's block.
+            const int blo = (i * WB) / BU;
+            const int bhi = (i * WB + WB - 1) / BU;
+            const int sw = wl * PH + ii;
+            // h[g][k]: fractions k of register g's two bytes.
+            half2 h[2][NF];
+            uint r[2];
+            r[0] = ((w[i] << 2) & TERNARY_LANE_MASK) | TERNARY_FRAC_EXP;
+            r[1] = ((w[i] >> 6) & TERNARY_LANE_MASK) | TERNARY_FRAC_EXP;
             TERNARY_UNROLL
-            for (int c = 0; c < NCH; c++) {
-              p[c] = c0[c];
-            }
-            TERNARY_UNROLL
-            for (int g = 0; g < 2; g++) {
-              const int lo = g / CB;        // chain of byte g
-              const int hi = (g + 2) / CB;  // chain of byte g + 2
+            for (int k = 0; k < NF; k++) {
               TERNARY_UNROLL
-              for (int k = 0; k < NF; k += 2) {
-                const vec<XS, 4> v = ce[m][wl][g][k / 2];
-                p[lo] = fma(static_cast<float>(h[g][k].x), static_cast<float>(v[0]), p[lo]);
-                p[hi] = fma(static_cast<float>(h[g][k].y), static_cast<float>(v[1]), p[hi]);
-                p[lo] = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(v[2]), p[lo]);
-                p[hi] = fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(v[3]), p[hi]);
+              for (int g = 0; g < 2; g++) {
+                h[g][k] = as_type<half2>(r[g]);
+                r[g] = (r[g] + (r[g] << 1)) & TERNARY_FRAC_MASK;
               }
             }
             TERNARY_UNROLL
-            for (int c = 0; c < NCH; c++) {
-              acc[r][m] = SMODE == 2 ? fma(sc[c], p[c], acc[r][m]) : acc[r][m] + p[c];
+            for (int m = 0; m < TM; m++) {
+              if (m < M) {
+                // Each chain starts at its correction, one FMA per fraction (byte g: register
+                // g % 2's low half, byte g + 2 its high half), then one FMA with its block's
+                // scale (group scales) or one add (per word: exact with integer activations).
+                const float2 c0 = cc[m][sw];
+                float p[2] = {c0.x, c0.y};
+                TERNARY_UNROLL
+                for (int g = 0; g < 2; g++) {
+                  const int lo = (i * WB + g) / BU == blo ? 0 : 1;      // chain of byte g
+                  const int hi = (i * WB + g + 2) / BU == blo ? 0 : 1;  // chain of byte g + 2
+                  TERNARY_UNROLL
+                  for (int k = 0; k < NF; k += 2) {
+                    const vec<XS, 4> cv = ce[m][sw][g][k / 2];
+                    p[lo] = fma(static_cast<float>(h[g][k].x), static_cast<float>(cv[0]), p[lo]);
+                    p[hi] = fma(static_cast<float>(h[g][k].y), static_cast<float>(cv[1]), p[hi]);
+                    p[lo] = fma(static_cast<float>(h[g][k + 1].x), static_cast<float>(cv[2]),
+                                p[lo]);
+                    p[hi] = fma(static_cast<float>(h[g][k + 1].y), static_cast<float>(cv[3]),
+                                p[hi]);
+                  }
+                }
+                acc[m] = SMODE == 2 ? fma(sc[blo], p[0], acc[m]) : acc[m] + p[0];
+                if (bhi != blo) {
+                  acc[m] = SMODE == 2 ? fma(sc[bhi], p[1], acc[m]) : acc[m] + p[1];
+                }
+              }
             }
           }
         }
@@ -232,24 +242,20 @@ constant constexpr uint TERNARY_FRAC_MASK = TERNARY_LANE_MASK | TERNARY_FRAC_EXP
   }
 
   TERNARY_UNROLL
-  for (int r = 0; r < RL; r++) {
-    const int n = row0 + r;
-    TERNARY_UNROLL
-    for (int m = 0; m < TM; m++) {
-      if (m < M) {
-        const float total = ternary_lane_sum<WL>(acc[r][m]);
-        if (wl == 0 && n < N) {
-          const float srow = SMODE == 0 ? static_cast<float>(scales[0])
-                           : (SMODE == 1 ? static_cast<float>(scales[n]) : 1.0f);
-          float out = total * srow;
-          if (ACTQ) {
-            out *= tinv[m];
-          }
-          if (HAS_BIAS) {
-            out += static_cast<float>(bias[n]);
-          }
-          y[m * N + n] = static_cast<T>(out);
+  for (int m = 0; m < TM; m++) {
+    if (m < M) {
+      const float total = ternary_lane_sum<WL>(acc[m]);
+      if (wl == 0 && row < N) {
+        const float srow = SMODE == 0 ? static_cast<float>(scales[0])
+                         : (SMODE == 1 ? static_cast<float>(scales[row]) : 1.0f);
+        float out = total * srow;
+        if (ACTQ) {
+          out *= tinv[m];
         }
+        if (HAS_BIAS) {
+          out += static_cast<float>(bias[row]);
+        }
+        y[m * N + row] = static_cast<T>(out);
       }
     }
   }

@@ -24,10 +24,14 @@ _PLAN_SETTINGS = (
 )
 
 
-# (x shape, x dtype, call) of a layer's latest inference call, which TernaryLinear's call
-# checks first: comparing x's shape and dtype to it costs less than hashing the (shape,
-# Dtype) key of the plan's dict (MLX's Dtype hashes and compares through nanobind).
-_NO_CALL = (None, None, None)
+# (x shape, x dtype, call, launch...) of a layer's latest inference call, which
+# TernaryLinear's call checks first: comparing x's shape and dtype to it costs less than
+# hashing the (shape, Dtype) key of the plan's dict (MLX's Dtype hashes and compares through
+# nanobind). Where the call is one Metal GEMV launch (launch.py's `run.direct`: kernel, its
+# four inputs after x, template, grid, threadgroup, output shapes and dtypes), the call
+# launches it itself, without the closure's frame; else the launch fields are None.
+_NO_LAUNCH = (None,) * 10
+_NO_CALL = (None, None, None, *_NO_LAUNCH)
 
 
 class TernaryLinear(nn.Module):
@@ -277,9 +281,19 @@ class TernaryLinear(nn.Module):
         return self.kernel_spec(), self.__dict__, "_plan"
 
     def __call__(self, x: mx.array) -> mx.array:
-        shape, dtype, fn = self._last  # the latest inference call's (decode: every call)
+        # The latest inference call's (decode: every call), its launch unpacked.
+        shape, dtype, fn, kern, w, s, b, p, tmpl, grid, tg, out_shapes, odt = self._last
         if x.shape == shape and x.dtype == dtype:
-            return fn(x)
+            if kern is None:
+                return fn(x)
+            return kern(
+                inputs=[x, w, s, b, p],
+                template=tmpl,
+                grid=grid,
+                threadgroup=tg,
+                output_shapes=out_shapes,
+                output_dtypes=odt,
+            )[0]
         plan = self._plan or self.plan()
         training = self._training
         key = (x.shape, x.dtype)
@@ -287,7 +301,7 @@ class TernaryLinear(nn.Module):
         fn = calls.get(key) or plan.plan_call(x, training)
         # Remembered only for a kept plan's kept inference call (not a trace's).
         if not training and calls.get(key) is fn and self.__dict__.get("_plan") is plan:
-            self.__dict__["_last"] = (*key, fn)
+            self.__dict__["_last"] = (*key, fn, *getattr(fn, "direct", _NO_LAUNCH))
         return fn(x)
 
     def _extra_repr(self) -> str:

@@ -95,6 +95,26 @@ def test_gemv_compact(case):
     assert rel_err(y, want) < TOL[DTYPES[dt]]
 
 
+# gemv_compact's lanes per row (geometry.compact_unit_lanes): K chosen so each WL runs, with
+# several super-steps and a partial last unit (group 64: 4 blocks per unit, edges inside words).
+COMPACT_LANE_CASES = [  # (WL, m, K, scale, group)
+    (8, 3, 1800, "group", 64),
+    (4, 16, 1000, "row", None),
+    (2, 2, 1030, "group", 128),
+]
+
+
+@pytest.mark.parametrize("case", COMPACT_LANE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gemv_compact_at_every_unit_lane_count(case):
+    wl, m, k, scale, g = case
+    kw, want = make_case(m, 70, k, "compact", scale, g, mx.float32, False, True, seed=3)
+    tb = fmt.TRITS_PER_BYTE  # valid bytes per row: whole blocks of ceil(G / 5) bytes
+    valid = math.ceil(k / g) * math.ceil(g / tb) if g else math.ceil(k / tb)
+    assert geometry.compact_layout(valid) == (wl, 2 * wl)
+    y = launch.ternary_matmul(**kw, backend="emulate")
+    assert rel_err(y, want) < TOL[mx.float32]
+
+
 GEMM_CASES = [
     (9, 33, 77, "tensor", None, "f32", False, True),
     (16, 31, 130, "group", 64, "f16", True, False),
@@ -277,6 +297,14 @@ def test_geometry_is_named_once_in_python():
         rl, nsg = geometry.gemv_layout(tm)
         assert nsg * rl * geometry.SIMD_WIDTH // geometry.GEMV_WORD_LANES == geometry.GEMV_TG_ROWS
         assert rl * tm <= geometry.GEMV_LANE_ACCUMULATORS
+    # gemv_compact: one row per lane; a unit is whole words and whole blocks of every group.
+    unit = geometry.COMPACT_UNIT_BYTES
+    assert unit % fmt.ROW_ALIGN_BYTES == 0
+    assert all(unit % -(-g // fmt.TRITS_PER_BYTE) == 0 for g in fmt.TERNARY_GROUP_SIZES)
+    for vb in range(1, 40 * unit, 7):
+        wl, nsg = geometry.compact_layout(vb)
+        assert wl in geometry.COMPACT_UNIT_LANES
+        assert nsg * geometry.SIMD_WIDTH // wl == geometry.GEMV_TG_ROWS
 
 
 # --------------------------------------------------------------------------- #
@@ -387,7 +415,7 @@ TWIN_CASES = [  # (packing, scale, group, act, K odd)
     ("fast", "group", 64, False, 333),
     ("compact", "row", None, False, 331),
     ("compact", "group", 128, True, 333),
-    # compact's chains per word: 1 (G = 256), 2 (G = 128), 4 (G = 64; gemv_compact.metal)
+    # compact: block edges inside a unit word at G = 128 and 64 (two chains; gemv_compact.metal)
     ("compact", "group", 64, False, 333),
     ("compact", "group", 256, True, 601),
 ]

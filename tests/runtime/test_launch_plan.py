@@ -239,6 +239,14 @@ def test_the_remembered_last_call_follows_dtype_mode_and_copies(fake_metal):
         y = layer(x.astype(dtype))
         assert y.dtype == dtype
         assert rel_err(y, forward_np(x.astype(dtype), w, 8)) < {mx.float32: 1e-5}.get(dtype, 2e-2)
+        # The repeat launches the one GEMV from the remembered pieces (launch.py's
+        # run.direct), not through the closure: the same output.
+        assert layer._last[3] is not None and layer._last[:2] == (x.shape, dtype)
+        assert mx.array_equal(layer(x.astype(dtype)), y).item()
+    x3 = x[None]  # a new shape: planned, remembered, then launched directly
+    for _ in range(2):
+        y3 = layer(x3)
+        assert y3.shape == (1, 2, 20) and rel_err(y3[0], forward_np(x, w, 8)) < 1e-5
     assert np.abs(np.array(input_grad(layer, x, c))).max() == 0  # eval: no VJP (control)
     layer.train()  # after eval calls of this very shape: the training call, with its VJP
     assert rel_err(input_grad(layer, x, c), np.array(c).astype(np.float64) @ w) < 1e-5

@@ -6,7 +6,9 @@ prepended to each kernel's header by sources.py), so no tile size, thread count 
 pragma is a literal in metal/*.metal. The packed-word facts come from format.py.
 """
 
-from ...format import CODES_PER_WORD, ROW_ALIGN_BYTES, TRITS_PER_BYTE
+import math
+
+from ...format import CODES_PER_WORD, ROW_ALIGN_BYTES, TERNARY_GROUP_SIZES, TRITS_PER_BYTE
 
 SIMD_WIDTH = 32  # lanes per SIMD group on Apple GPUs
 
@@ -22,6 +24,42 @@ GEMV_LANE_ROWS = 4  # rows per lane while tokens x rows fit the accumulator budg
 GEMV_LANE_ACCUMULATORS = 32
 MAX_GEMV_TOKENS = 16  # GEMV up to here (each weight read once), GEMM above
 GEMV_TOKEN_TILES = (1, 2, 4, 8, 16)  # the TM template values: tokens rounded up
+
+
+# gemv_compact.metal: a lane holds a unit of COMPACT_UNIT_BYTES of one row, the smallest span
+# that is whole words and whole blocks (ceil(G / 5) bytes) of every group size (52 bytes =
+# 13 words = 4 blocks of G = 64), so where a block edge falls inside a word is the same for
+# every lane; COMPACT_UNIT_LANES lanes per row (one row per lane), the threadgroup still
+# GEMV_TG_ROWS rows. Per barrier the threadgroup stages at most GEMV_STAGE_WORDS words'
+# coefficients (both GEMVs).
+COMPACT_UNIT_BYTES = math.lcm(
+    ROW_ALIGN_BYTES, *(-(-g // TRITS_PER_BYTE) for g in TERNARY_GROUP_SIZES)
+)
+COMPACT_UNIT_LANES = (8, 4, 2)  # lanes per row, preferred first
+COMPACT_IDLE_MAX = 0.1  # the largest share of unit slots a layer may leave idle
+GEMV_STAGE_WORDS = GEMV_WORD_LANES
+
+
+def compact_unit_lanes(valid_bytes: int) -> int:
+    """Lanes per row (WL) of gemv_compact for rows of `valid_bytes` packed bytes: the most
+    lanes whose last super-step leaves at most COMPACT_IDLE_MAX of the unit slots idle, else
+    the fewest idle (more lanes on ties)."""
+    units = max(1, -(-valid_bytes // COMPACT_UNIT_BYTES))
+
+    def idle(wl: int) -> float:
+        return 1.0 - units / (wl * -(-units // wl))
+
+    for wl in COMPACT_UNIT_LANES:
+        if idle(wl) <= COMPACT_IDLE_MAX:
+            return wl
+    return min(COMPACT_UNIT_LANES, key=lambda wl: (idle(wl), -wl))
+
+
+def compact_layout(valid_bytes: int) -> tuple:
+    """(lanes per row WL, SIMD groups per threadgroup NSG) of gemv_compact: one row per
+    lane, GEMV_TG_ROWS rows per threadgroup."""
+    wl = compact_unit_lanes(valid_bytes)
+    return wl, GEMV_TG_ROWS * wl // SIMD_WIDTH
 
 
 def gemv_token_tile(m: int) -> int:
@@ -61,6 +99,8 @@ _MACROS = {
     "TERNARY_WORD_BYTES": ROW_ALIGN_BYTES,
     "TERNARY_BYTE_TRITS": TRITS_PER_BYTE,
     "TERNARY_GEMV_WORD_LANES": GEMV_WORD_LANES,
+    "TERNARY_GEMV_STAGE_WORDS": GEMV_STAGE_WORDS,
+    "TERNARY_UNIT_BYTES": COMPACT_UNIT_BYTES,
     "TERNARY_PREPASS_THREADS": PREPASS_THREADS,
     "TERNARY_GEMM_THREADS": GEMM_THREADS,
     "TERNARY_GEMM_TOKENS": GEMM_TOKENS,

@@ -29,6 +29,7 @@ from .geometry import (
     MAX_GEMV_TOKENS,
     PREPASS_THREADS,
     SIMD_WIDTH,
+    compact_layout,
     gemv_layout,
     gemv_token_tile,
 )
@@ -44,6 +45,7 @@ KERNEL_CHOICES = ("gemv", "gemm", "gemm_fma")
 DEFAULT_FAST_DECODE = {mx.float16: "offset", mx.bfloat16: "offset", mx.float32: "exact"}
 
 _GEMV_INPUTS = ["x", "wq", "scales", "bias", "params"]
+DIRECT_INPUTS = _GEMV_INPUTS[1:]  # the inputs after x of a launch with `run.direct`
 KERNELS = {  # name: (input names, output names)
     "prepass": (["x", "params"], ["xq", "aux"]),
     "gemv_fast": (_GEMV_INPUTS, ["y"]),
@@ -166,7 +168,6 @@ def _gemm_inputs(spec, packed, scales, bias, m, params):
 def _gemv(spec, packed, scales, bias, dtype, m, decode, backend) -> Launch:
     """The one launch of an m-token decode call (m <= MAX_GEMV_TOKENS), int8 included."""
     tm = gemv_token_tile(m)
-    rl, nsg = gemv_layout(tm)
     # Staged values: half where exact, else float32. fast stages x (exact in half for half x
     # and for int8 values); compact stages coefficients 1.5 y_k - 0.5 y_(k-1) (exact in half
     # only for int8 values).
@@ -179,19 +180,22 @@ def _gemv(spec, packed, scales, bias, dtype, m, decode, backend) -> Launch:
         ("ST", spec.scale_dtype),
         ("BT", spec.bias_dtype),
         ("TM", tm),
-        ("RL", rl),
-        ("NSG", nsg),
+    ]
+    tail = [
         ("SMODE", spec.mode),
         ("G", spec.group_size or 0),
         ("ACTQ", spec.act),
         ("HAS_BIAS", spec.has_bias),
     ]
     if spec.packing == "fast":
-        tmpl.append(("DECODE", FAST_DECODES.index(decode)))
+        rl, nsg = gemv_layout(tm)
+        tmpl += [("RL", rl), ("NSG", nsg), *tail, ("DECODE", FAST_DECODES.index(decode))]
         params = _params([m, spec.n, spec.k, spec.row_width, spec.scale_cols])
         name = "gemv_fast"
     else:
         _, bpb, nb = _blocks(spec)
+        wl, nsg = compact_layout(nb * bpb)
+        tmpl += [("WL", wl), ("NSG", nsg), *tail]
         params = _params([m, spec.n, spec.k, spec.row_width, spec.scale_cols, nb * bpb])
         name = "gemv_compact"
     bias = bias if bias is not None else _dummy("bias")
@@ -324,6 +328,10 @@ def _run_one(main: Launch, out_shape: tuple) -> Callable[[mx.array], mx.array]:
             output_dtypes=odt,
         )[0]
 
+    if len(rest) == len(DIRECT_INPUTS):  # a GEMV (decode): x and these four
+        # The launch's pieces, for a caller that launches without this closure's frame
+        # (TernaryLinear's repeated call): y = kern(inputs=[x, *rest], ...)[0], as run does.
+        run.direct = (kern, *rest, tmpl, grid, tg, out_shapes, odt)
     return run
 
 
