@@ -123,6 +123,18 @@ struct NeonOps {
               vaddq_f32(y.hi, vmulq_f32(vhi, vmulq_n_f32(vld1q_f32(s8 + 4), d)))};
   }
   static void fvstore(float* p, const FV& v) { vst1q_f32(p, v.lo), vst1q_f32(p + 4, v.hi); }
+  // kernels/ternary.h rows_int8_r8: int32 sums of 8 rows (lane = row) added up, and their
+  // epilogue ((float)(sumi - gsum) * s8) * xs, lane by lane (x86's operations and order)
+  static IA tadd(const IA& a, const IA& b) {
+    return IA{vaddq_s32(a.lo, b.lo), vaddq_s32(a.hi, b.hi)};
+  }
+  static FV int8_rows(const IA& sumi, int32_t gsum, const float* s8, float xs) {
+    const int32x4_t gs = vdupq_n_s32(gsum);
+    const float32x4_t vlo = vcvtq_f32_s32(vsubq_s32(sumi.lo, gs));
+    const float32x4_t vhi = vcvtq_f32_s32(vsubq_s32(sumi.hi, gs));
+    return FV{vmulq_n_f32(vmulq_f32(vlo, vld1q_f32(s8)), xs),
+              vmulq_n_f32(vmulq_f32(vhi, vld1q_f32(s8 + 4)), xs)};
+  }
 
   // float path: F8 = 8 float lanes in two registers
   struct F8 { float32x4_t a, b; };
@@ -167,8 +179,8 @@ struct NeonOps {
 // ---------------------------------------------------------------------------------------------
 // The kernels' NEON pieces. What arm64 lacks is visible here as what is not defined:
 //   - NeonOps has the q8k tile (kernels/q8k.h rows_q8k_tile, rows_q8k_r8; SDOT or the
-//     fallback dot product) but no 512-bit windows (has_q8k_wide), no i8mm (SMMLA) tile and
-//     no 8-row per-token int8 block (tadd, int8_rows: kernels/ternary.h rows_int8_r8);
+//     fallback dot product) and the 8-row per-token int8 block (kernels/ternary.h
+//     rows_int8_r8) but no 512-bit windows (has_q8k_wide) and no i8mm (SMMLA) tile;
 //   - no KqNeon and no ggml_tile: llama.cpp's tables run KqScalar's generic loops;
 //   - the heads below come from arch/scalar.h (no vector exp, absmax, rounding, fast order or
 //     float16 scales), so SwiGLU, softmax and the Q8_K quantizer run their scalar loops.
