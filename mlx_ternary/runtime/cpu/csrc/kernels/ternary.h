@@ -297,6 +297,8 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
       if (M >= Q8K_TILE_TOKENS) return rows_q8k_tiled<O>(L, a, M, n0, n1);
       return rows_q8k_few<O>(L, a, n0, n1, 0, M);
     }
+  if constexpr (NV == 4 && !GROUPED && HasMmla<O>::value)
+    if (L.act_quant && !L.q8k && M >= Q8K_TILE_TOKENS) return O::int8_mmla_rows(L, a, M, n0, n1);
   if constexpr (NV == 4 && !GROUPED && HasInt8R8<O>::value)
     if (L.act_quant && !L.q8k && M <= INT8_R8_TOKENS) return rows_int8_r8<O>(L, a, n0, n1, 0, M);
   int64_t m = 0;
