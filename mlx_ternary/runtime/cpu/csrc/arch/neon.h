@@ -254,8 +254,11 @@ struct NeonOps {
     fvstore(out, y);
     for (int r = 0; r < 2 && 2 * q + r < rows; r++) {
       const float b = L.bias_at(n + 2 * q + r);
-      for (int t = 0; t < valid; t++)
-        store_from_f32(L.out, L.out_dtype, (m0 + t) * L.g.n + n + 2 * q + r, out[4 * r + t] + b);
+      const int64_t i = m0 * L.g.n + n + 2 * q + r;
+      if (L.out_dtype == F32)  // (store_from_f32's float32 case, without its call per value)
+        for (int t = 0; t < valid; t++) ((float*)L.out)[i + t * L.g.n] = out[4 * r + t] + b;
+      else
+        for (int t = 0; t < valid; t++) store_from_f32(L.out, L.out_dtype, i + t * L.g.n, out[4 * r + t] + b);
     }
   }
   // q8k: rows [n0, n1) for tokens m0 .. m0 + valid - 1, rows_q8k_tile's contract (seg4, d4:
