@@ -132,6 +132,7 @@ def _epilogue(tmp_path, flags, n=512, k=16):
     return y, want
 
 
+@pytest.mark.native  # the kernels' compiler
 def test_the_kernel_flags_round_each_product_as_numpy_does(tmp_path):
     """With build.kernel_flags() (the flags bindings.cpp is compiled with) the epilogue is
     numpy's bit for bit; dropping -ffp-contract=off from build.py fails here."""
@@ -142,6 +143,7 @@ def test_the_kernel_flags_round_each_product_as_numpy_does(tmp_path):
     )
 
 
+@pytest.mark.native  # the kernels' compiler
 def test_without_the_contraction_flag_the_epilogue_differs(tmp_path):
     """Negative control: the same flags with contraction allowed give other bits (fused
     multiply-adds), so the test above can fail."""

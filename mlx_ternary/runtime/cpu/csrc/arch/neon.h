@@ -250,15 +250,23 @@ struct NeonOps {
   // the first `valid` tokens and `rows` rows from n
   static void mmla_store(const Layer& L, int64_t n, int q, int rows, int64_t m0, int valid,
                          const FV& y) {
+    const int64_t N = L.g.n, i = m0 * N + n + 2 * q;
+    if (L.out_dtype == F32 && 2 * q + 1 < rows) {
+      // float32 and both rows: each token's two outputs are adjacent, one 64-bit store
+      const float32x2_t b = {L.bias_at(n + 2 * q), L.bias_at(n + 2 * q + 1)};
+      const float32x4_t bb = vcombine_f32(b, b);
+      const float32x4_t t01 = vaddq_f32(vzip1q_f32(y.lo, y.hi), bb);  // (row, token) 00 10 01 11
+      const float32x4_t t23 = vaddq_f32(vzip2q_f32(y.lo, y.hi), bb);
+      const float32x2_t part[4] = {vget_low_f32(t01), vget_high_f32(t01), vget_low_f32(t23),
+                                   vget_high_f32(t23)};
+      for (int t = 0; t < valid; t++) vst1_f32((float*)L.out + i + t * N, part[t]);
+      return;
+    }
     alignas(16) float out[8];
     fvstore(out, y);
     for (int r = 0; r < 2 && 2 * q + r < rows; r++) {
       const float b = L.bias_at(n + 2 * q + r);
-      const int64_t i = m0 * L.g.n + n + 2 * q + r;
-      if (L.out_dtype == F32)  // (store_from_f32's float32 case, without its call per value)
-        for (int t = 0; t < valid; t++) ((float*)L.out)[i + t * L.g.n] = out[4 * r + t] + b;
-      else
-        for (int t = 0; t < valid; t++) store_from_f32(L.out, L.out_dtype, i + t * L.g.n, out[4 * r + t] + b);
+      for (int t = 0; t < valid; t++) store_from_f32(L.out, L.out_dtype, i + r + t * N, out[4 * r + t] + b);
     }
   }
   // q8k: rows [n0, n1) for tokens m0 .. m0 + valid - 1, rows_q8k_tile's contract (seg4, d4:
