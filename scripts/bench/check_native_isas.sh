@@ -2,7 +2,8 @@
 # Check the native kernels' SIMD paths beyond the one this machine runs (docs/NATIVE.md):
 #   - this CPU (-march=native): the self-check, run (with --arm-only too: the reference digest);
 #   - x86-64 AVX2 without AVX-512 (-march=haswell), run where this CPU has AVX2;
-#   - arm64 NEON without and with SDOT: cross-compiled and run under qemu-user, when
+#   - arm64 NEON without and with SDOT, and with SDOT + i8mm (the SMMLA tiles): cross-compiled
+#     and run under qemu-user, when
 #     aarch64-linux-gnu-g++ and qemu-aarch64(-static) are installed
 #     (Debian: apt-get install g++-aarch64-linux-gnu qemu-user-static);
 #   - AVX-VNNI / AVX-512 VNNI: compiled only, and the VNNI instruction must be emitted.
@@ -63,6 +64,11 @@ if command -v aarch64-linux-gnu-g++ >/dev/null && [ -n "$QEMU" ]; then
     # exact records: bit for bit this machine's; group-scaled int8: one lane order on arm64
     same "$arch" native exact || status=1
     same "$arch" armv8-a grouped || status=1
+    # the +i8mm build must have checked the i8mm (SMMLA) tiles (arch/neon.h has_mmla)
+    if [[ "$arch" == *i8mm* ]] && ! grep -q '^neon-dotprod-i8mm ' "$OUT/$arch.log"; then
+      echo "FAIL: the $arch build does not select the SMMLA tiles"
+      status=1
+    fi
   done
 else
   echo "== arm64: skipped (no aarch64-linux-gnu-g++ or qemu-aarch64)"

@@ -1,9 +1,11 @@
 """The native build: no compiler outlives an interrupted or failed build, and a damaged
 cached library is reported once and rebuilt."""
 
+import ctypes
 import os
 import subprocess
 
+import numpy as np
 import pytest
 from tiny import PYTHON, ROOT
 
@@ -91,3 +93,61 @@ def test_the_cache_key_covers_every_source_under_csrc(tmp_path, monkeypatch):
     (tmp_path / "arch" / "x86.h").write_text("// changed\n")
     changed = build.sources()
     assert changed != before and b"arch/x86.h// changed" in changed
+
+
+# The kernels' q8k epilogue (kernels/q8k.h: y + float(sumi) * (d * s), segment after segment)
+# on arrays, as a probe library: compiled with the build's kernel flags it must round each
+# product before the sum, as the reference twin and numpy do. FMA contraction (what the
+# compiler does without -ffp-contract=off: GCC contracts by default in C++, on x86 with
+# -march=native's FMA and on every arm64) rounds once.
+EPILOGUE = """
+extern "C" __attribute__((visibility("default"))) void epilogue(
+    const int* sumi, const float* d, const float* s, float* y, int n, int k) {
+  for (int i = 0; i < n; i++) y[i] = 0.f;
+  for (int j = 0; j < k; j++)  // lanes = rows, as the tiles' epilogues
+    for (int i = 0; i < n; i++) y[i] += (float)sumi[j * n + i] * (d[j * n + i] * s[i]);
+}
+"""
+
+
+def _epilogue(tmp_path, flags, n=512, k=16):
+    """The probe compiled with `flags` and run in this process (ctypes: no second process,
+    so it runs under qemu-user too), and numpy's float32 result, one rounding per op."""
+    src, lib = tmp_path / "epilogue.cpp", tmp_path / "epilogue.so"
+    src.write_text(EPILOGUE)
+    subprocess.run(
+        [build.compiler(), *flags, "-shared", str(src), "-o", str(lib)], check=True, timeout=120
+    )
+    rng = np.random.default_rng(31)
+    sumi = rng.integers(-60000, 60000, size=(k, n), dtype=np.int32)
+    d = rng.uniform(1e-4, 1e-2, size=(k, n)).astype(np.float32)
+    s = rng.uniform(0.5, 1.5, size=n).astype(np.float32)
+    y = np.zeros(n, np.float32)
+    fn = ctypes.CDLL(str(lib)).epilogue
+    ptr = np.ctypeslib.as_ctypes
+    fn(ptr(sumi), ptr(d), ptr(s), ptr(y), ctypes.c_int(n), ctypes.c_int(k))
+    want = np.zeros(n, np.float32)
+    for j in range(k):  # float32 arrays: every op rounds to float32
+        want = want + sumi[j].astype(np.float32) * (d[j] * s)
+    return y, want
+
+
+@pytest.mark.native  # the kernels' compiler
+def test_the_kernel_flags_round_each_product_as_numpy_does(tmp_path):
+    """With build.kernel_flags() (the flags bindings.cpp is compiled with) the epilogue is
+    numpy's bit for bit; dropping -ffp-contract=off from build.py fails here."""
+    y, want = _epilogue(tmp_path, build.kernel_flags())
+    assert y.tobytes() == want.tobytes(), (
+        f"{(y != want).sum()} of {y.size} rows differ: the compiler contracted the epilogue "
+        f"with build.kernel_flags() = {build.kernel_flags()} (-ffp-contract=off missing?)"
+    )
+
+
+@pytest.mark.native  # the kernels' compiler
+def test_without_the_contraction_flag_the_epilogue_differs(tmp_path):
+    """Negative control: the same flags with contraction allowed give other bits (fused
+    multiply-adds), so the test above can fail."""
+    flags = [f for f in build.kernel_flags() if not f.startswith("-ffp-contract")]
+    y, want = _epilogue(tmp_path, [*flags, "-ffp-contract=fast"])
+    assert (y != want).sum() > 0
+    assert abs(y.astype(np.float64) - want).max() <= 1e-4 * abs(want).max()  # rounding only

@@ -282,11 +282,14 @@ def compile_library(
         publish(lib, path)
 
 
+def kernel_flags() -> List[str]:
+    """The flags that decide the kernels' arithmetic: language, optimization, contraction, CPU."""
+    return _COMMON + _EXT + arch_flags()
+
+
 def ext_flags(mlx: MlxBuild, nb: Nanobind) -> List[str]:
     return (
-        _COMMON
-        + _EXT
-        + arch_flags()
+        kernel_flags()
         + python_flags(mlx)
         + [
             f"-I{nb.include}",

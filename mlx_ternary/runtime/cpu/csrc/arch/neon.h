@@ -8,8 +8,10 @@
 
 #include <arm_neon.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "../kernels/layer.h"  // dtypes, their conversions, PREFETCH_BYTES
 #include "scalar.h"            // the contracts, and the portable pieces NEON lacks
@@ -17,7 +19,9 @@
 namespace tk {
 
 struct NeonOps {
-#if defined(__ARM_FEATURE_DOTPROD)
+#if defined(__ARM_FEATURE_DOTPROD) && defined(__ARM_FEATURE_MATMUL_INT8)
+  static constexpr const char* name = "neon-dotprod-i8mm";
+#elif defined(__ARM_FEATURE_DOTPROD)
   static constexpr const char* name = "neon-dotprod";
 #else
   static constexpr const char* name = "neon";
@@ -123,6 +127,217 @@ struct NeonOps {
               vaddq_f32(y.hi, vmulq_f32(vhi, vmulq_n_f32(vld1q_f32(s8 + 4), d)))};
   }
   static void fvstore(float* p, const FV& v) { vst1q_f32(p, v.lo), vst1q_f32(p + 4, v.hi); }
+  // kernels/ternary.h rows_int8_r8: int32 sums of 8 rows (lane = row) added up, and their
+  // epilogue ((float)(sumi - gsum) * s8) * xs, lane by lane (x86's operations and order)
+  static IA tadd(const IA& a, const IA& b) {
+    return IA{vaddq_s32(a.lo, b.lo), vaddq_s32(a.hi, b.hi)};
+  }
+  static FV int8_rows(const IA& sumi, int32_t gsum, const float* s8, float xs) {
+    const int32x4_t gs = vdupq_n_s32(gsum);
+    const float32x4_t vlo = vcvtq_f32_s32(vsubq_s32(sumi.lo, gs));
+    const float32x4_t vhi = vcvtq_f32_s32(vsubq_s32(sumi.hi, gs));
+    return FV{vmulq_n_f32(vmulq_f32(vlo, vld1q_f32(s8)), xs),
+              vmulq_n_f32(vmulq_f32(vhi, vld1q_f32(s8 + 4)), xs)};
+  }
+
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+  // i8mm (SMMLA) prefill tiles of 4 rows x 4 tokens (Q8K_TILE_TOKENS): q8k (kernels/q8k.h rows_q8k_tiled hands
+  // its token tiles to q8k_mmla_tile) and per-token int8 with tensor or row scales
+  // (kernels/ternary.h rows_all: int8_mmla_rows). SMMLA multiplies 8 bytes of two rows with
+  // 8 bytes of two tokens into 2 x 2 int32 sums: twice SDOT's products an instruction. Each
+  // step pairs the rows' bytes once (8 of row 2q, then 8 of row 2q + 1; the codes are
+  // bytewise, so they decode paired) and each token tile pairs its activations once
+  // (pair_tokens). The int32 sums are exact in any order and the epilogues are the SDOT
+  // tile's tstep and rows_int's, lane by lane: the same bits as every other path.
+  static constexpr bool has_mmla = true;
+  // lanes (row 2q, token 2p), (2q, 2p + 1), (2q + 1, 2p), (2q + 1, 2p + 1) of row pair q and
+  // token pair p
+  using MA = int32x4_t;
+  static int8x16_t zip64(uint8x16_t a, uint8x16_t b, bool hi) {
+    const uint64x2_t x = vreinterpretq_u64_u8(a), y = vreinterpretq_u64_u8(b);
+    return vreinterpretq_s8_u64(hi ? vzip2q_u64(x, y) : vzip1q_u64(x, y));
+  }
+  // row 2q's sums (lanes 0-3: tokens 0-3) and row 2q + 1's (lanes 4-7), from token pairs 0, 1
+  static IA mmla_rows2(const MA a[2]) {
+    const int64x2_t x = vreinterpretq_s64_s32(a[0]), y = vreinterpretq_s64_s32(a[1]);
+    return IA{vreinterpretq_s32_s64(vzip1q_s64(x, y)), vreinterpretq_s32_s64(vzip2q_s64(x, y))};
+  }
+  template <int V>
+  static int8x16_t mcode(int8x16_t w) {  // (w >> 2V) & 3, bytewise
+    const uint8x16_t u = vreinterpretq_u8_s8(w);
+    if constexpr (V == 0) return vreinterpretq_s8_u8(vandq_u8(u, vdupq_n_u8(3)));
+    else if constexpr (V == 3) return vreinterpretq_s8_u8(vshrq_n_u8(u, 6));
+    else return vreinterpretq_s8_u8(vandq_u8(vshrq_n_u8(u, 2 * V), vdupq_n_u8(3)));
+  }
+  // Tokens m0 .. m0 + 3 (the last of `valid` repeated) as two pairs at out, 2 xlen bytes
+  // each: for every 8 activations, token 2p's, then token 2p + 1's.
+  static void pair_tokens(const Acts& a, int64_t xlen, int64_t m0, int valid, int8_t* out) {
+    for (int p = 0; p < 2; p++) {
+      const int8_t* x0 = a.q.data() + (m0 + std::min(2 * p, valid - 1)) * xlen;
+      const int8_t* x1 = a.q.data() + (m0 + std::min(2 * p + 1, valid - 1)) * xlen;
+      int8_t* o = out + 2 * xlen * p;
+      for (int64_t k = 0; k < xlen; k += 8)
+        vst1q_s8(o + 2 * k, vcombine_s8(vld1_s8(x0 + k), vld1_s8(x1 + k)));
+    }
+  }
+  // code V of the paired rows times the paired tokens, at activation position off + 32 V
+  template <int V, int RP>
+  static void mmla_code(MA (&acc)[RP][2], const int8x16_t (&wp)[RP][4], const int8_t* xp,
+                        int64_t xlen, int64_t off) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {  // bytes 8j .. 8j + 7 of the step: positions 32 V + 8 j ...
+      const int8_t* x = xp + 2 * (off + 32 * V + 8 * j);
+      const int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 2 * xlen);
+#pragma GCC unroll 2
+      for (int q = 0; q < RP; q++) {
+        const int8x16_t c = mcode<V>(wp[q][j]);
+        acc[q][0] = vmmlaq_s32(acc[q][0], c, x0);
+        acc[q][1] = vmmlaq_s32(acc[q][1], c, x1);
+      }
+    }
+  }
+  // Rows row[0 .. 2 RP) (their partial last steps zero-padded in tail, 32 bytes a row) against
+  // the paired tokens xp: flush(acc, seg) at the end of each q8k segment (SEGMENTS) or of the
+  // row, the accumulators zeroed after it.
+  template <int RP, bool SEGMENTS, class Flush>
+  static void mmla_block(const Geometry& g, const uint8_t* const* row, const uint8_t* tail,
+                         const int8_t* xp, Flush&& flush) {
+    const int64_t nsteps = (int64_t)g.steps.size(), xlen = g.xlen();
+    MA acc[RP][2];
+    for (int q = 0; q < RP; q++) acc[q][0] = acc[q][1] = vdupq_n_s32(0);
+    for (int64_t s = 0; s < nsteps; s++) {
+      const Step& st = g.steps[s];
+      int8x16_t wp[RP][4];
+#pragma GCC unroll 2
+      for (int q = 0; q < RP; q++) {
+        const uint8_t *p0 = tail + 64 * q, *p1 = p0 + 32;
+        if (st.valid == 32) {
+          p0 = row[2 * q] + st.off, p1 = row[2 * q + 1] + st.off;
+          __builtin_prefetch(p0 + PREFETCH_BYTES), __builtin_prefetch(p1 + PREFETCH_BYTES);
+        }
+        const uint8x16_t a0 = vld1q_u8(p0), a1 = vld1q_u8(p0 + 16);
+        const uint8x16_t b0 = vld1q_u8(p1), b1 = vld1q_u8(p1 + 16);
+        wp[q][0] = zip64(a0, b0, false), wp[q][1] = zip64(a0, b0, true);
+        wp[q][2] = zip64(a1, b1, false), wp[q][3] = zip64(a1, b1, true);
+      }
+      const int64_t off = 128 * s;
+      mmla_code<0, RP>(acc, wp, xp, xlen, off);
+      mmla_code<1, RP>(acc, wp, xp, xlen, off);
+      mmla_code<2, RP>(acc, wp, xp, xlen, off);
+      mmla_code<3, RP>(acc, wp, xp, xlen, off);
+      if (SEGMENTS ? st.seg >= 0 : s + 1 == nsteps) {
+        flush(acc, st.seg);
+        for (int q = 0; q < RP; q++) acc[q][0] = acc[q][1] = vdupq_n_s32(0);
+      }
+    }
+  }
+  // Rows [n, n + 2 RP) of [n, n1) (past n1: row n1 - 1 again, not stored), with the
+  // zero-padded partial last steps of the rows in tail; returns the rows stored.
+  template <int RP>
+  static int mmla_rows(const Geometry& g, const uint8_t* w, int64_t n, int64_t n1,
+                       const uint8_t* row[2 * RP], uint8_t* tail) {
+    const Step& last = g.steps.back();
+    for (int r = 0; r < 2 * RP; r++) {
+      row[r] = w + std::min(n + r, n1 - 1) * g.row_bytes;
+      if (last.valid != 32) {
+        std::memset(tail + 32 * r, 0, 32);
+        std::memcpy(tail + 32 * r, row[r] + last.off, last.valid);
+      }
+    }
+    return (int)std::min<int64_t>(2 * RP, n1 - n);
+  }
+  // Outputs of rows n + 2q, n + 2q + 1 (lanes 0-3 / 4-7 of y: tokens m0 ..) with their biases,
+  // the first `valid` tokens and `rows` rows from n
+  static void mmla_store(const Layer& L, int64_t n, int q, int rows, int64_t m0, int valid,
+                         const FV& y) {
+    const int64_t N = L.g.n, i = m0 * N + n + 2 * q;
+    if (L.out_dtype == F32 && 2 * q + 1 < rows) {
+      // float32 and both rows: each token's two outputs are adjacent, one 64-bit store
+      const float32x2_t b = {L.bias_at(n + 2 * q), L.bias_at(n + 2 * q + 1)};
+      const float32x4_t bb = vcombine_f32(b, b);
+      const float32x4_t t01 = vaddq_f32(vzip1q_f32(y.lo, y.hi), bb);  // (row, token) 00 10 01 11
+      const float32x4_t t23 = vaddq_f32(vzip2q_f32(y.lo, y.hi), bb);
+      const float32x2_t part[4] = {vget_low_f32(t01), vget_high_f32(t01), vget_low_f32(t23),
+                                   vget_high_f32(t23)};
+      for (int t = 0; t < valid; t++) vst1_f32((float*)L.out + i + t * N, part[t]);
+      return;
+    }
+    alignas(16) float out[8];
+    fvstore(out, y);
+    for (int r = 0; r < 2 && 2 * q + r < rows; r++) {
+      const float b = L.bias_at(n + 2 * q + r);
+      for (int t = 0; t < valid; t++) store_from_f32(L.out, L.out_dtype, i + r + t * N, out[4 * r + t] + b);
+    }
+  }
+  // q8k: rows [n0, n1) for tokens m0 .. m0 + valid - 1, rows_q8k_tile's contract (seg4, d4:
+  // the 4 lanes' segment sums and block scales per segment; sc: the rows' scales per segment)
+  template <int RP>
+  static void q8k_mmla(const Layer& L, int64_t n0, int64_t n, int64_t n1, int64_t m0, int valid,
+                       const int8_t* xp, const int32_t* seg4, const float* d4, const float* sc,
+                       int64_t nsc) {
+    const Geometry& g = L.g;
+    const uint8_t* row[2 * RP];
+    alignas(16) uint8_t tail[64 * RP];
+    const int rows = mmla_rows<RP>(g, L.w, n, n1, row, tail);
+    FV y[RP];
+    for (int q = 0; q < RP; q++) y[q] = fvzero();
+    mmla_block<RP, true>(g, row, tail, xp, [&](MA(&acc)[RP][2], int32_t seg) {
+      for (int q = 0; q < RP; q++) {
+        const int64_t r0 = std::min(n + 2 * q, n1 - 1) - n0, r1 = std::min(n + 2 * q + 1, n1 - 1) - n0;
+        y[q] = tstep(y[q], mmla_rows2(acc[q]), seg4 + Q8K_TILE_TOKENS * seg,
+                     d4 + Q8K_TILE_TOKENS * g.seg_block[seg], sc[r0 * nsc + seg], sc[r1 * nsc + seg]);
+      }
+    });
+    for (int q = 0; q < RP; q++) mmla_store(L, n, q, rows, m0, valid, y[q]);
+  }
+  static void q8k_mmla_tile(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0,
+                            int valid, const int32_t* seg4, const float* d4, const float* sc,
+                            int64_t nsc) {
+    thread_local std::vector<int8_t> pairs;
+    pairs.resize(4 * L.g.xlen());
+    int8_t* xp = pairs.data();
+    pair_tokens(a, L.g.xlen(), m0, valid, xp);
+    for (int64_t n = n0; n < n1; n += 4)
+      if (n1 - n > 2) q8k_mmla<2>(L, n0, n, n1, m0, valid, xp, seg4, d4, sc, nsc);
+      else q8k_mmla<1>(L, n0, n, n1, m0, valid, xp, seg4, d4, sc, nsc);
+  }
+  // Per-token int8, tensor or row scales: all M tokens of rows [n0, n1), rows_int's epilogue
+  // ((float)(sum - gsum) * s) * x_scale + bias lane by lane.
+  static void int8_mmla_rows(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
+    const Geometry& g = L.g;
+    thread_local std::vector<int8_t> pairs;
+    pairs.resize(4 * g.xlen());
+    int8_t* xp = pairs.data();
+    for (int64_t m0 = 0; m0 < M; m0 += Q8K_TILE_TOKENS) {
+      const int valid = (int)std::min<int64_t>(Q8K_TILE_TOKENS, M - m0);
+      pair_tokens(a, g.xlen(), m0, valid, xp);
+      alignas(16) int32_t gs[Q8K_TILE_TOKENS];
+      alignas(16) float xs[Q8K_TILE_TOKENS];
+      for (int t = 0; t < Q8K_TILE_TOKENS; t++) {
+        const int64_t m = m0 + std::min(t, valid - 1);
+        gs[t] = a.gsum[m * g.ngroups], xs[t] = a.xs[m];
+      }
+      const int32x4_t gs4 = vld1q_s32(gs);
+      const float32x4_t xs4 = vld1q_f32(xs);
+      for (int64_t n = n0; n < n1; n += 4) {
+        const uint8_t* row[4];
+        alignas(16) uint8_t tail[128];
+        const int rows = mmla_rows<2>(g, L.w, n, n1, row, tail);
+        FV y[2];
+        mmla_block<2, false>(g, row, tail, xp, [&](MA(&acc)[2][2], int32_t) {
+          for (int q = 0; q < 2; q++) {
+            const IA sumi = mmla_rows2(acc[q]);
+            const float s0 = L.scale(std::min(n + 2 * q, n1 - 1), 0);
+            const float s1 = L.scale(std::min(n + 2 * q + 1, n1 - 1), 0);
+            y[q] = FV{vmulq_f32(vmulq_n_f32(vcvtq_f32_s32(vsubq_s32(sumi.lo, gs4)), s0), xs4),
+                      vmulq_f32(vmulq_n_f32(vcvtq_f32_s32(vsubq_s32(sumi.hi, gs4)), s1), xs4)};
+          }
+        });
+        for (int q = 0; q < 2; q++) mmla_store(L, n, q, rows, m0, valid, y[q]);
+      }
+    }
+  }
+#endif
 
   // float path: F8 = 8 float lanes in two registers
   struct F8 { float32x4_t a, b; };
@@ -167,8 +382,8 @@ struct NeonOps {
 // ---------------------------------------------------------------------------------------------
 // The kernels' NEON pieces. What arm64 lacks is visible here as what is not defined:
 //   - NeonOps has the q8k tile (kernels/q8k.h rows_q8k_tile, rows_q8k_r8; SDOT or the
-//     fallback dot product) but no 512-bit windows (has_q8k_wide), no i8mm (SMMLA) tile and
-//     no 8-row per-token int8 block (tadd, int8_rows: kernels/ternary.h rows_int8_r8);
+//     fallback dot product) and the 8-row per-token int8 block (kernels/ternary.h
+//     rows_int8_r8) but no 512-bit windows (has_q8k_wide) and no i8mm (SMMLA) tile;
 //   - no KqNeon and no ggml_tile: llama.cpp's tables run KqScalar's generic loops;
 //   - the heads below come from arch/scalar.h (no vector exp, absmax, rounding, fast order or
 //     float16 scales), so SwiGLU, softmax and the Q8_K quantizer run their scalar loops.

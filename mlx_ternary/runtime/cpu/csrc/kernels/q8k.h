@@ -148,6 +148,11 @@ template <class O, class = void>
 struct HasQ8kTile : std::false_type {};
 template <class O>
 struct HasQ8kTile<O, std::void_t<decltype(O::has_q8k_tile)>> : std::true_type {};
+// ISAs with an i8mm (SMMLA) tile of their own for the token tiles: arch/neon.h
+template <class O, class = void>
+struct HasMmla : std::false_type {};
+template <class O>
+struct HasMmla<O, std::void_t<decltype(O::has_mmla)>> : std::true_type {};
 
 // The partial last step of rows w, w + row_bytes, ... (R of them), zero-padded into tail
 // (32 bytes a row), so that the row loops read every step with whole-vector loads.
@@ -684,10 +689,11 @@ void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_
       for (int64_t j = 0; j < g.nseg; j++) seg4[T * j + t] = ssum[mt * g.nseg + j];
       for (int64_t j = 0; j < g.nblocks8; j++) d4[T * j + t] = d8[mt * g.nblocks8 + j];
     }
-    bool wide = false;
+    bool done = false;  // an ISA's own tile ran
+    if constexpr (HasMmla<O>::value) O::q8k_mmla_tile(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg), done = true;
     if constexpr (HasQ8kWide<O>::value && RP == 2)
-      if (g.q8k_wide) rows_q8k_wide_tile<O>(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg), wide = true;
-    if (!wide) rows_q8k_tile<O, RP>(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg);
+      if (g.q8k_wide) rows_q8k_wide_tile<O>(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg), done = true;
+    if (!done) rows_q8k_tile<O, RP>(L, a, n0, n4, m, valid, seg4, d4, sc, g.nseg);
     if (RP > 1 && n4 < n2)
       rows_q8k_tile<O, 1>(L, a, n4, n2, m, valid, seg4, d4, sc + (n4 - n0) * g.nseg, g.nseg);
     if (n2 == n1) continue;

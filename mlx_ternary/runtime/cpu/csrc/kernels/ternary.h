@@ -232,7 +232,7 @@ constexpr int INT8_R8_TOKENS = 3;
 constexpr int INT8_R8_STEPS = Q8K_TILE_I16_TERMS / 4;  // 4 code vectors a step
 
 // Whether an ISA has the 8-row per-token int8 block's pieces (the int32 lane add and the
-// float32 epilogue of 8 rows): x86 does; NEON does not yet (arch/neon.h lists it).
+// float32 epilogue of 8 rows): x86 and NEON.
 template <class O, class = void>
 struct HasInt8R8 : std::false_type {};
 template <class O>
@@ -255,7 +255,7 @@ void rows_int8_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
       const int8_t* x = a.q.data() + m * xlen;
       typename O::TA acc[R];
       for (auto& v : acc) v = O::tzero();
-      auto sumi = O::tzero();  // int32 lanes on the ISAs with the tiles
+      typename O::IA sumi = O::izero();  // int32, lane = row (tsum8's lanes)
       for (int64_t s = 0; s < nsteps; s++) {
         const Step& st = g.steps[s];
         const uint8_t* p = w + st.off;
@@ -299,6 +299,8 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
       if (M >= Q8K_TILE_TOKENS) return rows_q8k_tiled<O>(L, a, M, n0, n1);
       return rows_q8k_few<O>(L, a, n0, n1, 0, M);
     }
+  if constexpr (NV == 4 && !GROUPED && HasMmla<O>::value)
+    if (L.act_quant && !L.q8k && M >= Q8K_TILE_TOKENS) return O::int8_mmla_rows(L, a, M, n0, n1);
   if constexpr (NV == 4 && !GROUPED && HasInt8R8<O>::value)
     if (L.act_quant && !L.q8k && M <= INT8_R8_TOKENS) return rows_int8_r8<O>(L, a, n0, n1, 0, M);
   int64_t m = 0;
