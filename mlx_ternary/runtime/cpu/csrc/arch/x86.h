@@ -123,6 +123,19 @@ struct Avx2Ops {
     __asm__("" : "+x"(a));  // keeps the compiler from reassociating the sums into spills
 #endif
   }
+  // the 4 code vectors c of a step against one token's 128 activations x, into a (tdot's
+  // sums; without VNNI the 4 pmaddubsw add up in a tree before the accumulator)
+  static void tdot4(TA& a, const V c[4], const int8_t* x) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    for (int v = 0; v < 4; v++) tdot(a, c[v], xload(x + 32 * v));
+#else
+    const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], xload(x)),
+                                         _mm256_maddubs_epi16(c[1], xload(x + 32)));
+    const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], xload(x + 64)),
+                                         _mm256_maddubs_epi16(c[3], xload(x + 96)));
+    a = _mm256_add_epi16(a, _mm256_add_epi16(p01, p23));
+#endif
+  }
   // lane i = the sum of all lanes of a[i] (as int32); a[] is reset to zero
   static __m256i tsum8(TA a[8]) {
     __m256i w[8];
@@ -149,6 +162,18 @@ struct Avx2Ops {
     __m256 s = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
     __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, ss));
     return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(d, s)));
+  }
+#if !defined(__AVX512VL__)
+  // 16 vector registers: q8k.h rows_q8k_t8's tiles of 1 row x 8 tokens (8 accumulators and
+  // the row's 4 code vectors), in place of 2 rows x 4 tokens, whose codes, activations and
+  // accumulators do not fit in 16 (gcc spilled the accumulators at every step)
+  static constexpr int q8k_tile_tokens = 8;
+#endif
+  // q8k.h rows_q8k_t8: lane t = token t of one row: y + float(sumi - ssum8[t]) * (d8[t] * s)
+  static FV tstep_tokens(FV y, __m256i sumi, const int32_t* ssum8, const float* d8, float s) {
+    const __m256 v = _mm256_cvtepi32_ps(
+        _mm256_sub_epi32(sumi, _mm256_loadu_si256((const __m256i*)ssum8)));
+    return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_loadu_ps(d8), _mm256_set1_ps(s))));
   }
   // q8k.h rows_q8k_r8: lane r = row r of one token: y + float(sumi - ssum) * (d * s8)
   static FV tstep_rows(FV y, __m256i sumi, int32_t ssum, float d, const float* s8) {
