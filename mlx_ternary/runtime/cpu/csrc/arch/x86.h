@@ -147,9 +147,22 @@ struct Avx2Ops {
 #endif
       a[i] = _mm256_setzero_si256();
     }
+#if defined(__AVX512VL__)
     __m256i h01 = _mm256_hadd_epi32(w[0], w[1]), h23 = _mm256_hadd_epi32(w[2], w[3]);
     __m256i h45 = _mm256_hadd_epi32(w[4], w[5]), h67 = _mm256_hadd_epi32(w[6], w[7]);
     __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+#else
+    // unpacks and adds in place of vphaddd (2 cycles each on Zen 4, 4 uops; 3 on Intel's
+    // cores): pairs, then quads within 128-bit lanes, then across them (wsum8's order)
+    __m256i p[4];
+    for (int i = 0; i < 4; i++)
+      p[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(w[2 * i], w[2 * i + 1]),
+                              _mm256_unpackhi_epi32(w[2 * i], w[2 * i + 1]));
+    const __m256i lo = _mm256_add_epi32(_mm256_unpacklo_epi64(p[0], p[1]),
+                                        _mm256_unpackhi_epi64(p[0], p[1]));
+    const __m256i hi = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2], p[3]),
+                                        _mm256_unpackhi_epi64(p[2], p[3]));
+#endif
     return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
                             _mm256_permute2x128_si256(lo, hi, 0x31));
   }
