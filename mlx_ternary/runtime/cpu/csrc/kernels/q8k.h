@@ -253,6 +253,8 @@ struct Q8kTileTokens<O, std::void_t<decltype(O::q8k_tile_tokens)>>
     : std::integral_constant<int, O::q8k_tile_tokens> {};
 
 constexpr int Q8K_T8 = 8;
+// Steps of a part of a row (rows_q8k_t8): 8 tokens x 16 steps x 128 bytes = 16 KB of activations
+constexpr int64_t Q8K_T8_PART_STEPS = 16;
 
 // Rows [n0, n1) for tokens m0 .. m0 + valid - 1 (valid <= 8; a short tile repeats its last
 // token in the unused lanes and stores nothing from them). `seg8` holds, per segment, the 8
@@ -268,33 +270,48 @@ void rows_q8k_t8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
   const int32_t* seg_block = g.seg_block.data();
   const int8_t* xb[T];
   for (int t = 0; t < T; t++) xb[t] = a.q.data() + (m0 + std::min(t, valid - 1)) * xlen;
+  // Rows longer than Q8K_T8_PART_STEPS steps run in parts that end with a segment, every row
+  // of the range one part after another (the sums of a row keep their order): the 8 tokens'
+  // activations of a part stay in L1 for all the rows
+  thread_local std::vector<typename O::FV> ys_buf;
+  ys_buf.resize(n1 - n0);
+  typename O::FV* ys = ys_buf.data();
+  for (int64_t n = n0; n < n1; n++) ys[n - n0] = O::fvzero();
   alignas(32) uint8_t tail[32];
-  for (int64_t n = n0; n < n1; n++) {
-    const uint8_t* w = L.w + n * g.row_bytes;
-    const float* scn = sc + (n - n0) * nsc;
-    copy_tails(g, w, 1, tail);
-    typename O::FV y = O::fvzero();
-    typename O::TA acc[T];
+  for (int64_t s0 = 0; s0 < nsteps;) {
+    int64_t s1 = s0;  // the part's steps [s0, s1)
+    while (s1 < nsteps && (s1 - s0 < Q8K_T8_PART_STEPS || steps[s1 - 1].seg < 0)) s1++;
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* w = L.w + n * g.row_bytes;
+      const float* scn = sc + (n - n0) * nsc;
+      if (s1 == nsteps) copy_tails(g, w, 1, tail);
+      typename O::FV y = ys[n - n0];
+      typename O::TA acc[T];
 #pragma GCC unroll 8
-    for (int t = 0; t < T; t++) acc[t] = O::tzero();
-    for (int64_t s = 0; s < nsteps; s++) {
-      const Step& st = steps[s];
-      const uint8_t* p = st.valid == 32 ? w + st.off : tail;
-      __builtin_prefetch(p + PREFETCH_BYTES);
-      const typename O::V wr = O::load(p);
-      const typename O::V c[4] = {O::code(wr, 0), O::code(wr, 1), O::code(wr, 2), O::code(wr, 3)};
-      const int64_t off = s * 4 * 32;
+      for (int t = 0; t < T; t++) acc[t] = O::tzero();
+      for (int64_t s = s0; s < s1; s++) {
+        const Step& st = steps[s];
+        const uint8_t* p = st.valid == 32 ? w + st.off : tail;
+        __builtin_prefetch(p + PREFETCH_BYTES);
+        const typename O::V wr = O::load(p);
+        const typename O::V c[4] = {O::code(wr, 0), O::code(wr, 1), O::code(wr, 2), O::code(wr, 3)};
+        const int64_t off = s * 4 * 32;
 #pragma GCC unroll 8
-      for (int t = 0; t < T; t++) O::tdot4(acc[t], c, xb[t] + off);
-      if (st.seg < 0) continue;
-      const int64_t seg = st.seg;  // the last step of a row always ends a segment
-      typename O::TA red[T];  // a copy (tsum8 resets it): acc, never addressed, stays in registers
+        for (int t = 0; t < T; t++) O::tdot4(acc[t], c, xb[t] + off);
+        if (st.seg < 0) continue;
+        const int64_t seg = st.seg;  // a part's (and a row's) last step ends a segment
+        typename O::TA red[T];  // a copy (tsum8 resets it): acc, never addressed, stays in registers
 #pragma GCC unroll 8
-      for (int t = 0; t < T; t++) red[t] = acc[t], acc[t] = O::tzero();
-      y = O::tstep_tokens(y, O::tsum8(red), seg8 + T * seg, d8 + T * seg_block[seg], scn[seg]);
+        for (int t = 0; t < T; t++) red[t] = acc[t], acc[t] = O::tzero();
+        y = O::tstep_tokens(y, O::tsum8(red), seg8 + T * seg, d8 + T * seg_block[seg], scn[seg]);
+      }
+      ys[n - n0] = y;
     }
+    s0 = s1;
+  }
+  for (int64_t n = n0; n < n1; n++) {
     alignas(32) float out[T];
-    O::fvstore(out, y);
+    O::fvstore(out, ys[n - n0]);
     const float b = L.bias_at(n);
     for (int t = 0; t < valid; t++) store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + n, out[t] + b);
   }
