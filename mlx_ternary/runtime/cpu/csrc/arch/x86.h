@@ -194,6 +194,7 @@ struct Avx2Ops {
     return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(s8))));
   }
   static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
+  static FV fvload(const float* p) { return _mm256_loadu_ps(p); }
   // kernels/ternary.h rows_int8_r8: int32 sums of 8 rows (lane = row) added up, and their
   // epilogue ((float)(sumi - gsum) * s8) * xs, lane by lane
   static __m256i tadd(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }

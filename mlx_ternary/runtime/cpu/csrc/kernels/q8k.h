@@ -273,10 +273,9 @@ void rows_q8k_t8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
   // Rows longer than Q8K_T8_PART_STEPS steps run in parts that end with a segment, every row
   // of the range one part after another (the sums of a row keep their order): the 8 tokens'
   // activations of a part stay in L1 for all the rows
-  thread_local std::vector<typename O::FV> ys_buf;
-  ys_buf.resize(n1 - n0);
-  typename O::FV* ys = ys_buf.data();
-  for (int64_t n = n0; n < n1; n++) ys[n - n0] = O::fvzero();
+  thread_local std::vector<float> ys_buf;  // the rows' 8 lanes between parts
+  ys_buf.assign(T * (n1 - n0), 0.f);
+  float* ys = ys_buf.data();
   alignas(32) uint8_t tail[32];
   for (int64_t s0 = 0; s0 < nsteps;) {
     int64_t s1 = s0;  // the part's steps [s0, s1)
@@ -285,7 +284,7 @@ void rows_q8k_t8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
       const uint8_t* w = L.w + n * g.row_bytes;
       const float* scn = sc + (n - n0) * nsc;
       if (s1 == nsteps) copy_tails(g, w, 1, tail);
-      typename O::FV y = ys[n - n0];
+      typename O::FV y = O::fvload(ys + T * (n - n0));
       typename O::TA acc[T];
 #pragma GCC unroll 8
       for (int t = 0; t < T; t++) acc[t] = O::tzero();
@@ -305,15 +304,14 @@ void rows_q8k_t8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
         for (int t = 0; t < T; t++) red[t] = acc[t], acc[t] = O::tzero();
         y = O::tstep_tokens(y, O::tsum8(red), seg8 + T * seg, d8 + T * seg_block[seg], scn[seg]);
       }
-      ys[n - n0] = y;
+      O::fvstore(ys + T * (n - n0), y);
     }
     s0 = s1;
   }
   for (int64_t n = n0; n < n1; n++) {
-    alignas(32) float out[T];
-    O::fvstore(out, ys[n - n0]);
     const float b = L.bias_at(n);
-    for (int t = 0; t < valid; t++) store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + n, out[t] + b);
+    for (int t = 0; t < valid; t++)
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + n, ys[T * (n - n0) + t] + b);
   }
 }
 
