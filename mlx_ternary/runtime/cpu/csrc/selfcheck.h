@@ -347,6 +347,17 @@ inline std::string selfcheck() {
       return e + " (row panels, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
              std::to_string(K) + ")";
   }
+  // the 1-row x 8-token tiles (q8k.h rows_q8k_t8, AVX2): whole tiles, a short one of 5-7,
+  // a rest of 4-token tiles or of one token, a row tail, groups of 128, rows in parts
+  for (auto [M, N, K, group, sk] : {std::tuple{8, 5, 300, 256, 2}, std::tuple{13, 7, 704, 256, 1},
+                                    std::tuple{12, 3, 512, 128, 2}, std::tuple{17, 4, 256, 256, 0},
+                                    std::tuple{6, 9, 1000, 256, 2}, std::tuple{9, 5, 2600, 256, 2},
+                                    std::tuple{8, 3, 4500, 128, 1}}) {
+    std::string e = check_q8k_case(FAST, M, N, K, group, sk, seed++);
+    if (!e.empty())
+      return e + " (8-token tiles, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
+             std::to_string(K) + ")";
+  }
   // the per-token int8 8-row decode blocks (ternary.h rows_int8_r8): a row tail, tokens 1-3,
   // a partial last step, rows long enough for the int16 sums to be widened mid-row
   for (auto [M, N, K, sk, bias] : {std::tuple{1, 19, 517, 1, true}, std::tuple{3, 16, 130, 0, false},

@@ -123,6 +123,19 @@ struct Avx2Ops {
     __asm__("" : "+x"(a));  // keeps the compiler from reassociating the sums into spills
 #endif
   }
+  // the 4 code vectors c of a step against one token's 128 activations x, into a (tdot's
+  // sums; without VNNI the 4 pmaddubsw add up in a tree before the accumulator)
+  static void tdot4(TA& a, const V c[4], const int8_t* x) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    for (int v = 0; v < 4; v++) tdot(a, c[v], xload(x + 32 * v));
+#else
+    const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], xload(x)),
+                                         _mm256_maddubs_epi16(c[1], xload(x + 32)));
+    const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], xload(x + 64)),
+                                         _mm256_maddubs_epi16(c[3], xload(x + 96)));
+    a = _mm256_add_epi16(a, _mm256_add_epi16(p01, p23));
+#endif
+  }
   // lane i = the sum of all lanes of a[i] (as int32); a[] is reset to zero
   static __m256i tsum8(TA a[8]) {
     __m256i w[8];
@@ -134,9 +147,22 @@ struct Avx2Ops {
 #endif
       a[i] = _mm256_setzero_si256();
     }
+#if defined(__AVX512VL__)
     __m256i h01 = _mm256_hadd_epi32(w[0], w[1]), h23 = _mm256_hadd_epi32(w[2], w[3]);
     __m256i h45 = _mm256_hadd_epi32(w[4], w[5]), h67 = _mm256_hadd_epi32(w[6], w[7]);
     __m256i lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);
+#else
+    // unpacks and adds in place of vphaddd (2 cycles each on Zen 4, 4 uops; 3 on Intel's
+    // cores): pairs, then quads within 128-bit lanes, then across them (wsum8's order)
+    __m256i p[4];
+    for (int i = 0; i < 4; i++)
+      p[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(w[2 * i], w[2 * i + 1]),
+                              _mm256_unpackhi_epi32(w[2 * i], w[2 * i + 1]));
+    const __m256i lo = _mm256_add_epi32(_mm256_unpacklo_epi64(p[0], p[1]),
+                                        _mm256_unpackhi_epi64(p[0], p[1]));
+    const __m256i hi = _mm256_add_epi32(_mm256_unpacklo_epi64(p[2], p[3]),
+                                        _mm256_unpackhi_epi64(p[2], p[3]));
+#endif
     return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
                             _mm256_permute2x128_si256(lo, hi, 0x31));
   }
@@ -150,12 +176,25 @@ struct Avx2Ops {
     __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, ss));
     return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(d, s)));
   }
+#if !defined(__AVX512VL__)
+  // 16 vector registers: q8k.h rows_q8k_t8's tiles of 1 row x 8 tokens (8 accumulators and
+  // the row's 4 code vectors), in place of 2 rows x 4 tokens, whose codes, activations and
+  // accumulators do not fit in 16 (gcc spilled the accumulators at every step)
+  static constexpr int q8k_tile_tokens = 8;
+#endif
+  // q8k.h rows_q8k_t8: lane t = token t of one row: y + float(sumi - ssum8[t]) * (d8[t] * s)
+  static FV tstep_tokens(FV y, __m256i sumi, const int32_t* ssum8, const float* d8, float s) {
+    const __m256 v = _mm256_cvtepi32_ps(
+        _mm256_sub_epi32(sumi, _mm256_loadu_si256((const __m256i*)ssum8)));
+    return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_loadu_ps(d8), _mm256_set1_ps(s))));
+  }
   // q8k.h rows_q8k_r8: lane r = row r of one token: y + float(sumi - ssum) * (d * s8)
   static FV tstep_rows(FV y, __m256i sumi, int32_t ssum, float d, const float* s8) {
     __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(ssum)));
     return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(s8))));
   }
   static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
+  static FV fvload(const float* p) { return _mm256_loadu_ps(p); }
   // kernels/ternary.h rows_int8_r8: int32 sums of 8 rows (lane = row) added up, and their
   // epilogue ((float)(sumi - gsum) * s8) * xs, lane by lane
   static __m256i tadd(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }

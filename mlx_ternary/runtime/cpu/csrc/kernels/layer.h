@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -266,8 +267,23 @@ inline Geometry make_geometry(int packing, int64_t n, int64_t k, int group) {
 // Activations: permuted, int8-quantized or float, once per call
 // ----------------------------------------------------------------------------------------------
 
+// std::allocator on 64-byte boundaries: rows whose bytes are a multiple of 64 start on a cache
+// line, so that no 32-byte load of them straddles two (a large malloc returns 16 bytes past
+// one: every other load split, measured 1.1x slower q8k tiles on AVX2, Zen 4).
+template <class T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <class U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) { return (T*)::operator new(n * sizeof(T), std::align_val_t(64)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+};
+
 struct Acts {
-  std::vector<int8_t> q;       // (M, xlen) int8
+  std::vector<int8_t, LineAllocator<int8_t>> q;  // (M, xlen) int8
   std::vector<float> f;        // (M, xlen) float
   std::vector<float> xs;       // (M) 1 / scale
   std::vector<int32_t> gsum;   // (M, ngroups) sum of q per group (tensor/row: ngroups = 1)

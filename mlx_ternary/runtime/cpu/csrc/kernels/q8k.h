@@ -255,6 +255,113 @@ struct Q8kTilePairs<O, std::void_t<decltype(O::q8k_tile_pairs)>>
     : std::integral_constant<int, O::q8k_tile_pairs> {};
 
 // ----------------------------------------------------------------------------------------------
+// Many tokens on 16 vector registers: tiles of 1 row x 8 tokens (ISAs with q8k_tile_tokens)
+// ----------------------------------------------------------------------------------------------
+//
+// The same sums once more, shaped for AVX2's 16 registers (ik_llama.cpp's AVX2 IQ2_BN kernel
+// has this shape): a row's 4 code vectors of a step are decoded once for 8 tokens, each
+// activation vector is read once per row (an operand from L1, no register), and the 8
+// accumulators, one per token, are reduced at a segment's end into one vector (lane t =
+// token t) for the float32 epilogue y + float(sumi - ssum) * (d * s), lane by lane: the
+// scalar epilogue's order and rounding, so the same bits as rows_q8k.
+
+template <class O, class = void>
+struct Q8kTileTokens : std::integral_constant<int, Q8K_TILE_TOKENS> {};
+template <class O>
+struct Q8kTileTokens<O, std::void_t<decltype(O::q8k_tile_tokens)>>
+    : std::integral_constant<int, O::q8k_tile_tokens> {};
+
+constexpr int Q8K_T8 = 8;
+// Steps of a part of a row (rows_q8k_t8): 8 tokens x 16 steps x 128 bytes = 16 KB of activations
+constexpr int64_t Q8K_T8_PART_STEPS = 16;
+
+// Rows [n0, n1) for tokens m0 .. m0 + valid - 1 (valid <= 8; a short tile repeats its last
+// token in the unused lanes and stores nothing from them). `seg8` holds, per segment, the 8
+// lanes' segment sums, `d8` per block their scales d, `sc` the float32 scale of each row of
+// [n0, ...) and segment (row-major, nsc a row).
+template <class O>
+void rows_q8k_t8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int valid,
+                 const int32_t* seg8, const float* d8, const float* sc, int64_t nsc) {
+  constexpr int T = Q8K_T8;
+  const Geometry& g = L.g;
+  const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size();
+  const Step* steps = g.steps.data();
+  const int32_t* seg_block = g.seg_block.data();
+  const int8_t* xb[T];
+  for (int t = 0; t < T; t++) xb[t] = a.q.data() + (m0 + std::min(t, valid - 1)) * xlen;
+  // Rows longer than Q8K_T8_PART_STEPS steps run in parts that end with a segment, every row
+  // of the range one part after another (the sums of a row keep their order): the 8 tokens'
+  // activations of a part stay in L1 for all the rows
+  thread_local std::vector<float> ys_buf;  // the rows' 8 lanes between parts
+  ys_buf.assign(T * (n1 - n0), 0.f);
+  float* ys = ys_buf.data();
+  alignas(32) uint8_t tail[32];
+  for (int64_t s0 = 0; s0 < nsteps;) {
+    int64_t s1 = s0;  // the part's steps [s0, s1)
+    while (s1 < nsteps && (s1 - s0 < Q8K_T8_PART_STEPS || steps[s1 - 1].seg < 0)) s1++;
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* w = L.w + n * g.row_bytes;
+      const float* scn = sc + (n - n0) * nsc;
+      if (s1 == nsteps) copy_tails(g, w, 1, tail);
+      typename O::FV y = O::fvload(ys + T * (n - n0));
+      typename O::TA acc[T];
+#pragma GCC unroll 8
+      for (int t = 0; t < T; t++) acc[t] = O::tzero();
+      for (int64_t s = s0; s < s1; s++) {
+        const Step& st = steps[s];
+        const uint8_t* p = st.valid == 32 ? w + st.off : tail;
+        __builtin_prefetch(p + PREFETCH_BYTES);
+        const typename O::V wr = O::load(p);
+        const typename O::V c[4] = {O::code(wr, 0), O::code(wr, 1), O::code(wr, 2), O::code(wr, 3)};
+        const int64_t off = s * 4 * 32;
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) O::tdot4(acc[t], c, xb[t] + off);
+        if (st.seg < 0) continue;
+        const int64_t seg = st.seg;  // a part's (and a row's) last step ends a segment
+        typename O::TA red[T];  // a copy (tsum8 resets it): acc, never addressed, stays in registers
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) red[t] = acc[t], acc[t] = O::tzero();
+        y = O::tstep_tokens(y, O::tsum8(red), seg8 + T * seg, d8 + T * seg_block[seg], scn[seg]);
+      }
+      O::fvstore(ys + T * (n - n0), y);
+    }
+    s0 = s1;
+  }
+  for (int64_t n = n0; n < n1; n++) {
+    const float b = L.bias_at(n);
+    for (int t = 0; t < valid; t++)
+      store_from_f32(L.out, L.out_dtype, (m0 + t) * g.n + n, ys[T * (n - n0) + t] + b);
+  }
+}
+
+// The tokens rows_q8k_tiled runs through rows_q8k_t8: whole tiles of 8, and a short one of
+// 5-7 (fewer go through the 4-token tiles, wasting less); returns the first token left.
+// `sc` as rows_q8k_t8's.
+template <class O>
+int64_t rows_q8k_tiled8(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1,
+                        const float* sc) {
+  constexpr int T = Q8K_T8;
+  const Geometry& g = L.g;
+  const int64_t end = M % T > Q8K_TILE_TOKENS ? M : M / T * T;
+  if (end == 0) return 0;
+  thread_local std::vector<int32_t> seg8_buf;
+  thread_local std::vector<float> d8_buf;
+  seg8_buf.resize(T * g.nseg), d8_buf.resize(T * g.nblocks8);
+  int32_t* seg8 = seg8_buf.data();
+  float* d8 = d8_buf.data();
+  for (int64_t m = 0; m < end; m += T) {
+    const int valid = (int)std::min<int64_t>(T, end - m);
+    for (int t = 0; t < T; t++) {
+      const int64_t mt = m + std::min(t, valid - 1);
+      for (int64_t j = 0; j < g.nseg; j++) seg8[T * j + t] = a.ssum[mt * g.nseg + j];
+      for (int64_t j = 0; j < g.nblocks8; j++) d8[T * j + t] = a.d8[mt * g.nblocks8 + j];
+    }
+    rows_q8k_t8<O>(L, a, n0, n1, m, valid, seg8, d8, sc, g.nseg);
+  }
+  return end;
+}
+
+// ----------------------------------------------------------------------------------------------
 // Few tokens (decode), fast packing: blocks of 8 rows per token (ISAs with has_q8k_tile)
 // ----------------------------------------------------------------------------------------------
 //
@@ -678,7 +785,9 @@ void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_
     for (int64_t j = 0; j < g.nseg; j++)
       sc[(n - n0) * g.nseg + j] = L.scale(n, L.scale_kind == 2 ? g.seg_group[j] : 0);
   const int64_t n4 = n0 + (n1 - n0) / (2 * RP) * (2 * RP), n2 = n0 + (n1 - n0) / 2 * 2;
-  for (int64_t m = 0; m < M; m += T) {
+  int64_t m0 = 0;
+  if constexpr (Q8kTileTokens<O>::value == Q8K_T8) m0 = rows_q8k_tiled8<O>(L, a, M, n0, n1, sc);
+  for (int64_t m = m0; m < M; m += T) {
     const int valid = (int)std::min<int64_t>(T, M - m);
     if (valid == 1) {
       rows_q8k_few<O>(L, a, n0, n1, m, m + 1);
