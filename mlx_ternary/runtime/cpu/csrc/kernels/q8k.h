@@ -292,14 +292,22 @@ inline void store_rows8(const Layer& L, int64_t m, int64_t n, typename O::FV y) 
     store_from_f32(L.out, L.out_dtype, m * L.g.n + n + r, out[r] + L.bias_at(n + r));
 }
 
-// Rows [n0, n1) for tokens m0 .. m1 - 1, one token at a time per block of 8 rows (a block's
-// rows stay in L1 for the next token); the last n % 8 rows go through rows_q8k.
-template <class O>
-void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+// The 8-row decode blocks' loop, rows [n0, n1) for tokens m0 .. m1 - 1: a block of 8 rows
+// against one token at a time (the block stays in L1 for the next token), one accumulator per
+// row, each activation vector loaded once for the 8 rows, the next block prefetched linearly
+// (256 of its bytes a step), the rows' partial last step read from a zero-padded copy. The
+// epilogue E is what differs between activations (Q8kRows8 below; per-token int8:
+// ternary.h Int8Rows8), as static functions:
+//   E::block(L, n, s8)                 the block's scales, 8 floats
+//   E::token(L, a, m)                  a token's running state t
+//   E::step(L, a, t, st, s, acc, n, s8)   after step s's dot products (it may reduce acc)
+//   E::result(L, a, t, m, s8)          the token's 8 rows as one float vector (lane = row)
+//   E::tail(L, a, n, n1, m)            the last n % 8 rows of the range, row by row
+template <class O, class E>
+void rows_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
   constexpr int R = Q8K_ROW_BLOCK;
   const Geometry& g = L.g;
   const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size(), rb = g.row_bytes;
-  const bool grouped = L.scale_kind == 2;
   alignas(32) uint8_t tail[32 * R];
   const bool to_l2 = r8_prefetch_to_l2(g);
   int64_t n = n0;
@@ -307,14 +315,12 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
     const uint8_t* w = L.w + n * rb;
     copy_tails(g, w, R, tail);
     alignas(32) float s8[R];
-    if (!grouped) row_scales8(L, n, 0, s8);
+    E::block(L, n, s8);
     for (int64_t m = m0; m < m1; m++) {
       const int8_t* x = a.q.data() + m * xlen;
-      const int32_t* ss = a.ssum.data() + m * g.nseg;
-      const float* d8 = a.d8.data() + m * g.nblocks8;
       typename O::TA acc[R];
       for (auto& v : acc) v = O::tzero();
-      typename O::FV y = O::fvzero();
+      auto t = E::token(L, a, m);
       for (int64_t s = 0; s < nsteps; s++) {
         const Step& st = g.steps[s];
         const uint8_t* p = w + st.off;
@@ -335,16 +341,50 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
           O::tdot(acc[r], O::code(wr, 2), x2);
           O::tdot(acc[r], O::code(wr, 3), x3);
         }
-        if (st.seg < 0) continue;
-        const int64_t seg = st.seg;
-        if (grouped) row_scales8(L, n, g.seg_group[seg], s8);
-        y = O::tstep_rows(y, O::tsum8(acc), ss[seg], d8[g.seg_block[seg]], s8);
+        E::step(L, a, t, st, s, acc, n, s8);
       }
-      store_rows8<O>(L, m, n, y);
+      store_rows8<O>(L, m, n, E::result(L, a, t, m, s8));
     }
   }
   if (n < n1)
-    for (int64_t m = m0; m < m1; m++) rows_q8k<O, 4, 1>(L, a, n, n1, m);
+    for (int64_t m = m0; m < m1; m++) E::tail(L, a, n, n1, m);
+}
+
+// q8k's epilogue of the 8-row blocks: at the step that ends a segment, the 8 rows' sums
+// reduced into one vector and y + float(sumi - ssum) * (d * s) run lane by lane (the group's
+// scales converted there); the tail rows through rows_q8k.
+template <class O>
+struct Q8kRows8 {
+  struct Token {
+    typename O::FV y;
+    const int32_t* ss;
+    const float* d8;
+  };
+  static void block(const Layer& L, int64_t n, float* s8) {
+    if (L.scale_kind != 2) row_scales8(L, n, 0, s8);
+  }
+  static Token token(const Layer& L, const Acts& a, int64_t m) {
+    return {O::fvzero(), a.ssum.data() + m * L.g.nseg, a.d8.data() + m * L.g.nblocks8};
+  }
+  static void step(const Layer& L, const Acts&, Token& t, const Step& st, int64_t,
+                   typename O::TA* acc, int64_t n, float* s8) {
+    if (st.seg < 0) return;
+    const int64_t seg = st.seg;
+    if (L.scale_kind == 2) row_scales8(L, n, L.g.seg_group[seg], s8);
+    t.y = O::tstep_rows(t.y, O::tsum8(acc), t.ss[seg], t.d8[L.g.seg_block[seg]], s8);
+  }
+  static typename O::FV result(const Layer&, const Acts&, const Token& t, int64_t, const float*) {
+    return t.y;
+  }
+  static void tail(const Layer& L, const Acts& a, int64_t n, int64_t n1, int64_t m) {
+    rows_q8k<O, 4, 1>(L, a, n, n1, m);
+  }
+};
+
+// Rows [n0, n1) for tokens m0 .. m1 - 1 with q8k activations, in blocks of 8 rows.
+template <class O>
+void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  rows_r8<O, Q8kRows8<O>>(L, a, n0, n1, m0, m1);
 }
 
 // ----------------------------------------------------------------------------------------------
