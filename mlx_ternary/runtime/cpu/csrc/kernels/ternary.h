@@ -221,7 +221,7 @@ constexpr int COMPACT_INT_TILE = 8;
 constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 24;
 
 
-// Per-token int8 activations, decode (1 - INT8_R8_TOKENS tokens, fast packing, tensor or row
+// Per-token int8 activations, decode (1 - Int8R8Tokens tokens, below; fast packing, tensor or row
 // scales; ISAs with HasInt8R8, below): one token against 8 rows at a time through the q8k
 // blocks' loop (kernels/q8k.h rows_r8, Int8Rows8 below) - an accumulator per row, each activation vector
 // loaded once for the 8 rows, the 8 sums reduced into one vector (lane = row) every
@@ -230,6 +230,15 @@ constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 24;
 // bits are rows_int's. The last n % 8 rows go through rows_int.
 constexpr int INT8_R8_TOKENS = 3;
 constexpr int INT8_R8_STEPS = Q8K_TILE_I16_TERMS / 4;  // 4 code vectors a step
+
+// Tokens up to which the blocks run: INT8_R8_TOKENS, or an ISA's int8_r8_tokens (VNNI:
+// 16, a whole decode batch; one vpdpbusd a code vector makes the blocks 1.2-1.4x the
+// 4-token tiles of rows_int at 4-16 tokens, where AVX2's pairs measured 0.9-1.0x).
+template <class O, class = void>
+struct Int8R8Tokens : std::integral_constant<int, INT8_R8_TOKENS> {};
+template <class O>
+struct Int8R8Tokens<O, std::void_t<decltype(O::int8_r8_tokens)>>
+    : std::integral_constant<int, O::int8_r8_tokens> {};
 
 // Whether an ISA has the 8-row per-token int8 block's pieces (the int32 lane add and the
 // float32 epilogue of 8 rows): x86 does; NEON does not yet (arch/neon.h lists it).
@@ -275,7 +284,7 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
       return rows_q8k_few<O>(L, a, n0, n1, 0, M);
     }
   if constexpr (NV == 4 && !GROUPED && HasInt8R8<O>::value)
-    if (L.act_quant && !L.q8k && M <= INT8_R8_TOKENS) return rows_int8_r8<O>(L, a, n0, n1, 0, M);
+    if (L.act_quant && !L.q8k && M <= Int8R8Tokens<O>::value) return rows_int8_r8<O>(L, a, n0, n1, 0, M);
   int64_t m = 0;
   auto run = [&](auto tile) {
     constexpr int T = decltype(tile)::value;
