@@ -358,10 +358,12 @@ inline std::string selfcheck() {
       return e + " (8-token tiles, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
              std::to_string(K) + ")";
   }
-  // the per-token int8 8-row decode blocks (ternary.h rows_int8_r8): a row tail, tokens 1-3,
+  // the per-token int8 8-row decode blocks (ternary.h rows_int8_r8): a row tail, tokens 1-3
+  // (and 6, 16: VNNI runs the blocks for every decode batch),
   // a partial last step, rows long enough for the int16 sums to be widened mid-row
   for (auto [M, N, K, sk, bias] : {std::tuple{1, 19, 517, 1, true}, std::tuple{3, 16, 130, 0, false},
-                                   std::tuple{2, 9, 2100, 1, false}, std::tuple{1, 8, 4000, 0, true}}) {
+                                   std::tuple{2, 9, 2100, 1, false}, std::tuple{1, 8, 4000, 0, true},
+                                   std::tuple{6, 17, 600, 1, true}, std::tuple{16, 9, 300, 0, false}}) {
     std::string e = check_case(FAST, M, N, K, 64, sk, true, bias, seed++);
     if (!e.empty())
       return e + " (int8 8-row blocks, M " + std::to_string(M) + ", N " + std::to_string(N) +

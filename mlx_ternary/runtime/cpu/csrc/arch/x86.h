@@ -198,6 +198,9 @@ struct Avx2Ops {
   // kernels/ternary.h rows_int8_r8: int32 sums of 8 rows (lane = row) added up, and their
   // epilogue ((float)(sumi - gsum) * s8) * xs, lane by lane
   static __m256i tadd(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  static constexpr int int8_r8_tokens = 16;  // rows_int8_r8 for every decode batch (M <= 16)
+#endif
   static FV int8_rows(__m256i sumi, int32_t gsum, const float* s8, float xs) {
     const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(gsum)));
     return _mm256_mul_ps(_mm256_mul_ps(v, _mm256_loadu_ps(s8)), _mm256_set1_ps(xs));

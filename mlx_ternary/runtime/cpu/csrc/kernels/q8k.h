@@ -394,19 +394,16 @@ inline void row_scales8(const Layer& L, int64_t n, int64_t gi, float* out) {
   for (int r = 0; r < Q8K_ROW_BLOCK; r++) out[r] = load_as_f32(L.scales, L.scale_dtype, base + r * stride);
 }
 
-// Two blocks and the activations fit half of a 32 KB L1: prefetch into L1; larger ones
-// (rows of 5632 columns: 11 KB a block) into L2, which measured 10-15 % faster there and
-// 20-30 % slower for 2048 columns (Zen 4, one thread).
-inline bool r8_prefetch_to_l2(const Geometry& g) {
-  return 2 * Q8K_ROW_BLOCK * g.row_bytes + g.xlen() > (16 << 10);
-}
+// The 8-row decode blocks prefetch the block after next (2 blocks ahead: 8 KB for rows of
+// 2048 columns), linearly, into L2: against the next block into L1 (into L2 for rows longer
+// than 2048 columns) it measured 4-14 % faster on every layer shape of the 0.53 G llama
+// (Zen 4, one thread, memory shared with other jobs: best of 8 interleaved rounds); the
+// farther prefetch hides more of a loaded memory system's latency.
+constexpr int R8_PREFETCH_BLOCKS = 2;
 
-// `lines` cache lines from p on, into L2 or L1: the next block's bytes read in step.
-inline void prefetch_lines(const uint8_t* p, int lines, bool to_l2) {
-  if (to_l2)
-    for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l, 0, 2);
-  else
-    for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l);
+// `lines` cache lines from p on, into L2: the bytes of the block after next, read in step.
+inline void prefetch_lines(const uint8_t* p, int lines) {
+  for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l, 0, 2);
 }
 
 // Token m's outputs of rows n .. n + 7 (lane r of y = row r), with their biases.
@@ -418,37 +415,42 @@ inline void store_rows8(const Layer& L, int64_t m, int64_t n, typename O::FV y) 
     store_from_f32(L.out, L.out_dtype, m * L.g.n + n + r, out[r] + L.bias_at(n + r));
 }
 
-// Rows [n0, n1) for tokens m0 .. m1 - 1, one token at a time per block of 8 rows (a block's
-// rows stay in L1 for the next token); the last n % 8 rows go through rows_q8k.
-template <class O>
-void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+// The 8-row decode blocks' loop, rows [n0, n1) for tokens m0 .. m1 - 1: a block of 8 rows
+// against one token at a time (the block stays in L1 for the next token), one accumulator per
+// row, each activation vector loaded once for the 8 rows, the block after next prefetched
+// linearly (256 of its bytes a step), the rows' partial last step read from a zero-padded copy. The
+// epilogue E is what differs between activations (Q8kRows8 below; per-token int8:
+// ternary.h Int8Rows8), as static functions:
+//   E::block(L, n, s8)                 the block's scales, 8 floats
+//   E::token(L, a, m)                  a token's running state t
+//   E::step(L, a, t, st, s, acc, n, s8)   after step s's dot products (it may reduce acc)
+//   E::result(L, a, t, m, s8)          the token's 8 rows as one float vector (lane = row)
+//   E::tail(L, a, n, n1, m)            the last n % 8 rows of the range, row by row
+template <class O, class E>
+void rows_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
   constexpr int R = Q8K_ROW_BLOCK;
   const Geometry& g = L.g;
   const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size(), rb = g.row_bytes;
-  const bool grouped = L.scale_kind == 2;
   alignas(32) uint8_t tail[32 * R];
-  const bool to_l2 = r8_prefetch_to_l2(g);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* w = L.w + n * rb;
     copy_tails(g, w, R, tail);
     alignas(32) float s8[R];
-    if (!grouped) row_scales8(L, n, 0, s8);
+    E::block(L, n, s8);
     for (int64_t m = m0; m < m1; m++) {
       const int8_t* x = a.q.data() + m * xlen;
-      const int32_t* ss = a.ssum.data() + m * g.nseg;
-      const float* d8 = a.d8.data() + m * g.nblocks8;
       typename O::TA acc[R];
       for (auto& v : acc) v = O::tzero();
-      typename O::FV y = O::fvzero();
+      auto t = E::token(L, a, m);
       for (int64_t s = 0; s < nsteps; s++) {
         const Step& st = g.steps[s];
         const uint8_t* p = w + st.off;
         int64_t stride = rb;
         if (st.valid != 32) {  // the rows' last step, zero-padded (copy_tails)
           p = tail, stride = 32;
-        } else if (m == m0) {  // the next block, linearly: 256 of its bytes a step
-          prefetch_lines(w + R * rb + s * 256, 4, to_l2);
+        } else if (m == m0) {  // the block after next, linearly: 256 of its bytes a step
+          prefetch_lines(w + R8_PREFETCH_BLOCKS * R * rb + s * 256, 4);
         }
         const int8_t* xs = x + s * 128;
         const typename O::V x0 = O::xload(xs), x1 = O::xload(xs + 32), x2 = O::xload(xs + 64),
@@ -461,16 +463,50 @@ void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t 
           O::tdot(acc[r], O::code(wr, 2), x2);
           O::tdot(acc[r], O::code(wr, 3), x3);
         }
-        if (st.seg < 0) continue;
-        const int64_t seg = st.seg;
-        if (grouped) row_scales8(L, n, g.seg_group[seg], s8);
-        y = O::tstep_rows(y, O::tsum8(acc), ss[seg], d8[g.seg_block[seg]], s8);
+        E::step(L, a, t, st, s, acc, n, s8);
       }
-      store_rows8<O>(L, m, n, y);
+      store_rows8<O>(L, m, n, E::result(L, a, t, m, s8));
     }
   }
   if (n < n1)
-    for (int64_t m = m0; m < m1; m++) rows_q8k<O, 4, 1>(L, a, n, n1, m);
+    for (int64_t m = m0; m < m1; m++) E::tail(L, a, n, n1, m);
+}
+
+// q8k's epilogue of the 8-row blocks: at the step that ends a segment, the 8 rows' sums
+// reduced into one vector and y + float(sumi - ssum) * (d * s) run lane by lane (the group's
+// scales converted there); the tail rows through rows_q8k.
+template <class O>
+struct Q8kRows8 {
+  struct Token {
+    typename O::FV y;
+    const int32_t* ss;
+    const float* d8;
+  };
+  static void block(const Layer& L, int64_t n, float* s8) {
+    if (L.scale_kind != 2) row_scales8(L, n, 0, s8);
+  }
+  static Token token(const Layer& L, const Acts& a, int64_t m) {
+    return {O::fvzero(), a.ssum.data() + m * L.g.nseg, a.d8.data() + m * L.g.nblocks8};
+  }
+  static void step(const Layer& L, const Acts&, Token& t, const Step& st, int64_t,
+                   typename O::TA* acc, int64_t n, float* s8) {
+    if (st.seg < 0) return;
+    const int64_t seg = st.seg;
+    if (L.scale_kind == 2) row_scales8(L, n, L.g.seg_group[seg], s8);
+    t.y = O::tstep_rows(t.y, O::tsum8(acc), t.ss[seg], t.d8[L.g.seg_block[seg]], s8);
+  }
+  static typename O::FV result(const Layer&, const Acts&, const Token& t, int64_t, const float*) {
+    return t.y;
+  }
+  static void tail(const Layer& L, const Acts& a, int64_t n, int64_t n1, int64_t m) {
+    rows_q8k<O, 4, 1>(L, a, n, n1, m);
+  }
+};
+
+// Rows [n0, n1) for tokens m0 .. m1 - 1 with q8k activations, in blocks of 8 rows.
+template <class O>
+void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  rows_r8<O, Q8kRows8<O>>(L, a, n0, n1, m0, m1);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -545,7 +581,6 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
   const Geometry& g = L.g;
   const int64_t xlen = g.xlen(), rb = g.row_bytes, nseg = g.nseg;
   const bool grouped = L.scale_kind == 2;
-  const bool to_l2 = r8_prefetch_to_l2(g);
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* w = L.w + n * rb;
@@ -557,7 +592,7 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
       const float* d8 = a.d8.data() + m * g.nblocks8;
       typename O::FV y = O::fvzero();
       for (int64_t j = 0; j < nseg; j++) {
-        if (m == m0) prefetch_lines(w + R * rb + j * 512, 8, to_l2);  // the next block
+        if (m == m0) prefetch_lines(w + R8_PREFETCH_BLOCKS * R * rb + j * 512, 8);
         const int8_t* xs = x + 256 * j;
         const typename O::W x0 = O::wxload(xs), x1 = O::wxload(xs + 32),
                             x2 = O::wxload(xs + 64), x3 = O::wxload(xs + 96);

@@ -221,15 +221,24 @@ constexpr int COMPACT_INT_TILE = 8;
 constexpr int64_t FLOAT_GEMM_MIN_TOKENS = 24;
 
 
-// Per-token int8 activations, decode (1 - INT8_R8_TOKENS tokens, fast packing, tensor or row
-// scales; ISAs with HasInt8R8, below): one token against 8 rows at a time with the q8k blocks'
-// operations (kernels/q8k.h rows_q8k_r8) - an accumulator per row, each activation vector
+// Per-token int8 activations, decode (1 - Int8R8Tokens tokens, below; fast packing, tensor or row
+// scales; ISAs with HasInt8R8, below): one token against 8 rows at a time through the q8k
+// blocks' loop (kernels/q8k.h rows_r8, Int8Rows8 below) - an accumulator per row, each activation vector
 // loaded once for the 8 rows, the 8 sums reduced into one vector (lane = row) every
 // INT8_R8_STEPS steps (before int16 lanes could overflow without VNNI) and added up in int32,
 // then rows_int's epilogue ((float)(sum - gsum) * s) * x_scale for 8 rows at once: each row's
 // bits are rows_int's. The last n % 8 rows go through rows_int.
 constexpr int INT8_R8_TOKENS = 3;
 constexpr int INT8_R8_STEPS = Q8K_TILE_I16_TERMS / 4;  // 4 code vectors a step
+
+// Tokens up to which the blocks run: INT8_R8_TOKENS, or an ISA's int8_r8_tokens (VNNI:
+// 16, a whole decode batch; one vpdpbusd a code vector makes the blocks 1.2-1.4x the
+// 4-token tiles of rows_int at 4-16 tokens, where AVX2's pairs measured 0.9-1.0x).
+template <class O, class = void>
+struct Int8R8Tokens : std::integral_constant<int, INT8_R8_TOKENS> {};
+template <class O>
+struct Int8R8Tokens<O, std::void_t<decltype(O::int8_r8_tokens)>>
+    : std::integral_constant<int, O::int8_r8_tokens> {};
 
 // Whether an ISA has the 8-row per-token int8 block's pieces (the int32 lane add and the
 // float32 epilogue of 8 rows): x86 and NEON.
@@ -238,54 +247,31 @@ struct HasInt8R8 : std::false_type {};
 template <class O>
 struct HasInt8R8<O, std::void_t<decltype(&O::int8_rows), decltype(&O::tadd)>> : std::true_type {};
 
+// Per-token int8's epilogue of the 8-row blocks (q8k.h rows_r8): the sums of the 8 rows
+// widened into int32 lanes every INT8_R8_STEPS steps and at the row's end, then
+// ((float)(sum - gsum) * s) * x_scale; the tail rows through rows_int.
+template <class O>
+struct Int8Rows8 {
+  using Token = typename O::IA;  // int32, lane = row (tsum8's lanes)
+  static void block(const Layer& L, int64_t n, float* s8) { row_scales8(L, n, 0, s8); }
+  static Token token(const Layer&, const Acts&, int64_t) { return O::izero(); }
+  static void step(const Layer& L, const Acts&, Token& sumi, const Step&, int64_t s,
+                   typename O::TA* acc, int64_t, const float*) {
+    if ((s + 1) % INT8_R8_STEPS == 0 || s + 1 == (int64_t)L.g.steps.size())
+      sumi = O::tadd(sumi, O::tsum8(acc));
+  }
+  static typename O::FV result(const Layer& L, const Acts& a, const Token& sumi, int64_t m,
+                               const float* s8) {
+    return O::int8_rows(sumi, a.gsum[m * L.g.ngroups], s8, a.xs[m]);
+  }
+  static void tail(const Layer& L, const Acts& a, int64_t n, int64_t n1, int64_t m) {
+    rows_int<O, 4, false, 1>(L, a, n, n1, m);
+  }
+};
+
 template <class O>
 void rows_int8_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
-  constexpr int R = Q8K_ROW_BLOCK;
-  const Geometry& g = L.g;
-  const int64_t xlen = g.xlen(), nsteps = (int64_t)g.steps.size(), rb = g.row_bytes;
-  alignas(32) uint8_t tail[32 * R];
-  const bool to_l2 = r8_prefetch_to_l2(g);
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    const uint8_t* w = L.w + n * rb;
-    copy_tails(g, w, R, tail);
-    alignas(32) float s8[R];
-    row_scales8(L, n, 0, s8);
-    for (int64_t m = m0; m < m1; m++) {
-      const int8_t* x = a.q.data() + m * xlen;
-      typename O::TA acc[R];
-      for (auto& v : acc) v = O::tzero();
-      typename O::IA sumi = O::izero();  // int32, lane = row (tsum8's lanes)
-      for (int64_t s = 0; s < nsteps; s++) {
-        const Step& st = g.steps[s];
-        const uint8_t* p = w + st.off;
-        int64_t stride = rb;
-        if (st.valid != 32) {  // the rows' last step, zero-padded (copy_tails)
-          p = tail, stride = 32;
-        } else if (m == m0) {  // the next block, linearly: 256 of its bytes a step
-          prefetch_lines(w + R * rb + s * 256, 4, to_l2);
-        }
-        const int8_t* xs = x + s * 128;
-        const typename O::V x0 = O::xload(xs), x1 = O::xload(xs + 32), x2 = O::xload(xs + 64),
-                            x3 = O::xload(xs + 96);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-          const typename O::V wr = O::load(p + r * stride);
-          O::tdot(acc[r], O::code(wr, 0), x0);
-          O::tdot(acc[r], O::code(wr, 1), x1);
-          O::tdot(acc[r], O::code(wr, 2), x2);
-          O::tdot(acc[r], O::code(wr, 3), x3);
-        }
-        if ((s + 1) % INT8_R8_STEPS == 0 || s + 1 == nsteps) sumi = O::tadd(sumi, O::tsum8(acc));
-      }
-      alignas(32) float out[R];
-      O::fvstore(out, O::int8_rows(sumi, a.gsum[m * g.ngroups], s8, a.xs[m]));
-      for (int r = 0; r < R; r++)
-        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
-    }
-  }
-  if (n < n1)
-    for (int64_t m = m0; m < m1; m++) rows_int<O, 4, false, 1>(L, a, n, n1, m);
+  rows_r8<O, Int8Rows8<O>>(L, a, n0, n1, m0, m1);
 }
 
 // All tokens for rows [n0, n1): token tiles, then the remainder.
@@ -302,7 +288,7 @@ void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) 
   if constexpr (NV == 4 && !GROUPED && HasMmla<O>::value)
     if (L.act_quant && !L.q8k && M >= Q8K_TILE_TOKENS) return O::int8_mmla_rows(L, a, M, n0, n1);
   if constexpr (NV == 4 && !GROUPED && HasInt8R8<O>::value)
-    if (L.act_quant && !L.q8k && M <= INT8_R8_TOKENS) return rows_int8_r8<O>(L, a, n0, n1, 0, M);
+    if (L.act_quant && !L.q8k && M <= Int8R8Tokens<O>::value) return rows_int8_r8<O>(L, a, n0, n1, 0, M);
   int64_t m = 0;
   auto run = [&](auto tile) {
     constexpr int T = decltype(tile)::value;
