@@ -82,8 +82,8 @@ SUFFIXES = {
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 BITNET_SKIP = (
     "no bitnet.cpp build given (--bitnet BIN_DIR): its repository pins its llama.cpp fork "
-    "at a commit the fork does not publish; docs/NATIVE.md, Peers, says how to build it "
-    "against the fork's merge-dev branch"
+    "at a commit the fork does not publish; docs/NATIVE.md, Peers, says which source it "
+    "was built from and how"
 )
 
 

@@ -20,6 +20,10 @@ weights quantized by ik_llama.cpp's own llama-quantize). The work, each a column
   (per token of their allocated length, and per token used, with mlx-lm's step slack);
   the C++ engines' f16 cache (2 bytes x (K + V widths) x layers, their default).
 
+bitnet.cpp (--bitnet BIN_DIR, where it builds: docs/NATIVE.md, Peers): its llama-bench on
+DIR/model-bitnet-i2_s.gguf (the F16 file quantized by its own llama-quantize to I2_S, F16
+tables), prefill and decode at depth 0 only (its llama.cpp fork's llama-bench has no -gp).
+
 The engines alternate, the order rotated each repeat; each engine's tokens/s are reported as
 the best (min time) and median of the repeats (the machine may be shared: say so).
 mlx-ternary runs in fresh processes of this script (--worker), node-llama-cpp (llama.cpp,
@@ -156,13 +160,23 @@ def run_mlx(a, group: str) -> dict:
 
 def run_ik_bench(a, gguf: Path) -> dict:
     """ik's llama-bench: -p (prefill), -n (decode at depth 0), -gp D,G (decode at depth D)."""
+    return run_llama_bench(Path(a.ik) / "llama-bench", a, gguf, depth_flag=True)
+
+
+def run_bitnet_bench(a, gguf: Path) -> dict:
+    """bitnet.cpp's llama-bench (its llama.cpp fork, 2024: no -gp): -p (prefill) and -n
+    (decode at depth 0); decode at depth D > 0 is not measured."""
+    return run_llama_bench(Path(a.bitnet) / "llama-bench", a, gguf, depth_flag=False)
+
+
+def run_llama_bench(binary: Path, a, gguf: Path, depth_flag: bool) -> dict:
     from mlx_ternary.bench import peers
 
-    cmd = [str(Path(a.ik) / "llama-bench"), "-m", str(gguf), "-t", str(a.threads), "-r", "1"]
+    cmd = [str(binary), "-m", str(gguf), "-t", str(a.threads), "-r", "1"]
     cmd += ["-o", "json", "-p", ",".join(map(str, a.prefill))]
     cmd += ["-n", str(a.gen) if 0 in a.depths else "0"]
     for d in a.depths:
-        if d:
+        if d and depth_flag:
             cmd += ["-gp", f"{d},{a.gen}"]
     rc, out, err, rss = peers.run_child(cmd, timeout=7200)
     if rc:
@@ -278,6 +292,8 @@ def parse(argv):
     ap.add_argument("--ik", help="ik_llama.cpp's build/bin (llama-bench, llama-batched-bench, "
                     "llama-quantize)")  # fmt: skip
     ap.add_argument("--llama-cpp", help="node_modules holding node-llama-cpp")
+    ap.add_argument("--bitnet", help="bitnet.cpp's build/bin (llama-bench, llama-quantize; "
+                    "docs/NATIVE.md, Peers, says how it was built)")  # fmt: skip
     ap.add_argument("--prefill", default="512,2048,8192")
     ap.add_argument("--depths", default="0,128,2048,8192")
     ap.add_argument("--gen", type=int, default=32, help="decoded tokens a depth")
@@ -285,7 +301,7 @@ def parse(argv):
     ap.add_argument("--batch-prompt", type=int, default=128)
     ap.add_argument("--batch-gen", type=int, default=32)
     ap.add_argument("--groups", default="prompt,batch", help="prompt (prefill and depth), batch")
-    ap.add_argument("--engines", default="mlx,ik,node", help="of mlx, ik, node")
+    ap.add_argument("--engines", default="mlx,ik,node,bitnet", help="of mlx, ik, node, bitnet")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
@@ -311,6 +327,9 @@ def tasks(a, shape: dict) -> list:
             out.append(("ik_llama.cpp IQ2_BN", "prompt", lambda: run_ik_bench(a, ik)))
         if "batch" in a.groups:
             out.append(("ik_llama.cpp IQ2_BN", "batch", lambda: run_ik_batched(a, ik)))
+    if "bitnet" in a.engines and a.bitnet and "prompt" in a.groups:
+        i2s = peers_script.bitnet_gguf(a, shape)
+        out.append(("bitnet.cpp I2_S", "prompt", lambda: run_bitnet_bench(a, i2s)))
     if "node" in a.engines and a.llama_cpp and "prompt" in a.groups:
         if shape.get("arch", "llama") == "llama":  # mainline reads no bitnet-b1.58 file
             out.append(

@@ -2,10 +2,11 @@
 // checkpoint stores (float16, bfloat16 or float32) and float32 accumulation. This is the
 // embedding-as-output-layer and lm_head matvec: MLX's CPU float16 matmul is many times slower
 // than float32, and a float32 copy would double the memory of those tables.
-// Each group of 8 weights is converted once and used for T tokens. A token's sum runs in the
-// same order whatever T is (DENSE_CHAINS chains, their sum, then the tail), so a row of y
-// does not depend on how many tokens share the call: batched decoding gives the single
-// sequence's logits bit for bit (mlx-lm's batch tests compare them).
+// Each weight vector is converted once and used for up to DENSE_TOKENS tokens. A token's sum
+// runs in the same order whatever tokens share the call (x86: one chain per row and token,
+// arch/x86.h `dense_tile`; arm64 and the portable path: DENSE_CHAINS chains, their sum, then
+// the tail), so a row of y does not depend on how many tokens share the call: batched decoding
+// gives the single sequence's logits bit for bit (mlx-lm's batch tests compare them).
 #pragma once
 
 #include <cstdint>
@@ -35,16 +36,20 @@ void dense_rows_tt(const DenseLayer& L, int64_t n0, int64_t n1, int64_t m0) {
   native::dense_block<WD, T>(L, n0, n1, m0);
 }
 
+// The last M % DENSE_TOKENS tokens: the block of exactly that many (1 .. DENSE_TOKENS - 1).
+template <int WD, int T = DENSE_TOKENS - 1>
+void dense_rows_rest(const DenseLayer& L, int64_t rest, int64_t n0, int64_t n1, int64_t m) {
+  if constexpr (T >= 1) {
+    if (rest == T) return dense_rows_tt<WD, T>(L, n0, n1, m);
+    dense_rows_rest<WD, T - 1>(L, rest, n0, n1, m);
+  }
+}
+
 template <int WD>
 void dense_rows_w(const DenseLayer& L, int64_t M, int64_t n0, int64_t n1) {
   int64_t m = 0;
   for (; m + DENSE_TOKENS <= M; m += DENSE_TOKENS) dense_rows_tt<WD, DENSE_TOKENS>(L, n0, n1, m);
-  switch (M - m) {
-    case 3: dense_rows_tt<WD, 3>(L, n0, n1, m); break;
-    case 2: dense_rows_tt<WD, 2>(L, n0, n1, m); break;
-    case 1: dense_rows_tt<WD, 1>(L, n0, n1, m); break;
-    default: break;
-  }
+  dense_rows_rest<WD>(L, M - m, n0, n1, m);
 }
 
 inline void dense_rows(const DenseLayer& L, int64_t M, int64_t n0, int64_t n1) {

@@ -21,7 +21,8 @@ class DenseMatmul : public CpuPrimitive {
       L.x = (const float*)row_major(x, kx);
       L.out = outp;
       const int64_t M = (int64_t)(x.size() / L.k);
-      parallel_rows(L.n, 64, [&](int64_t n0, int64_t n1) { tk::dense_rows(L, M, n0, n1); });
+      // chunks of 120 rows: whole tiles of every height arch/x86.h uses (4, 3, 2 rows)
+      parallel_rows(L.n, 120, [&](int64_t n0, int64_t n1) { tk::dense_rows(L, M, n0, n1); });
     });
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
