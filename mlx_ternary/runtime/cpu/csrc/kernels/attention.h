@@ -135,29 +135,45 @@ inline void scores8(const AttnShape& s, const AttnRows& rows, const float* kr, i
   }
 }
 
-// o += sum_t w[t] v[t] for one row (w: its weights of the tile, 0 where unseen).
-template <class O>
-inline void add_values(const float* w, int nt, const float* vbuf, int64_t D, float* o) {
+// o[i] += sum_t w[i][t] v[t] over d in [d0, d0 + 8 NU) for N rows (w: their weights of the
+// tile, 0 where unseen), key by key in order: each value row is read once for the N rows. A
+// key no row sees is skipped; one a row does not see adds 0 * v to it (exactly nothing).
+template <class O, int N, int NU>
+inline void add_values_block(const float* const* w, int nt, const float* vbuf, int64_t D,
+                             int64_t d0, float* const* o) {
   using F8 = typename O::F8;
-  const int64_t d8 = D / 8 * 8;
-  for (int64_t d0 = 0; d0 < d8; d0 += 64) {  // 8 accumulators: each value row read once
-    const int nu = (int)std::min<int64_t>(8, (d8 - d0) / 8);
-    F8 acc[8];
-    for (int u = 0; u < nu; u++) acc[u] = O::f8load(o + d0 + 8 * u);
-    for (int t = 0; t < nt; t++) {
-      if (w[t] == 0.f) continue;  // unseen (or a weight of exactly 0: acc + 0)
-      const F8 p = O::f8set(w[t]);
-      const float* vr = vbuf + t * D + d0;
-      for (int u = 0; u < nu; u++) acc[u] = O::fma8(acc[u], p, vr + 8 * u);
+  F8 acc[N][NU];
+  for (int i = 0; i < N; i++)
+    for (int u = 0; u < NU; u++) acc[i][u] = O::f8load(o[i] + d0 + 8 * u);
+  for (int t = 0; t < nt; t++) {
+    bool any = false;
+    for (int i = 0; i < N; i++) any |= w[i][t] != 0.f;
+    if (!any) continue;
+    const float* vr = vbuf + t * D + d0;
+    for (int i = 0; i < N; i++) {
+      const F8 p = O::f8set(w[i][t]);
+      for (int u = 0; u < NU; u++) acc[i][u] = O::fma8(acc[i][u], p, vr + 8 * u);
     }
-    for (int u = 0; u < nu; u++) O::f8store(o + d0 + 8 * u, acc[u]);
   }
-  for (int64_t d = d8; d < D; d++) {
-    float a = o[d];
-    for (int t = 0; t < nt; t++)
-      if (w[t] != 0.f) a += w[t] * vbuf[t * D + d];
-    o[d] = a;
-  }
+  for (int i = 0; i < N; i++)
+    for (int u = 0; u < NU; u++) O::f8store(o[i] + d0 + 8 * u, acc[i][u]);
+}
+
+// o[i] += sum_t w[i][t] v[t] for N rows (add_values_block over D, then a scalar tail).
+template <class O, int N>
+inline void add_values(const float* const* w, int nt, const float* vbuf, int64_t D,
+                       float* const* o) {
+  const int64_t d32 = D / 32 * 32, d8 = D / 8 * 8;
+  int64_t d0 = 0;
+  for (; d0 < d32; d0 += 32) add_values_block<O, N, 4>(w, nt, vbuf, D, d0, o);
+  for (; d0 < d8; d0 += 8) add_values_block<O, N, 1>(w, nt, vbuf, D, d0, o);
+  for (int i = 0; i < N; i++)
+    for (int64_t d = d8; d < D; d++) {
+      float a = o[i][d];
+      for (int t = 0; t < nt; t++)
+        if (w[i][t] != 0.f) a += w[i][t] * vbuf[t * D + d];
+      o[i][d] = a;
+    }
 }
 
 }  // namespace attn_detail
@@ -179,13 +195,14 @@ void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, c
       attn_detail::widen(s, kb, s.ks[2], j0 + 8 * b, nk, kbuf + 8 * b * D);
       attn_detail::scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, nk, sc + 8 * b);
     }
-    bool widened = false;
+    // the softmax of each row that sees a key of the tile; the values for those rows, two at
+    // a time
+    int seen[ATT_ROWS], ns = 0;
     for (int r = 0; r < rows.n; r++) {
       float* w = sc + r * ATT_KEYS;
       F8 mx8 = O::f8load(w);
       for (int b = 1; b < nb; b++) mx8 = O::f8max(mx8, O::f8load(w + 8 * b));
       float tmax = O::f8hmax(mx8);
-      for (int t = 8 * nb; t < nt; t++) tmax = std::max(tmax, w[t]);
       if (tmax == -INFINITY) continue;  // the row sees no key of this tile
       float* o = p.o + r * D;
       const float m = std::max(p.m[r], tmax);
@@ -203,12 +220,21 @@ void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, c
       int t = (int)native::softmax_exp_head(w, 0, 8 * nb, m, sum);
       for (; t < nt; t++) sum += (w[t] = w[t] == -INFINITY ? 0.f : std::exp(w[t] - m));
       p.l[r] += sum;
-      if (!widened) {
-        for (int b = 0; b < nb; b++)
-          attn_detail::widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
-        widened = true;
-      }
-      attn_detail::add_values<O>(w, nt, vbuf, D, o);
+      seen[ns++] = r;
+    }
+    if (ns == 0) continue;
+    for (int b = 0; b < nb; b++)
+      attn_detail::widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
+    int i = 0;
+    for (; i + 2 <= ns; i += 2) {
+      const float* w[2] = {sc + seen[i] * ATT_KEYS, sc + seen[i + 1] * ATT_KEYS};
+      float* o[2] = {p.o + seen[i] * D, p.o + seen[i + 1] * D};
+      attn_detail::add_values<O, 2>(w, nt, vbuf, D, o);
+    }
+    if (i < ns) {
+      const float* w[1] = {sc + seen[i] * ATT_KEYS};
+      float* o[1] = {p.o + seen[i] * D};
+      attn_detail::add_values<O, 1>(w, nt, vbuf, D, o);
     }
   }
 }
