@@ -518,26 +518,48 @@ def test_attention_gradient_is_mlx_own_and_arrays_masks_fall_back():
 
 
 @needs_native
-@pytest.mark.xfail(
-    reason="issue 31, open: the tiled attention (issue 29) gives a left-padded PREFILL row "
-    "1-3 ulp off its sequence alone (decode rows are exact); the per-row kernel's fix did "
-    "not carry over to the tiled one",
-    strict=False,
-)
-@pytest.mark.parametrize("n, pad", [(41, 5), (64, 13)])
+@pytest.mark.parametrize("n, pad", [(41, 5), (64, 13), (300, 37)])
 def test_a_left_padded_prefill_row_is_its_sequence_alone(n, pad):
-    """Prefill (Lq = Lk) long enough for the vector softmax: each row's keys after its own are
-    masked too, and must not change the bits of the row against the sequence run alone."""
+    """Prefill (Lq = Lk) long enough for the vector softmax and (300) for two chunks of keys:
+    each row's keys after its own are masked too, its task's other rows differ from those it
+    has alone, and none of it may change the row's bits against the sequence run alone; in a
+    batch with the unpadded sequence (bool mask against "causal") and under a sliding window
+    (every row its own first key) too. A row that sees one key more differs (the control)."""
     from mlx_ternary.runtime.cpu.attention import scaled_dot_product_attention as sdpa
 
     hq, hkv, d = 4, 2, 64
     qp, kp, vp = _qkv(1, hq, hkv, n, n, d, seed=6)
     alone = sdpa(qp[:, :, pad:], kp[:, :, pad:], vp[:, :, pad:], scale=0.125, mask="causal")
-    causal = np.arange(n)[None] <= np.arange(n)[:, None]
-    padded = mx.array((causal & (np.arange(n) >= pad))[None, None])
+    i, j = np.arange(n)[:, None], np.arange(n)[None]
+    padded = mx.array((j <= i) & (j >= pad))[None, None]
     rows = sdpa(qp, kp, vp, scale=0.125, mask=padded)
     assert np.abs(np.array(rows[:, :, pad:]) - np.array(alone)).max() < 1e-5  # close: always
     assert np.array_equal(np.array(rows[:, :, pad:]), np.array(alone)), (n, pad)
+
+    m = n - pad  # a batch: the sequence left-padded, and the same sequence unpadded
+    q2, k2, v2 = (
+        mx.concatenate([a, mx.pad(a[:, :, pad:], [(0, 0), (0, 0), (0, pad), (0, 0)])])
+        for a in (qp, kp, vp)
+    )
+    both = mx.concatenate([padded, mx.array((j <= i) & (j < m))[None, None]])
+    two = sdpa(q2, k2, v2, scale=0.125, mask=both)
+    assert np.array_equal(np.array(two[:1, :, pad:]), np.array(alone))
+    assert np.array_equal(np.array(two[1:, :, :m]), np.array(alone))
+
+    w = 19  # a sliding window: each row's first key is its own
+    window = (j <= i) & (j > i - w)
+    slid = sdpa(qp, kp, vp, scale=0.125, mask=mx.array(window & (j >= pad))[None, None])
+    slid_alone = sdpa(
+        qp[:, :, pad:],
+        kp[:, :, pad:],
+        vp[:, :, pad:],
+        scale=0.125,
+        mask=mx.array(window[pad:, pad:])[None, None],
+    )
+    assert np.array_equal(np.array(slid[:, :, pad:]), np.array(slid_alone))
+
+    more = sdpa(qp, kp, vp, scale=0.125, mask=mx.array((j <= i) & (j >= pad - 1))[None, None])
+    assert not np.array_equal(np.array(more[:, :, pad:]), np.array(alone))
 
 
 def test_attention_bool_masks_drop_keys_and_a_padded_row_is_its_sequence_alone():

@@ -9,6 +9,7 @@ Compared: the greedy tokens and the top-5 logprobs of every answer token (1e-4).
 import random
 import threading
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from tiny import ternary_checkpoint
@@ -74,7 +75,6 @@ def test_turn_two_from_the_cache_equals_an_uncached_run(tmp_path, activation_bit
 
 def offline(model, prompt, max_tokens):
     """mlx-lm's own greedy decode over the whole prompt, no cache reuse: [(id, logprobs)]."""
-    import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     steps = generate_step(
@@ -83,21 +83,41 @@ def offline(model, prompt, max_tokens):
     return [(int(t), np.array(lp)) for t, lp in steps]
 
 
+def plain_llama(tmp_path):
+    """Stock mlx-lm llama with nn.Linear layers in float32 (no ternary layer), prepared for
+    the backend mlx_ternary.load would pick (the native one: its attention and SwiGLU)."""
+    from mlx_lm.utils import load_tokenizer
+    from tiny import float_model, write_tokenizer
+
+    from mlx_ternary.runtime import dispatch
+    from mlx_ternary.runtime.cpu import attention, tables
+
+    model, _ = float_model("llama", seed=3)
+    backend = dispatch.resolve_backend()
+    tables.adopt(model, {}, mx.float32, backend=backend)
+    assert attention.routed(model) == (backend == "native")
+    write_tokenizer(tmp_path / "tok")
+    return model, load_tokenizer(tmp_path / "tok", eos_token_ids=[1])
+
+
 def model_for(kind, tmp_path):
     if kind == "embedded":  # int8 activations
         from mlx_ternary.generate import EMBEDDED_MODEL
 
         return mlx_ternary.load(str(EMBEDDED_MODEL))
+    if kind == "plain":
+        return plain_llama(tmp_path)
     path, _ = ternary_checkpoint(tmp_path, "llama", activation_bits=None)  # float activations
     return mlx_ternary.load(str(path))
 
 
-@pytest.mark.parametrize("kind", ["embedded", "float"])
+@pytest.mark.parametrize("kind", ["embedded", "float", "plain"])
 def test_served_turn_two_of_a_long_chat_equals_mlx_lms_uncached_run(tmp_path, kind):
     """A >1,000-token chat: turn 1 decoded in a batch with two other sequences (left padding),
     turn 2 prefilled from the prompt cache in chunks that do not line up with it; its answer's
     top-5 logprobs equal mlx-lm's generate_step over the whole prompt offline: exactly with int8
-    activations (integer sums, the same float32 epilogue), to 1e-5 with float activations."""
+    activations (integer sums, the same float32 epilogue), to 1e-5 with float activations (a
+    ternary model's, and a plain float llama's: nn.Linear, no ternary layer)."""
     model, tok = model_for(kind, tmp_path)
     vocab = model.args.vocab_size
     rng = random.Random(1)

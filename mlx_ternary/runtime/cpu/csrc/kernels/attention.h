@@ -6,28 +6,32 @@
 // padding; sliding windows) drops the keys it marks false; a row with no key left gets 0.
 //
 // Tiled, with the online softmax of flash attention, in float32:
-// - A task is one batch row, one KV head and a tile of query positions; its rows are the
+// - A task is one batch row, one KV head and a run of query positions; its rows are the
 //   query heads of the KV head's group at those positions (at most ATT_ROWS), so each K and V
 //   row is read (and widened from float16) once per group and query tile, and no score
-//   matrix exists beyond one tile of ATT_KEYS keys.
+//   matrix exists beyond one tile of ATT_KEYS keys. Every row of a task that sees a key sees
+//   the same first key (a new task starts where that changes: sliding windows, per-head masks).
 // - Scores: one row against 8 keys at a time, an accumulator per key, the 8 reduced together
-//   (f8tsum: a transpose and add), not a horizontal sum per (row, key).
-// - The keys a task's rows see are cut into chunks of ATT_CHUNK from the first key one of them
-//   keeps. Each chunk's (max, sum of weights, weighted values) is computed from scratch and
-//   the chunks are merged left to right; a decode step (few tasks, long context) computes the
-//   chunks of a task on several threads and merges them in the same order. So the bits depend
-//   neither on the threads nor on the batch: a left-padded row of a batch, whose chunks start
-//   at its first kept key, gets the bits of its sequence alone.
+//   (f8tsum: a transpose and add, the same tree for each key), not a horizontal sum per key.
+// - The keys a task's rows see are cut into chunks of ATT_CHUNK from their first key, and a
+//   chunk into tiles of ATT_KEYS. Each chunk's (max, sum of weights, weighted values) is
+//   computed from scratch and the chunks are merged left to right; a decode step (few tasks,
+//   long context) computes the chunks of a task on several threads and merges them in the
+//   same order.
 // - Within a chunk a row's running max moves only when a tile raises it (then the row's sum
-//   and values are rescaled by exp(m - m')); keys a row does not see weigh exactly 0 and a
-//   tile where it sees none leaves it untouched.
+//   and values are rescaled by exp(m - m')); keys a row does not see weigh exactly 0 (+ 0
+//   leaves a sum as it was), a tile where it sees none leaves it untouched, and the vector exp
+//   runs over whole blocks of 8 whatever the tile's length.
+// So a row's float operations are those of its visible keys, counted from its first, in key
+// order: the bits depend neither on the threads, nor on the batch, the padding or the rows it
+// shares a task with. A left-padded row of a batch gets the bits of its sequence alone.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../arch/select.h"
@@ -54,15 +58,18 @@ struct AttnShape {
   int64_t qtile() const { return std::max<int64_t>(1, ATT_ROWS / group()); }  // positions a task
 };
 
-// The rows of one task: their queries, masks, the last key each sees, and the keys
-// [first, end) some row sees.
+// The rows of one task (one batch row b, one KV head g): their queries, masks, outputs (element
+// offsets), the last key each sees, and the keys [first, end) they see. Every row that sees a
+// key sees `first` first: the task's chunks and tiles start at each row's own first key.
 struct AttnRows {
   int n = 0;
+  int64_t b = 0, g = 0;
   const float* q[ATT_ROWS];
   const bool* mask[ATT_ROWS];
+  int64_t out[ATT_ROWS];
   int64_t last[ATT_ROWS];
-  int64_t first = 0, end = 0;
-  int64_t chunks() const { return (end - first + ATT_CHUNK - 1) / ATT_CHUNK; }
+  int64_t first = -1, end = 0;  // first = -1: no row sees a key (yet)
+  int64_t chunks() const { return first < 0 ? 0 : (end - first + ATT_CHUNK - 1) / ATT_CHUNK; }
 };
 
 // A chunk's (or the merged chunks') result for a task's rows: max, sum of weights, and the
@@ -128,29 +135,45 @@ inline void scores8(const AttnShape& s, const AttnRows& rows, const float* kr, i
   }
 }
 
-// o += sum_t w[t] v[t] for one row (w: its weights of the tile, 0 where unseen).
-template <class O>
-inline void add_values(const float* w, int nt, const float* vbuf, int64_t D, float* o) {
+// o[i] += sum_t w[i][t] v[t] over d in [d0, d0 + 8 NU) for N rows (w: their weights of the
+// tile, 0 where unseen), key by key in order: each value row is read once for the N rows. A
+// key no row sees is skipped; one a row does not see adds 0 * v to it (exactly nothing).
+template <class O, int N, int NU>
+inline void add_values_block(const float* const* w, int nt, const float* vbuf, int64_t D,
+                             int64_t d0, float* const* o) {
   using F8 = typename O::F8;
-  const int64_t d8 = D / 8 * 8;
-  for (int64_t d0 = 0; d0 < d8; d0 += 64) {  // 8 accumulators: each value row read once
-    const int nu = (int)std::min<int64_t>(8, (d8 - d0) / 8);
-    F8 acc[8];
-    for (int u = 0; u < nu; u++) acc[u] = O::f8load(o + d0 + 8 * u);
-    for (int t = 0; t < nt; t++) {
-      if (w[t] == 0.f) continue;  // unseen (or a weight of exactly 0: acc + 0)
-      const F8 p = O::f8set(w[t]);
-      const float* vr = vbuf + t * D + d0;
-      for (int u = 0; u < nu; u++) acc[u] = O::fma8(acc[u], p, vr + 8 * u);
+  F8 acc[N][NU];
+  for (int i = 0; i < N; i++)
+    for (int u = 0; u < NU; u++) acc[i][u] = O::f8load(o[i] + d0 + 8 * u);
+  for (int t = 0; t < nt; t++) {
+    bool any = false;
+    for (int i = 0; i < N; i++) any |= w[i][t] != 0.f;
+    if (!any) continue;
+    const float* vr = vbuf + t * D + d0;
+    for (int i = 0; i < N; i++) {
+      const F8 p = O::f8set(w[i][t]);
+      for (int u = 0; u < NU; u++) acc[i][u] = O::fma8(acc[i][u], p, vr + 8 * u);
     }
-    for (int u = 0; u < nu; u++) O::f8store(o + d0 + 8 * u, acc[u]);
   }
-  for (int64_t d = d8; d < D; d++) {
-    float a = o[d];
-    for (int t = 0; t < nt; t++)
-      if (w[t] != 0.f) a += w[t] * vbuf[t * D + d];
-    o[d] = a;
-  }
+  for (int i = 0; i < N; i++)
+    for (int u = 0; u < NU; u++) O::f8store(o[i] + d0 + 8 * u, acc[i][u]);
+}
+
+// o[i] += sum_t w[i][t] v[t] for N rows (add_values_block over D, then a scalar tail).
+template <class O, int N>
+inline void add_values(const float* const* w, int nt, const float* vbuf, int64_t D,
+                       float* const* o) {
+  const int64_t d32 = D / 32 * 32, d8 = D / 8 * 8;
+  int64_t d0 = 0;
+  for (; d0 < d32; d0 += 32) add_values_block<O, N, 4>(w, nt, vbuf, D, d0, o);
+  for (; d0 < d8; d0 += 8) add_values_block<O, N, 1>(w, nt, vbuf, D, d0, o);
+  for (int i = 0; i < N; i++)
+    for (int64_t d = d8; d < D; d++) {
+      float a = o[i][d];
+      for (int t = 0; t < nt; t++)
+        if (w[i][t] != 0.f) a += w[i][t] * vbuf[t * D + d];
+      o[i][d] = a;
+    }
 }
 
 }  // namespace attn_detail
@@ -172,13 +195,14 @@ void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, c
       attn_detail::widen(s, kb, s.ks[2], j0 + 8 * b, nk, kbuf + 8 * b * D);
       attn_detail::scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, nk, sc + 8 * b);
     }
-    bool widened = false;
+    // the softmax of each row that sees a key of the tile; the values for those rows, two at
+    // a time
+    int seen[ATT_ROWS], ns = 0;
     for (int r = 0; r < rows.n; r++) {
       float* w = sc + r * ATT_KEYS;
       F8 mx8 = O::f8load(w);
       for (int b = 1; b < nb; b++) mx8 = O::f8max(mx8, O::f8load(w + 8 * b));
       float tmax = O::f8hmax(mx8);
-      for (int t = 8 * nb; t < nt; t++) tmax = std::max(tmax, w[t]);
       if (tmax == -INFINITY) continue;  // the row sees no key of this tile
       float* o = p.o + r * D;
       const float m = std::max(p.m[r], tmax);
@@ -189,16 +213,28 @@ void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, c
         for (int64_t d = d8; d < D; d++) o[d] *= alpha;
         p.m[r] = m;
       }
+      // The vector exp runs over whole blocks of 8 (a block's keys past nt are -inf: weight 0,
+      // and + 0 leaves the lanes' sums as they were), so a key never moves between the
+      // vector exp and the scalar one with the tile's length, which the other rows set.
       float sum = 0.f;
-      int t = (int)native::softmax_exp_head(w, 0, nt, m, sum);
+      int t = (int)native::softmax_exp_head(w, 0, 8 * nb, m, sum);
       for (; t < nt; t++) sum += (w[t] = w[t] == -INFINITY ? 0.f : std::exp(w[t] - m));
       p.l[r] += sum;
-      if (!widened) {
-        for (int b = 0; b < nb; b++)
-          attn_detail::widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
-        widened = true;
-      }
-      attn_detail::add_values<O>(w, nt, vbuf, D, o);
+      seen[ns++] = r;
+    }
+    if (ns == 0) continue;
+    for (int b = 0; b < nb; b++)
+      attn_detail::widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
+    int i = 0;
+    for (; i + 2 <= ns; i += 2) {
+      const float* w[2] = {sc + seen[i] * ATT_KEYS, sc + seen[i + 1] * ATT_KEYS};
+      float* o[2] = {p.o + seen[i] * D, p.o + seen[i + 1] * D};
+      attn_detail::add_values<O, 2>(w, nt, vbuf, D, o);
+    }
+    if (i < ns) {
+      const float* w[1] = {sc + seen[i] * ATT_KEYS};
+      float* o[1] = {p.o + seen[i] * D};
+      attn_detail::add_values<O, 1>(w, nt, vbuf, D, o);
     }
   }
 }
@@ -222,39 +258,56 @@ inline void attention_merge(AttnPartial& a, const AttnPartial& b, int n, int64_t
   }
 }
 
-// The rows of task (batch row b, KV head g, query positions [i0, i1)) and the keys they see.
-inline AttnRows attention_rows_of(const AttnShape& s, const float* q, int64_t b, int64_t g,
-                                  int64_t i0, int64_t i1) {
-  AttnRows rows;
-  const int64_t G = s.group();
-  rows.first = s.Lk, rows.end = 0;
-  for (int64_t i = i0; i < i1; i++)
-    for (int64_t h = g * G; h < (g + 1) * G; h++) {
-      const int r = rows.n++;
-      rows.q[r] = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
-      const bool* mk = s.mask ? s.mask + b * s.ms[0] + h * s.ms[1] + i * s.ms[2] : nullptr;
-      rows.mask[r] = mk;
-      int64_t first = 0, last = s.causal ? std::min(s.Lk - 1, i + s.Lk - s.Lq) : s.Lk - 1;
-      if (mk) {
-        while (first <= last && !mk[first * s.ms[3]]) first++;
-        while (last >= first && !mk[last * s.ms[3]]) last--;
-      }
-      rows.last[r] = last;
-      if (first <= last) {
-        rows.first = std::min(rows.first, first);
-        rows.end = std::max(rows.end, last + 1);
-      }
+// The tasks of the attention: for each batch row and KV head, its rows (the group's query heads
+// at each query position in turn) cut into runs of at most qtile() positions' rows, a new run
+// wherever a row's first key is not the run's (a row that sees no key joins any run). So the
+// chunks and tiles of a row start at its own first key whatever the batch, the padding and
+// the other rows of its task.
+inline std::vector<AttnRows> attention_tasks(const AttnShape& s, const float* q) {
+  const int64_t G = s.group(), cap = s.qtile() * G;
+  std::vector<AttnRows> tasks;
+  for (int64_t b = 0; b < s.B; b++)
+    for (int64_t g = 0; g < s.Hkv; g++) {
+      AttnRows cur;
+      cur.b = b, cur.g = g;
+      const bool* prev = nullptr;  // the last mask row scanned, its causal bound and result
+      int64_t pbound = 0, pfirst = 0, plast = -1;
+      for (int64_t i = 0; i < s.Lq; i++)
+        for (int64_t h = g * G; h < (g + 1) * G; h++) {
+          const bool* mk = s.mask ? s.mask + b * s.ms[0] + h * s.ms[1] + i * s.ms[2] : nullptr;
+          int64_t first = 0, last = s.causal ? std::min(s.Lk - 1, i + s.Lk - s.Lq) : s.Lk - 1;
+          if (mk && mk == prev && last == pbound) {
+            first = pfirst, last = plast;
+          } else if (mk) {
+            prev = mk, pbound = last;
+            while (first <= last && !mk[first * s.ms[3]]) first++;
+            while (last >= first && !mk[last * s.ms[3]]) last--;
+            pfirst = first, plast = last;
+          }
+          const bool sees = first <= last;
+          if (cur.n == cap || (sees && cur.first >= 0 && first != cur.first)) {
+            tasks.push_back(cur);
+            cur = AttnRows{};
+            cur.b = b, cur.g = g;
+          }
+          const int r = cur.n++;
+          cur.q[r] = q + b * s.qs[0] + h * s.qs[1] + i * s.qs[2];
+          cur.mask[r] = mk;
+          cur.out[r] = b * s.os[0] + h * s.os[1] + i * s.os[2];
+          cur.last[r] = sees ? last : -1;
+          if (sees) cur.first = first, cur.end = std::max(cur.end, last + 1);
+        }
+      if (cur.n) tasks.push_back(cur);
     }
-  if (rows.end <= rows.first) rows.first = rows.end = 0;
-  return rows;
+  return tasks;
 }
 
 // out = o / l for each row (0 for a row that sees no key).
 inline void attention_store(const AttnShape& s, const AttnRows& rows, const AttnPartial& p,
-                            float* out, int64_t b, int64_t g, int64_t i0) {
-  const int64_t G = s.group(), D = s.D;
+                            float* out) {
+  const int64_t D = s.D;
   for (int r = 0; r < rows.n; r++) {
-    float* dst = out + b * s.os[0] + (g * G + r % G) * s.os[1] + (i0 + r / G) * s.os[2];
+    float* dst = out + rows.out[r];
     if (p.m[r] == -INFINITY) {
       std::fill(dst, dst + D, 0.f);
       continue;
@@ -269,25 +322,20 @@ inline void attention_store(const AttnShape& s, const AttnRows& rows, const Attn
 template <class O, class Run>
 void attention(const AttnShape& s, const float* q, const void* k, const void* v, float* out,
                const Run& run) {
-  const int64_t QT = s.qtile(), tiles = ceil_div(s.Lq, QT), D = s.D;
-  const int64_t tasks = s.B * s.Hkv * tiles;
+  const int64_t D = s.D;
   const size_t esz = s.kv_half ? 2 : 4;
-  std::vector<AttnRows> all(tasks);
+  const std::vector<AttnRows> all = attention_tasks(s, q);
+  const int64_t tasks = (int64_t)all.size();
   int64_t most = 0;  // chunks of the task with the most
-  for (int64_t t = 0; t < tasks; t++) {
-    const int64_t bg = t / tiles, i0 = (t % tiles) * QT;
-    all[t] = attention_rows_of(s, q, bg / s.Hkv, bg % s.Hkv, i0, std::min(s.Lq, i0 + QT));
-    most = std::max(most, all[t].chunks());
-  }
-  auto where = [&](int64_t t) {  // (b, g, i0, K rows, V rows) of task t
-    const int64_t bg = t / tiles, b = bg / s.Hkv, g = bg % s.Hkv;
-    return std::make_tuple(b, g, (t % tiles) * QT,
-                           (const void*)((const char*)k + (b * s.ks[0] + g * s.ks[1]) * esz),
-                           (const void*)((const char*)v + (b * s.vs[0] + g * s.vs[1]) * esz));
+  for (auto& r : all) most = std::max(most, r.chunks());
+  auto where = [&](int64_t t) {  // (K rows, V rows) of task t
+    const int64_t b = all[t].b, g = all[t].g;
+    return std::make_pair((const void*)((const char*)k + (b * s.ks[0] + g * s.ks[1]) * esz),
+                          (const void*)((const char*)v + (b * s.vs[0] + g * s.vs[1]) * esz));
   };
   auto chunk = [&](int64_t t, int64_t c, AttnPartial& p, float* buf) {
     const AttnRows& rows = all[t];
-    const auto [b, g, i0, kb, vb] = where(t);
+    const auto [kb, vb] = where(t);
     const int64_t c0 = rows.first + c * ATT_CHUNK, c1 = std::min(rows.end, c0 + ATT_CHUNK);
     attention_chunk<O>(s, rows, kb, vb, c0, c1, p, buf, buf + ATT_KEYS * D);
   };
@@ -305,8 +353,7 @@ void attention(const AttnShape& s, const float* q, const void* k, const void* v,
         chunk(t, c, c == 0 ? acc : part, kv);
         if (c > 0) attention_merge(acc, part, all[t].n, D);
       }
-      const auto [b, g, i0, kb, vb] = where(t);
-      attention_store(s, all[t], acc, out, b, g, i0);
+      attention_store(s, all[t], acc, out);
     });
     return;
   }
@@ -339,8 +386,7 @@ void attention(const AttnShape& s, const float* q, const void* k, const void* v,
     AttnPartial acc = load(start[t]);
     for (int64_t it = start[t] + 1; it < start[t + 1]; it++)
       attention_merge(acc, load(it), all[t].n, D);
-    const auto [b, g, i0, kb, vb] = where(t);
-    attention_store(s, all[t], acc, out, b, g, i0);
+    attention_store(s, all[t], acc, out);
   });
 }
 
