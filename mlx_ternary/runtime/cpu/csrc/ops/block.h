@@ -47,19 +47,17 @@ inline void rms_norm_rows(const float* x, const float* w, float eps, int64_t K, 
   for (int64_t m = m0; m < m1; m += RMS_ROWS) {
     const int rows = (int)std::min<int64_t>(RMS_ROWS, m1 - m);
     float s[RMS_ROWS] = {};
-    if (rows == RMS_ROWS) {
+    auto sums = [&](auto nrows) {  // a constant count for whole groups: the j loop unrolls
       for (int64_t i = 0; i < K; i++)
-        for (int j = 0; j < RMS_ROWS; j++) {
+        for (int j = 0; j < (int)nrows; j++) {
           const float v = x[(m + j) * K + i];
           s[j] = s[j] + v * v;
         }
-    } else {
-      for (int64_t i = 0; i < K; i++)
-        for (int j = 0; j < rows; j++) {
-          const float v = x[(m + j) * K + i];
-          s[j] = s[j] + v * v;
-        }
-    }
+    };
+    if (rows == RMS_ROWS)
+      sums(std::integral_constant<int, RMS_ROWS>{});
+    else
+      sums(rows);
     for (int j = 0; j < rows; j++) {
       const float* xr = x + (m + j) * K;
       float* o = out + (m + j) * K;
