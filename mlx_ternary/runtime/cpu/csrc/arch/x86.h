@@ -206,6 +206,62 @@ struct Avx2Ops {
     return _mm256_mul_ps(_mm256_mul_ps(v, _mm256_loadu_ps(s8)), _mm256_set1_ps(xs));
   }
 
+#if !defined(__AVX512VL__)
+  // q8k row panels on 256-bit vectors (q8k.h rows_q8k_panels; AVX-512 has its own below):
+  // lane r = row r of an 8-row panel, word (s, d) = dword d of step s of each row; one
+  // token's 4 activations of code v are broadcast to every lane (a vpbroadcastd load), so a
+  // segment needs no horizontal sum - the 1 x 8 tiles' transpose and add per segment cost
+  // about as much as a third of their pmaddubsw. The pairs add up in int16 over the whole
+  // segment (Q8K_PANEL_I16_TERMS: exact) and pstep widens them once.
+  static constexpr bool has_q8k_panel = true;
+  static constexpr int q8k_panel_rows = 8;
+  static constexpr int q8k_panel_pass = 1;  // 8 tokens' accumulators: half the registers
+  using W = __m256i;  // a panel word, and an accumulator of int16 pairs (lane r: row r)
+  using PF = __m256;  // 8 float lanes: the panel's rows
+  static W wzero() { return _mm256_setzero_si256(); }
+  static W wcode(W w, int v) { return code(w, v); }
+  static W pbcast(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static void wdot(W& a, W c, W x) {
+    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c, x));
+    __asm__("" : "+x"(a));  // keeps the compiler from reassociating the sums into spills
+  }
+  // The 8 words of one 32-byte step of 8 rows (w: the first row's step, rb bytes apart):
+  // out + 32 d = dword d of rows 0-7 (an 8 x 8 dword transpose)
+  static void ptranspose(const uint8_t* w, int64_t rb, uint8_t* out) {
+    __m256i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) z[i] = _mm256_loadu_si256((const __m256i*)(w + i * rb));
+    for (int i = 0; i < 8; i += 2)  // per 128-bit half: rows i, i + 1 interleaved
+      t[i] = _mm256_unpacklo_epi32(z[i], z[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(z[i], z[i + 1]);
+    for (int i = 0; i < 8; i += 4) {  // half h of u[i + k]: dword 4 h + k of rows i .. i + 3
+      u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+      u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+      u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+      _mm256_store_si256((__m256i*)(out + 32 * k), _mm256_permute2x128_si256(u[k], u[4 + k], 0x20));
+      _mm256_store_si256((__m256i*)(out + 32 * (4 + k)),
+                         _mm256_permute2x128_si256(u[k], u[4 + k], 0x31));
+    }
+  }
+  static W pwload(const uint8_t* p) { return _mm256_load_si256((const __m256i*)p); }
+  static PF pzero() { return _mm256_setzero_ps(); }
+  static PF pload(const float* p) { return _mm256_load_ps(p); }
+  static void pstore(float* p, PF v) { _mm256_store_ps(p, v); }
+  static void pstoreu(float* p, PF v) { _mm256_storeu_ps(p, v); }
+  static PF padd(PF a, PF b) { return _mm256_add_ps(a, b); }
+  // the int16 pairs of acc widened and added (lane r: row r's segment sum), then
+  // y + float(sumi - ssum) * (d * s), lane by lane (tstep_rows' order)
+  static PF pstep(PF y, W acc, int32_t ssum, float d, PF s) {
+    const __m256i sumi = _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+    const PF v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(ssum)));
+    return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), s)));
+  }
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   // q8k windows (q8k.h rows_q8k_wide_tile, rows_q8k_r8w): two 32-byte steps of a row in one
   // 512-bit vector, so that one vpdpbusd does the work of two where the core has 512-bit
