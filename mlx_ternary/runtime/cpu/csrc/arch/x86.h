@@ -738,9 +738,9 @@ inline int64_t round_clamp_head(float* x, int64_t n, float iscale, float qmax) {
 }
 
 // One whole block of 256 floats as ggml's Q8_K codes at q, d (kernels/q8k.h q8k_block's values,
-// 16 lanes at a time: max |x| is exact in any order, the first column reaching it found by a
-// compare mask, then q8k_block's multiply, half-to-even rounding and clamp); false where this
-// build has no 512-bit body or the block is shorter (q8k_block runs).
+// 16 lanes at a time, or 8 without AVX-512: max |x| is exact in any order, the first column
+// reaching it found by a compare mask, then q8k_block's multiply, half-to-even rounding and
+// clamp); false where the block is shorter (q8k_block runs).
 inline bool q8k_block_head(const float* x, int64_t n, int8_t* q, float& d) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (n != Q8K_BLOCK) return false;
@@ -772,13 +772,47 @@ inline bool q8k_block_head(const float* x, int64_t n, int8_t* q, float& d) {
   d = 1.f / iscale;
   return true;
 #else
-  (void)x, (void)n, (void)q, (void)d;
-  return false;
+  // 8 lanes: absmax_head's max (the scalar path's own), the first column reaching it through
+  // a compare mask, round_clamp_head's multiply, rounding and clamp, packed to bytes
+  if (n != Q8K_BLOCK) return false;
+  float amax = 0.f;
+  absmax_head(x, Q8K_BLOCK, amax);
+  if (!(amax > 0.f)) {
+    std::memset(q, 0, Q8K_BLOCK);
+    d = 0.f;
+    return true;
+  }
+  const __m256 sign = _mm256_set1_ps(-0.f), va = _mm256_set1_ps(amax);
+  int top = 0;
+  for (int i = 0; i < Q8K_BLOCK; i += 8) {
+    const int eq = _mm256_movemask_ps(
+        _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), va, _CMP_EQ_OQ));
+    if (eq) {
+      top = i + __builtin_ctz(eq);
+      break;
+    }
+  }
+  const float iscale = -Q8K_QMAX / x[top];
+  const __m256 vs = _mm256_set1_ps(iscale), vmax = _mm256_set1_ps(Q8K_QMAX);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int i = 0; i < Q8K_BLOCK; i += 32) {
+    __m256i r[4];
+    for (int k = 0; k < 4; k++)
+      r[k] = _mm256_cvtps_epi32(_mm256_min_ps(
+          _mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + i + 8 * k)),
+                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          vmax));
+    // packs work within 128-bit halves: dwords come out as 0 2 4 6 | 1 3 5 7 of 4-byte groups
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i*)(q + i), _mm256_permutevar8x32_epi32(b, order));
+  }
+  d = 1.f / iscale;
+  return true;
 #endif
 }
 
-// The sum of the int8 values q[0, n) over the whole 64-byte vectors into sum; returns where the
-// scalar tail starts.
+// The sum of the int8 values q[0, n) over the whole 64-byte vectors (32-byte without AVX-512)
+// into sum; returns where the scalar tail starts.
 inline int64_t sum_i8_head(const int8_t* q, int64_t n, int32_t& sum) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -788,7 +822,13 @@ inline int64_t sum_i8_head(const int8_t* q, int64_t n, int32_t& sum) {
     acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(q + i), flip), zero));
   sum += (int32_t)(_mm512_reduce_add_epi64(acc) - 128 * i);
 #else
-  (void)q, (void)n, (void)sum;
+  __m256i acc = _mm256_setzero_si256();  // sums of 8 bytes q + 128, per 64-bit lane
+  const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+  for (; i + 32 <= n; i += 32)
+    acc = _mm256_add_epi64(acc, _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + i)), flip), zero));
+  alignas(32) int64_t lanes[4];
+  _mm256_store_si256((__m256i*)lanes, acc);
+  sum += (int32_t)(lanes[0] + lanes[1] + lanes[2] + lanes[3] - 128 * i);
 #endif
   return i;
 }
