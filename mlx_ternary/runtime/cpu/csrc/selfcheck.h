@@ -163,7 +163,8 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
   if (K > 3) x[1] = 0.f, x[2] = -x[0];  // zeros and a tie of magnitudes
   if (M > 1) std::fill(x.begin() + K, x.begin() + K + std::min<int64_t>(K, Q8K_BLOCK), 0.f);
   if (extreme) {
-    for (int64_t n = 0; n < N; n++) std::fill(t.begin() + n * K, t.begin() + (n + 1) * K, n % 2 ? -1 : 1);
+    for (int64_t n = 0; n < N; n++)
+      std::fill(t.begin() + n * K, t.begin() + (n + 1) * K, n % 2 ? -1 : 1);
     w = pack_rows(t, g);
     for (int64_t m = 0; m < M; m++)
       std::fill(x.begin() + m * K, x.begin() + (m + 1) * K, (m % 2 ? -1.f : 1.f) * (1 + m));

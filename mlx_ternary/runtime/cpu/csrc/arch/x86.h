@@ -803,7 +803,8 @@ inline bool q8k_block_head(const float* x, int64_t n, int8_t* q, float& d) {
                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
           vmax));
     // packs work within 128-bit halves: dwords come out as 0 2 4 6 | 1 3 5 7 of 4-byte groups
-    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    const __m256i b =
+        _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
     _mm256_storeu_si256((__m256i*)(q + i), _mm256_permutevar8x32_epi32(b, order));
   }
   d = 1.f / iscale;
@@ -825,7 +826,8 @@ inline int64_t sum_i8_head(const int8_t* q, int64_t n, int32_t& sum) {
   __m256i acc = _mm256_setzero_si256();  // sums of 8 bytes q + 128, per 64-bit lane
   const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
   for (; i + 32 <= n; i += 32)
-    acc = _mm256_add_epi64(acc, _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + i)), flip), zero));
+    acc = _mm256_add_epi64(
+        acc, _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + i)), flip), zero));
   alignas(32) int64_t lanes[4];
   _mm256_store_si256((__m256i*)lanes, acc);
   sum += (int32_t)(lanes[0] + lanes[1] + lanes[2] + lanes[3] - 128 * i);

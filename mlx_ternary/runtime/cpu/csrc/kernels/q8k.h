@@ -259,8 +259,9 @@ struct Q8kTilePairs<O, std::void_t<decltype(O::q8k_tile_pairs)>>
 // ----------------------------------------------------------------------------------------------
 //
 // The same sums once more, shaped for AVX2's 16 registers (ik_llama.cpp's AVX2 IQ2_BN kernel
-// has this shape): a row's 4 code vectors of a step are decoded once for 8 tokens, each
-// activation vector is read once per row (an operand from L1, no register), and the 8
+// has this shape; from Q8K_PANEL_MIN_TOKENS tokens on, rows of whole 256-column segments take
+// the row panels below instead): a row's 4 code vectors of a step are decoded once for 8
+// tokens, each activation vector is read once per row (an operand from L1, no register), and the 8
 // accumulators, one per token, are reduced at a segment's end into one vector (lane t =
 // token t) for the float32 epilogue y + float(sumi - ssum) * (d * s), lane by lane: the
 // scalar epilogue's order and rounding, so the same bits as rows_q8k.
@@ -762,7 +763,8 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
     uint8_t* dst = wt + p * pbytes;
     float* sp = scv + p * pfloats;
     if (rows == P) {
-      for (int64_t s = 0; s < nsteps; s++) O::ptranspose(L.w + r0 * rb + 32 * s, rb, dst + 32 * P * s);
+      for (int64_t s = 0; s < nsteps; s++)
+        O::ptranspose(L.w + r0 * rb + 32 * s, rb, dst + 32 * P * s);
     } else {
       std::memset(dst, 0, pbytes);
       std::fill(sp, sp + pfloats, 0.f);
