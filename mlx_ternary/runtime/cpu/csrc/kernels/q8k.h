@@ -632,8 +632,8 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
 // then y + float(sumi - ssum) * (d * s) lane by lane - tstep_rows' operations in the same
 // order, so each row's bits are rows_q8k's. AVX-512 sums in int32 (vpdpbusd); AVX2 adds its
 // pmaddubsw pairs up in int16 over the whole segment and widens them at its end (pstep): a
-// lane adds Q8K_PANEL_I16_TERMS pairs of |c q| <= 2 * 127 (codes 0-2, Q8_K's |q| <= 127),
-// 32512 at most, so the wrapping int16 sums are exact.
+// lane adds Q8K_PANEL_I16_TERMS pairs of two products |c q| <= 2 * 127 (codes 0-2, Q8_K's
+// |q| <= 127), 32512 at most, so the wrapping int16 sums are exact.
 
 template <class O, class = void>
 struct HasQ8kPanel : std::false_type {};
