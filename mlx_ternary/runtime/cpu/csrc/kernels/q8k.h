@@ -510,12 +510,14 @@ struct Q8kRows8 {
 // The 8-row blocks read 8 rows side by side, 32 bytes of each a step: 8 interleaved streams,
 // which the hardware prefetcher follows poorly (one thread on the Zen 4: the blocks' sweep of
 // the 0.53 G llama's layers took 17 ms without their software prefetch, 10 with it, 7.4 from
-// cache). Here each row is read once from start to end - one linear stream, as the float16
-// output layer reads - and the lanes turn the other way: a segment's sum (O::q8k_seg, int16
-// lanes) is reduced with 7 others of the same row (tsum8: lane i = segment j0 + i), the 8
-// terms float(sumi - ssum) * (d * s) are computed lane by lane (O::tterms) and added to the
-// row's y in segment order, in scalar: the operations of tstep_rows in the same order, so
-// the bits are rows_q8k's.
+// cache). Here a block of 8 rows is read row after row, each from start to end - one linear
+// stream, as the float16 output layer reads - and the lanes turn the other way: a segment's
+// sum (O::q8k_seg, int16 lanes) is reduced with 7 others of the same row (tsum8: lane i =
+// segment j0 + i) and their terms float(sumi - ssum) * (d * s) computed lane by lane
+// (O::tterms) and stored; then the 8 rows' terms are transposed (lane = row) and added in
+// segment order: the operations of tstep_rows in the same order, so the bits are rows_q8k's.
+// (A q8k_wide row's segment j is its block j: the activations' d and sums of 8 segments are
+// 8 consecutive floats / ints.)
 
 template <class O, class = void>
 struct HasQ8kLin : std::false_type {};
@@ -550,7 +552,8 @@ void rows_q8k_lin(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
   const int64_t xlen = g.xlen(), rb = g.row_bytes, nseg = g.nseg, nb = g.nblocks8;
   const int64_t nsegp = ceil_div(nseg, 8) * 8;
   const bool row_scale = L.scale_kind != 2;
-  alignas(32) float tb[R * Q8K_LIN_MAX_SEG];  // tb[r * nsegp + j]: row r's term of segment j
+  // tb[r * nsegp + j]: row r's term of segment j (zeros in the rows a partial block lacks)
+  alignas(32) float tb[R * Q8K_LIN_MAX_SEG] = {};
   for (int64_t n = n0; n < n1; n += R) {
     const int rows = (int)std::min<int64_t>(R, n1 - n);
     for (int64_t m = m0; m < m1; m++) {
