@@ -196,15 +196,26 @@ def test_native_is_llamacpp_bit_for_bit(packing, scale, k, m):
 
 
 @needs_native
-@pytest.mark.parametrize("n,scale", [(203, "group"), (1000, "group"), (37, "row"), (24, "tensor")])
-def test_native_decode_blocks_chunks_and_threads_are_the_same_bits(n, scale):
-    """Decode runs 8-row blocks (a tail of n % 8 rows through the row kernel) in chunks sized
-    by the thread count; a few tokens run 4 x 4 tiles in 16-row chunks, prefill 16-row panels
-    in chunks sized by the thread count. Every row of every token must be ggml's, whatever the
-    tokens per call, the chunking or the threads."""
+@pytest.mark.parametrize(
+    "n,scale,k",
+    [
+        (203, "group", 768),
+        (1000, "group", 768),
+        (37, "row", 768),
+        (24, "tensor", 768),
+        (21, "group", 2304),  # one row at a time (AVX2): segments in a group of 8 and one more
+        (11, "group", 16640),  # 65 segments: longer than that kernel's buffer, the 8-row blocks
+    ],
+)
+def test_native_decode_blocks_chunks_and_threads_are_the_same_bits(n, scale, k):
+    """Decode runs 8-row blocks (a tail of n % 8 rows through the row kernel; AVX2 without VNNI:
+    one row at a time, 8 segments' sums reduced together) in chunks sized by the thread count; a
+    few tokens run 4 x 4 tiles in 16-row chunks, prefill 16-row panels in chunks sized by the
+    thread count. Every row of every token must be ggml's, whatever the tokens per call, the
+    chunking or the threads."""
     rng = np.random.default_rng(n)
-    (packed, s, kw), t, s_blocks = tq_layer(rng, n, 768, "fast", scale)
-    x = tricky_x(rng, 14, 768)
+    (packed, s, kw), t, s_blocks = tq_layer(rng, n, k, "fast", scale)
+    x = tricky_x(rng, 14, k)
     want = ggml_layer(x, t, s_blocks)
     threads = cpu.info()["threads"]
     try:

@@ -33,8 +33,8 @@ inline uint64_t* int8_digests() {
 inline void fold_digest(int which, const std::vector<float>& y) {
   uint64_t& h = int8_digests()[which];
   for (float v : y) {
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
+    uint32_t u = 0x7FC00000u;  // a NaN as one value: x86 and arm64 make different default NaNs
+    if (!std::isnan(v)) std::memcpy(&u, &v, 4);
     for (int i = 0; i < 4; i++) h = (h ^ ((u >> (8 * i)) & 255)) * 1099511628211ull;
   }
 }
@@ -144,11 +144,13 @@ inline std::string check_case(int packing, int64_t M, int64_t N, int64_t K, int 
 
 // q8k: NativeOps and ScalarOps bit-identical, and both equal to ggml's sum computed here from
 // the definition (Q8_K per 256 columns, integer dot products per segment, float32 in order).
-// extreme: rows of all +1 and all -1 trits against tokens of one value (codes ±127): the
-// largest segment sums there are (AVX2's panels add them up in int16: 32512 a lane)
+// f16_scales: the scales as float16, the first one infinite where there are several (the kernels' F16C conversion and
+// its fallback for a non-finite half); extreme: rows of all +1 and all -1 trits against
+// tokens of one value (codes ±127): the largest segment sums there are (AVX2's panels add
+// them up in int16: 32512 a lane)
 inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, int group,
                                   int scale_kind, uint32_t seed, bool bias = false,
-                                  bool extreme = false) {
+                                  bool f16_scales = false, bool extreme = false) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> trit(-1, 1);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -159,6 +161,11 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
   std::vector<uint8_t> w = pack_rows(t, g);
   std::vector<float> s(scale_kind == 0 ? 1 : scale_kind == 1 ? N : N * g.ngroups), x(M * K);
   for (auto& v : s) v = 0.5f + (rng() % 1000) / 1000.f;
+  std::vector<uint16_t> s16(s.size());
+  if (f16_scales) {
+    if (s.size() > 1) s[0] = INFINITY;
+    for (size_t i = 0; i < s.size(); i++) s16[i] = f32_to_f16(s[i]), s[i] = f16_to_f32(s16[i]);
+  }
   for (auto& v : x) v = normal(rng) * (1 + (rng() % 4));
   if (K > 3) x[1] = 0.f, x[2] = -x[0];  // zeros and a tie of magnitudes
   if (M > 1) std::fill(x.begin() + K, x.begin() + K + std::min<int64_t>(K, Q8K_BLOCK), 0.f);
@@ -173,6 +180,7 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
   for (auto& v : b) v = normal(rng);
   Layer L(g);
   L.w = w.data(), L.scales = s.data(), L.scale_kind = scale_kind;
+  if (f16_scales) L.scales = s16.data(), L.scale_dtype = F16;
   if (bias) L.bias = b.data();
   L.act_quant = L.q8k = true;
   Acts a;
@@ -208,9 +216,11 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
         want += (float)sumi * (d[sg * g.seg_len / Q8K_BLOCK] * sv);
       }
       if (bias) want += b[n];
-      if (y_native[m * N + n] != y_scalar[m * N + n])
+      const float yn = y_native[m * N + n], ys = y_scalar[m * N + n];
+      if (std::memcmp(&yn, &ys, 4) != 0)
         return std::string(NativeOps::name) + " and scalar paths differ (q8k)";
-      if (y_native[m * N + n] != want) return "q8k result differs from ggml's definition";
+      if (yn != want && !(std::isnan(yn) && std::isnan(want)))
+        return "q8k result differs from ggml's definition";
     }
   }
   return "";
@@ -347,13 +357,26 @@ inline std::string selfcheck() {
       return e + " (8-row blocks, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
              std::to_string(K) + ")";
   }
+  // decode one row at a time (q8k.h rows_q8k_lin, AVX2 without VNNI; the 8-row blocks
+  // elsewhere): rows in blocks of 8 and a partial one, segments in groups of 8 and a partial
+  // one, 1-3 tokens, every scale kind, float16 scales (an infinite one), a bias, a row too
+  // long for the kernel's buffer (rows_r8)
+  for (auto [M, N, K, sk, bias, f16] :
+       {std::tuple{1, 13, 2304, 2, false, true}, std::tuple{2, 7, 4096, 1, true, false},
+        std::tuple{3, 21, 1792, 2, true, true}, std::tuple{1, 16, 2048, 0, false, true},
+        std::tuple{2, 9, 5632, 2, false, false}, std::tuple{1, 9, 16640, 2, true, true}}) {
+    std::string e = check_q8k_case(FAST, M, N, K, 256, sk, seed++, bias, f16);
+    if (!e.empty())
+      return e + " (one row at a time, M " + std::to_string(M) + ", N " + std::to_string(N) +
+             ", K " + std::to_string(K) + ")";
+  }
   // prefill through the row panels (q8k.h rows_q8k_panels, where the ISA has them): short
   // token tiles of 1, 4, 5 and 7 tokens, passes of two panels and of one, a partial last panel,
   // every scale kind, a bias; the largest sums (AVX2's int16 lanes at their bound)
   for (auto [M, N, K, sk, extreme] : {std::tuple{13, 37, 512, 2, false}, std::tuple{23, 48, 768, 1, false},
                                       std::tuple{9, 16, 256, 0, false}, std::tuple{20, 70, 1024, 2, false},
                                       std::tuple{10, 12, 512, 2, true}}) {
-    std::string e = check_q8k_case(FAST, M, N, K, 256, sk, seed++, true, extreme);
+    std::string e = check_q8k_case(FAST, M, N, K, 256, sk, seed++, true, false, extreme);
     if (!e.empty())
       return e + " (row panels, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
              std::to_string(K) + ")";
@@ -392,7 +415,7 @@ inline std::string selfcheck() {
   for (int wd : {F32, F16, BF16})
     for (int64_t K : {5, 64, 77})
       for (int64_t M : {1, 2, 5}) {
-        std::string e = check_dense(wd, M, 6, K, seed++);
+        std::string e = check_dense(wd, M, 19, K, seed++);  // whole tiles of every ISA and single rows
         if (!e.empty()) return e + " (dtype " + std::to_string(wd) + ", K " + std::to_string(K) + ")";
       }
   return "";

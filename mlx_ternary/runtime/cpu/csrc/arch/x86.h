@@ -193,6 +193,70 @@ struct Avx2Ops {
     __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(ssum)));
     return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(s8))));
   }
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+  // q8k.h rows_q8k_lin: one segment of two whole steps (w: 64 bytes of a row, x: its 256
+  // prepared activations) as int16 lanes whose sum is the segment's sum(c q). Codes 1 and 2
+  // stay in place (w & 0x0C = 4 c, w & 0x30 = 16 c): their pmaddubsw sums are exact
+  // multiples of 4 and 16 (|lane| <= 2 steps x 2 x 32 x 128 = 16384, no overflow), shifted
+  // back exactly - two masks in place of two shifts and masks a step
+  static constexpr bool has_q8k_lin = true;
+  static __m256i q8k_seg(const uint8_t* w, const int8_t* x) {
+    const __m256i w0 = load(w), w1 = load(w + 32);
+    const __m256i m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(0x0C),
+                  m48 = _mm256_set1_epi8(0x30);
+    const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w0, m3), xload(x)),
+                                        _mm256_maddubs_epi16(_mm256_and_si256(w1, m3), xload(x + 128)));
+    const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w0, m12), xload(x + 32)),
+                                        _mm256_maddubs_epi16(_mm256_and_si256(w1, m12), xload(x + 160)));
+    const __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w0, m48), xload(x + 64)),
+                                        _mm256_maddubs_epi16(_mm256_and_si256(w1, m48), xload(x + 192)));
+    const __m256i s3 = _mm256_add_epi16(
+        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w0, 6), m3), xload(x + 96)),
+        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w1, 6), m3), xload(x + 224)));
+    const __m256i s12 = _mm256_srai_epi16(_mm256_add_epi16(s1, _mm256_srai_epi16(s2, 2)), 2);
+    return _mm256_add_epi16(_mm256_add_epi16(s0, s3), s12);
+  }
+#endif
+  // q8k.h rows_q8k_lin: lane j = segment j of one row: float(sumi - ssum) * (d * s), the terms
+  // tstep_rows adds
+  static FV tterms(__m256i sumi, const int32_t* ssum8, const float* d8, const float* s8) {
+    const __m256 v = _mm256_cvtepi32_ps(
+        _mm256_sub_epi32(sumi, _mm256_loadu_si256((const __m256i*)ssum8)));
+    return _mm256_mul_ps(v, _mm256_mul_ps(_mm256_loadu_ps(d8), _mm256_loadu_ps(s8)));
+  }
+  // ((y + t[0]) + t[1]) + ... + t[7]: the lanes added in order, in scalar float32
+  static float fvadd_in_order(float y, FV t) {
+    const __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
+    __m128 a = _mm_add_ss(_mm_set_ss(y), lo);
+    a = _mm_add_ss(a, _mm_movehdup_ps(lo));
+    a = _mm_add_ss(a, _mm_movehl_ps(lo, lo));
+    a = _mm_add_ss(a, _mm_shuffle_ps(lo, lo, 3));
+    a = _mm_add_ss(a, hi);
+    a = _mm_add_ss(a, _mm_movehdup_ps(hi));
+    a = _mm_add_ss(a, _mm_movehl_ps(hi, hi));
+    a = _mm_add_ss(a, _mm_shuffle_ps(hi, hi, 3));
+    return _mm_cvtss_f32(a);
+  }
+  static FV fvadd(FV a, FV b) { return _mm256_add_ps(a, b); }
+  // c[i] lane r = p[r * stride + i]: 8 rows of 8 floats transposed
+  static void ftranspose8(const float* p, int64_t stride, FV c[8]) {
+    __m256 r[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_load_ps(p + i * stride);
+    for (int i = 0; i < 4; i++) {
+      u[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      u[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+      r[4 * i + 0] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0x44);
+      r[4 * i + 1] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0xEE);
+      r[4 * i + 2] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0x44);
+      r[4 * i + 3] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+      c[i] = _mm256_permute2f128_ps(r[i], r[4 + i], 0x20);
+      c[4 + i] = _mm256_permute2f128_ps(r[i], r[4 + i], 0x31);
+    }
+  }
   static void fvstore(float* p, FV v) { _mm256_storeu_ps(p, v); }
   static FV fvload(const float* p) { return _mm256_loadu_ps(p); }
   // kernels/ternary.h rows_int8_r8: int32 sums of 8 rows (lane = row) added up, and their
@@ -916,7 +980,9 @@ struct DenseYmm {
   static V zero() { return _mm256_setzero_ps(); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(V v) { return hsum8(v); }
-  static constexpr int rows(int t) { return t == 1 ? 1 : t == 2 ? 4 : t == 3 ? 3 : 2; }
+  // One token: 8 rows, each a chain of FMAs (one FMA's latency a chain would leave the
+  // 8-lane multiplier waiting: one row measured 16 GB/s on one thread, 8 rows 22-24)
+  static constexpr int rows(int t) { return t == 1 ? 8 : t == 2 ? 4 : t == 3 ? 3 : 2; }
 };
 
 #if defined(__AVX512F__)

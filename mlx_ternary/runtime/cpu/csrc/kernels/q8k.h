@@ -504,6 +504,111 @@ struct Q8kRows8 {
   }
 };
 
+// ----------------------------------------------------------------------------------------------
+// Decode, one row at a time (ISAs with q8k_seg: AVX2 without VNNI; rows with q8k_wide)
+// ----------------------------------------------------------------------------------------------
+//
+// The 8-row blocks read 8 rows side by side, 32 bytes of each a step: 8 interleaved streams,
+// which the hardware prefetcher follows poorly (one thread on the Zen 4: the blocks' sweep of
+// the 0.53 G llama's layers took 17 ms without their software prefetch, 10 with it, 7.4 from
+// cache). Here a block of 8 rows is read row after row, each from start to end - one linear
+// stream, as the float16 output layer reads - and the lanes turn the other way: a segment's
+// sum (O::q8k_seg, int16 lanes) is reduced with 7 others of the same row (tsum8: lane i =
+// segment j0 + i) and their terms float(sumi - ssum) * (d * s) computed lane by lane
+// (O::tterms) and stored; then the 8 rows' terms are transposed (lane = row) and added in
+// segment order: the operations of tstep_rows in the same order, so the bits are rows_q8k's.
+// (A q8k_wide row's segment j is its block j: the activations' d and sums of 8 segments are
+// 8 consecutive floats / ints.)
+
+template <class O, class = void>
+struct HasQ8kLin : std::false_type {};
+template <class O>
+struct HasQ8kLin<O, std::void_t<decltype(O::has_q8k_lin)>> : std::true_type {};
+
+// The scales of row n for segments j0 .. j0 + cnt - 1 (of a q8k_wide row: segment j is scale
+// group j * 256 / group), L.scale's values, into s8.
+inline void seg_scales8(const Layer& L, int64_t n, int64_t j0, int cnt, float* s8) {
+  const Geometry& g = L.g;
+  if (L.scale_kind == 2 && L.scale_dtype == F16 && g.group == Q8K_BLOCK) {
+    const uint16_t* h = (const uint16_t*)L.scales + n * g.ngroups + j0;
+    if (cnt == 8) {
+      if (native::f16x8_finite_to_f32(h, s8)) return;
+    } else {
+      alignas(16) uint16_t v[8] = {0};
+      for (int i = 0; i < cnt; i++) v[i] = h[i];
+      if (native::f16x8_finite_to_f32(v, s8)) return;
+    }
+  }
+  for (int i = 0; i < cnt; i++)
+    s8[i] = L.scale(n, L.scale_kind == 2 ? g.seg_group[j0 + i] : 0);
+}
+
+// Segments of a row the kernel's stack buffer holds (16384 columns); longer rows take rows_r8.
+constexpr int64_t Q8K_LIN_MAX_SEG = 64;
+
+template <class O>
+void rows_q8k_lin(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  constexpr int R = Q8K_ROW_BLOCK;
+  const Geometry& g = L.g;
+  const int64_t xlen = g.xlen(), rb = g.row_bytes, nseg = g.nseg, nb = g.nblocks8;
+  const int64_t nsegp = ceil_div(nseg, 8) * 8;
+  const bool row_scale = L.scale_kind != 2;
+  // tb[r * nsegp + j]: row r's term of segment j (zeros in the rows a partial block lacks)
+  alignas(32) float tb[R * Q8K_LIN_MAX_SEG] = {};
+  for (int64_t n = n0; n < n1; n += R) {
+    const int rows = (int)std::min<int64_t>(R, n1 - n);
+    for (int64_t m = m0; m < m1; m++) {
+      const int8_t* x = a.q.data() + m * xlen;
+      const int32_t* ss = a.ssum.data() + m * nseg;
+      const float* d8 = a.d8.data() + m * nb;
+      for (int r = 0; r < rows; r++) {
+        const uint8_t* w = L.w + (n + r) * rb;
+        alignas(32) float s8[8];
+        if (row_scale) std::fill(s8, s8 + 8, L.scale(n + r, 0));
+        for (int64_t j0 = 0; j0 < nseg; j0 += 8) {
+          const int cnt = (int)std::min<int64_t>(8, nseg - j0);
+          typename O::TA acc[8];
+          if (cnt == 8) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) acc[i] = O::q8k_seg(w + 64 * (j0 + i), x + 256 * (j0 + i));
+          } else {
+            for (int i = 0; i < 8; i++)
+              acc[i] = i < cnt ? O::q8k_seg(w + 64 * (j0 + i), x + 256 * (j0 + i)) : O::tzero();
+          }
+          if (!row_scale) seg_scales8(L, n + r, j0, cnt, s8);
+          typename O::FV t;
+          if (cnt == 8) {
+            t = O::tterms(O::tsum8(acc), ss + j0, d8 + j0, s8);
+          } else {  // the row's last segments: a padded copy of their sums and block scales
+            alignas(32) int32_t ss8[8] = {0};
+            alignas(32) float dd8[8] = {0};
+            std::memcpy(ss8, ss + j0, 4 * cnt), std::memcpy(dd8, d8 + j0, 4 * cnt);
+            t = O::tterms(O::tsum8(acc), ss8, dd8, s8);
+          }
+          O::fvstore(tb + r * nsegp + j0, t);
+        }
+      }
+      // the terms added in segment order, 8 rows at once (lane = row)
+      typename O::FV y = O::fvzero();
+      for (int64_t j0 = 0; j0 < nseg; j0 += 8) {
+        typename O::FV c[8];
+        O::ftranspose8(tb + j0, nsegp, c);
+        const int cnt = (int)std::min<int64_t>(8, nseg - j0);
+        if (cnt == 8) {
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; i++) y = O::fvadd(y, c[i]);
+        } else {
+          for (int i = 0; i < cnt; i++) y = O::fvadd(y, c[i]);
+        }
+      }
+      alignas(32) float out[R];
+      O::fvstore(out, y);
+      for (int r = 0; r < rows; r++)
+        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
+    }
+  }
+}
+
 // Rows [n0, n1) for tokens m0 .. m1 - 1 with q8k activations, in blocks of 8 rows.
 template <class O>
 void rows_q8k_r8(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
@@ -819,6 +924,8 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
 // One token (or a few) against rows [n0, n1): the windows where they apply.
 template <class O>
 void rows_q8k_few(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  if constexpr (HasQ8kLin<O>::value)
+    if (L.g.q8k_wide && L.g.nseg <= Q8K_LIN_MAX_SEG) return rows_q8k_lin<O>(L, a, n0, n1, m0, m1);
   if constexpr (HasQ8kWide<O>::value)
     if (L.g.q8k_wide) return rows_q8k_r8w<O>(L, a, n0, n1, m0, m1);
   rows_q8k_r8<O>(L, a, n0, n1, m0, m1);
