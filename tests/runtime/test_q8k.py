@@ -232,6 +232,32 @@ def test_native_decode_blocks_chunks_and_threads_are_the_same_bits(n, scale, k):
 
 
 @needs_native
+def test_native_prefill_at_the_largest_segment_sums():
+    """Rows of all +1 and all -1 trits against tokens of one value each: every Q8_K code is
+    +-127, so a +1 row's block sums (codes c = t + 1 = 2) reach 2 * 127 * 256 = 65024, which
+    AVX2's row panels add up as two int16 lanes of 32512 (their bound) before widening."""
+    n, k, m = 24, 768, 12
+    t = np.repeat(np.where(np.arange(n) % 2, -1, 1)[:, None], k, axis=1).astype(np.int8)
+    s = np.random.default_rng(3).uniform(0.01, 0.05, size=(n, k // 256)).astype(np.float16)
+    pt = fmt.PackedTernary.from_trits(t, s, "fast", 256)
+    sign = np.where(np.arange(m) % 2, -1.0, 1.0) * (1 + np.arange(m))
+    x = np.repeat(sign[:, None], k, axis=1).astype(F32)
+    q = np.stack([ggml_q8k(row)[0] for row in x]).astype(np.int64)  # (m, blocks, 256)
+    csum = np.einsum("nbc,mbc->nmb", (t.reshape(n, -1, 256) + 1).astype(np.int64), q)
+    assert np.abs(csum).max() == 2 * 127 * 256  # the sums the kernel adds up do reach the bound
+    y = cpu.ternary_matmul(
+        mx.array(x),
+        mx.array(pt.packed),
+        mx.array(s),
+        activation_bits=fmt.Q8K,
+        packing="fast",
+        in_features=k,
+        group_size=256,
+    )
+    np.testing.assert_array_equal(np.array(y), ggml_layer(x, t, s.astype(F32)))
+
+
+@needs_native
 @pytest.mark.parametrize("m", [2, 13])  # tiles; prefill's row panels
 def test_native_q8k_bias_dtypes_and_gradient(m):
     rng = np.random.default_rng(7)

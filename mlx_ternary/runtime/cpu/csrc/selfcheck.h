@@ -145,10 +145,12 @@ inline std::string check_case(int packing, int64_t M, int64_t N, int64_t K, int 
 // q8k: NativeOps and ScalarOps bit-identical, and both equal to ggml's sum computed here from
 // the definition (Q8_K per 256 columns, integer dot products per segment, float32 in order).
 // f16_scales: the scales as float16, the first one infinite where there are several (the kernels' F16C conversion and
-// its fallback for a non-finite half)
+// its fallback for a non-finite half); extreme: rows of all +1 and all -1 trits against
+// tokens of one value (codes ±127): the largest segment sums there are (AVX2's panels add
+// them up in int16: 32512 a lane)
 inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, int group,
                                   int scale_kind, uint32_t seed, bool bias = false,
-                                  bool f16_scales = false) {
+                                  bool f16_scales = false, bool extreme = false) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> trit(-1, 1);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -167,6 +169,13 @@ inline std::string check_q8k_case(int packing, int64_t M, int64_t N, int64_t K, 
   for (auto& v : x) v = normal(rng) * (1 + (rng() % 4));
   if (K > 3) x[1] = 0.f, x[2] = -x[0];  // zeros and a tie of magnitudes
   if (M > 1) std::fill(x.begin() + K, x.begin() + K + std::min<int64_t>(K, Q8K_BLOCK), 0.f);
+  if (extreme) {
+    for (int64_t n = 0; n < N; n++)
+      std::fill(t.begin() + n * K, t.begin() + (n + 1) * K, n % 2 ? -1 : 1);
+    w = pack_rows(t, g);
+    for (int64_t m = 0; m < M; m++)
+      std::fill(x.begin() + m * K, x.begin() + (m + 1) * K, (m % 2 ? -1.f : 1.f) * (1 + m));
+  }
   std::vector<float> b(N);
   for (auto& v : b) v = normal(rng);
   Layer L(g);
@@ -363,10 +372,11 @@ inline std::string selfcheck() {
   }
   // prefill through the row panels (q8k.h rows_q8k_panels, where the ISA has them): short
   // token tiles of 1, 4, 5 and 7 tokens, passes of two panels and of one, a partial last panel,
-  // every scale kind, a bias
-  for (auto [M, N, K, sk] : {std::tuple{13, 37, 512, 2}, std::tuple{23, 48, 768, 1},
-                             std::tuple{9, 16, 256, 0}, std::tuple{20, 70, 1024, 2}}) {
-    std::string e = check_q8k_case(FAST, M, N, K, 256, sk, seed++, true);
+  // every scale kind, a bias; the largest sums (AVX2's int16 lanes at their bound)
+  for (auto [M, N, K, sk, extreme] : {std::tuple{13, 37, 512, 2, false}, std::tuple{23, 48, 768, 1, false},
+                                      std::tuple{9, 16, 256, 0, false}, std::tuple{20, 70, 1024, 2, false},
+                                      std::tuple{10, 12, 512, 2, true}}) {
+    std::string e = check_q8k_case(FAST, M, N, K, 256, sk, seed++, true, false, extreme);
     if (!e.empty())
       return e + " (row panels, M " + std::to_string(M) + ", N " + std::to_string(N) + ", K " +
              std::to_string(K) + ")";

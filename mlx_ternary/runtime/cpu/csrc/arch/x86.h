@@ -270,6 +270,62 @@ struct Avx2Ops {
     return _mm256_mul_ps(_mm256_mul_ps(v, _mm256_loadu_ps(s8)), _mm256_set1_ps(xs));
   }
 
+#if !defined(__AVX512VL__)
+  // q8k row panels on 256-bit vectors (q8k.h rows_q8k_panels; AVX-512 has its own below):
+  // lane r = row r of an 8-row panel, word (s, d) = dword d of step s of each row; one
+  // token's 4 activations of code v are broadcast to every lane (a vpbroadcastd load), so a
+  // segment needs no horizontal sum - the 1 x 8 tiles' transpose and add per segment cost
+  // about as much as a third of their pmaddubsw. The pairs add up in int16 over the whole
+  // segment (Q8K_PANEL_I16_TERMS: exact) and pstep widens them once.
+  static constexpr bool has_q8k_panel = true;
+  static constexpr int q8k_panel_rows = 8;
+  static constexpr int q8k_panel_pass = 1;  // 8 tokens' accumulators: half the registers
+  using W = __m256i;  // a panel word, and an accumulator of int16 pairs (lane r: row r)
+  using PF = __m256;  // 8 float lanes: the panel's rows
+  static W wzero() { return _mm256_setzero_si256(); }
+  static W wcode(W w, int v) { return code(w, v); }
+  static W pbcast(const int8_t* x) {
+    int32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static void wdot(W& a, W c, W x) {
+    a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c, x));
+    __asm__("" : "+x"(a));  // keeps the compiler from reassociating the sums into spills
+  }
+  // The 8 words of one 32-byte step of 8 rows (w: the first row's step, rb bytes apart):
+  // out + 32 d = dword d of rows 0-7 (an 8 x 8 dword transpose)
+  static void ptranspose(const uint8_t* w, int64_t rb, uint8_t* out) {
+    __m256i z[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) z[i] = _mm256_loadu_si256((const __m256i*)(w + i * rb));
+    for (int i = 0; i < 8; i += 2)  // per 128-bit half: rows i, i + 1 interleaved
+      t[i] = _mm256_unpacklo_epi32(z[i], z[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(z[i], z[i + 1]);
+    for (int i = 0; i < 8; i += 4) {  // half h of u[i + k]: dword 4 h + k of rows i .. i + 3
+      u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+      u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+      u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+      _mm256_store_si256((__m256i*)(out + 32 * k), _mm256_permute2x128_si256(u[k], u[4 + k], 0x20));
+      _mm256_store_si256((__m256i*)(out + 32 * (4 + k)),
+                         _mm256_permute2x128_si256(u[k], u[4 + k], 0x31));
+    }
+  }
+  static W pwload(const uint8_t* p) { return _mm256_load_si256((const __m256i*)p); }
+  static PF pzero() { return _mm256_setzero_ps(); }
+  static PF pload(const float* p) { return _mm256_load_ps(p); }
+  static void pstore(float* p, PF v) { _mm256_store_ps(p, v); }
+  static void pstoreu(float* p, PF v) { _mm256_storeu_ps(p, v); }
+  static PF padd(PF a, PF b) { return _mm256_add_ps(a, b); }
+  // the int16 pairs of acc widened and added (lane r: row r's segment sum), then
+  // y + float(sumi - ssum) * (d * s), lane by lane (tstep_rows' order)
+  static PF pstep(PF y, W acc, int32_t ssum, float d, PF s) {
+    const __m256i sumi = _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+    const PF v = _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, _mm256_set1_epi32(ssum)));
+    return _mm256_add_ps(y, _mm256_mul_ps(v, _mm256_mul_ps(_mm256_set1_ps(d), s)));
+  }
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   // q8k windows (q8k.h rows_q8k_wide_tile, rows_q8k_r8w): two 32-byte steps of a row in one
   // 512-bit vector, so that one vpdpbusd does the work of two where the core has 512-bit
@@ -746,9 +802,9 @@ inline int64_t round_clamp_head(float* x, int64_t n, float iscale, float qmax) {
 }
 
 // One whole block of 256 floats as ggml's Q8_K codes at q, d (kernels/q8k.h q8k_block's values,
-// 16 lanes at a time: max |x| is exact in any order, the first column reaching it found by a
-// compare mask, then q8k_block's multiply, half-to-even rounding and clamp); false where this
-// build has no 512-bit body or the block is shorter (q8k_block runs).
+// 16 lanes at a time, or 8 without AVX-512: max |x| is exact in any order, the first column
+// reaching it found by a compare mask, then q8k_block's multiply, half-to-even rounding and
+// clamp); false where the block is shorter (q8k_block runs).
 inline bool q8k_block_head(const float* x, int64_t n, int8_t* q, float& d) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (n != Q8K_BLOCK) return false;
@@ -780,13 +836,48 @@ inline bool q8k_block_head(const float* x, int64_t n, int8_t* q, float& d) {
   d = 1.f / iscale;
   return true;
 #else
-  (void)x, (void)n, (void)q, (void)d;
-  return false;
+  // 8 lanes: absmax_head's max (the scalar path's own), the first column reaching it through
+  // a compare mask, round_clamp_head's multiply, rounding and clamp, packed to bytes
+  if (n != Q8K_BLOCK) return false;
+  float amax = 0.f;
+  absmax_head(x, Q8K_BLOCK, amax);
+  if (!(amax > 0.f)) {
+    std::memset(q, 0, Q8K_BLOCK);
+    d = 0.f;
+    return true;
+  }
+  const __m256 sign = _mm256_set1_ps(-0.f), va = _mm256_set1_ps(amax);
+  int top = 0;
+  for (int i = 0; i < Q8K_BLOCK; i += 8) {
+    const int eq = _mm256_movemask_ps(
+        _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), va, _CMP_EQ_OQ));
+    if (eq) {
+      top = i + __builtin_ctz(eq);
+      break;
+    }
+  }
+  const float iscale = -Q8K_QMAX / x[top];
+  const __m256 vs = _mm256_set1_ps(iscale), vmax = _mm256_set1_ps(Q8K_QMAX);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int i = 0; i < Q8K_BLOCK; i += 32) {
+    __m256i r[4];
+    for (int k = 0; k < 4; k++)
+      r[k] = _mm256_cvtps_epi32(_mm256_min_ps(
+          _mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + i + 8 * k)),
+                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          vmax));
+    // packs work within 128-bit halves: dwords come out as 0 2 4 6 | 1 3 5 7 of 4-byte groups
+    const __m256i b =
+        _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i*)(q + i), _mm256_permutevar8x32_epi32(b, order));
+  }
+  d = 1.f / iscale;
+  return true;
 #endif
 }
 
-// The sum of the int8 values q[0, n) over the whole 64-byte vectors into sum; returns where the
-// scalar tail starts.
+// The sum of the int8 values q[0, n) over the whole 64-byte vectors (32-byte without AVX-512)
+// into sum; returns where the scalar tail starts.
 inline int64_t sum_i8_head(const int8_t* q, int64_t n, int32_t& sum) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -796,7 +887,14 @@ inline int64_t sum_i8_head(const int8_t* q, int64_t n, int32_t& sum) {
     acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(q + i), flip), zero));
   sum += (int32_t)(_mm512_reduce_add_epi64(acc) - 128 * i);
 #else
-  (void)q, (void)n, (void)sum;
+  __m256i acc = _mm256_setzero_si256();  // sums of 8 bytes q + 128, per 64-bit lane
+  const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();
+  for (; i + 32 <= n; i += 32)
+    acc = _mm256_add_epi64(
+        acc, _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + i)), flip), zero));
+  alignas(32) int64_t lanes[4];
+  _mm256_store_si256((__m256i*)lanes, acc);
+  sum += (int32_t)(lanes[0] + lanes[1] + lanes[2] + lanes[3] - 128 * i);
 #endif
   return i;
 }

@@ -259,8 +259,9 @@ struct Q8kTilePairs<O, std::void_t<decltype(O::q8k_tile_pairs)>>
 // ----------------------------------------------------------------------------------------------
 //
 // The same sums once more, shaped for AVX2's 16 registers (ik_llama.cpp's AVX2 IQ2_BN kernel
-// has this shape): a row's 4 code vectors of a step are decoded once for 8 tokens, each
-// activation vector is read once per row (an operand from L1, no register), and the 8
+// has this shape; from Q8K_PANEL_MIN_TOKENS tokens on, rows of whole 256-column segments take
+// the row panels below instead): a row's 4 code vectors of a step are decoded once for 8
+// tokens, each activation vector is read once per row (an operand from L1, no register), and the 8
 // accumulators, one per token, are reduced at a segment's end into one vector (lane t =
 // token t) for the float32 epilogue y + float(sumi - ssum) * (d * s), lane by lane: the
 // scalar epilogue's order and rounding, so the same bits as rows_q8k.
@@ -722,18 +723,22 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
 }
 
 // ----------------------------------------------------------------------------------------------
-// Many tokens, 512-bit windows' rows: panels of 16 rows in the lanes (ISAs with has_q8k_panel)
+// Many tokens, whole 256-column segments: panels of rows in the lanes (ISAs with has_q8k_panel)
 // ----------------------------------------------------------------------------------------------
 //
 // The tiles above sum a (row, token) pair's segment across the lanes of a vector and reduce
-// the lanes at the segment's end; here each lane is one row of a 16-row panel, so a lane
-// holds the whole segment sum and the epilogue runs on 16 rows at once with no reduction.
-// The panel's rows are gathered once per call into words of 16 dwords - word (s, d): dword d
-// of step s of each row, 16 columns' codes - and code v of word (s, d) holds, in lane r's
-// byte b, column 128 s + 16 d + 4 b + v of row r: the activations' positions 128 s + 32 v +
-// 4 d .. + 3 (fast_order), one dword broadcast to all lanes. Per segment, per token: the
-// integer sums of 16 rows, then y + float(sumi - ssum) * (d * s) lane by lane - tstep_rows'
-// operations in the same order, so each row's bits are rows_q8k's.
+// the lanes at the segment's end; here each 32-bit lane is one row of a panel (16 rows on
+// AVX-512, 8 on AVX2: Q8kPanelRows), so a lane holds the whole segment sum and the epilogue
+// runs on the panel's rows at once with no reduction. The panel's rows are gathered once per
+// call into words of one dword per row - word (s, d): dword d of step s of each row, 16
+// columns' codes - and code v of word (s, d) holds, in lane r's byte b, column 128 s + 16 d +
+// 4 b + v of row r: the activations' positions 128 s + 32 v + 4 d .. + 3 (fast_order), one
+// dword broadcast to all lanes. Per segment, per token: the integer sums of the panel's rows,
+// then y + float(sumi - ssum) * (d * s) lane by lane - tstep_rows' operations in the same
+// order, so each row's bits are rows_q8k's. AVX-512 sums in int32 (vpdpbusd); AVX2 adds its
+// pmaddubsw pairs up in int16 over the whole segment and widens them at its end (pstep): a
+// lane adds Q8K_PANEL_I16_TERMS pairs of two products |c q| <= 2 * 127 (codes 0-2, Q8_K's
+// |q| <= 127), 32512 at most, so the wrapping int16 sums are exact.
 
 template <class O, class = void>
 struct HasQ8kPanel : std::false_type {};
@@ -744,6 +749,22 @@ constexpr int Q8K_PANEL_ROWS = 16, Q8K_PANEL_TOKENS = 8;
 // From this many tokens on, the panels (prefill); fewer take the tiles or the decode blocks.
 constexpr int64_t Q8K_PANEL_MIN_TOKENS = 9;
 constexpr int Q8K_PANEL_PASS = 2;  // panels per pass over a token tile (32 accumulators' worth)
+// pmaddubsw pairs an int16 lane of AVX2's panels adds up: a segment's 2 steps x 8 words x 4 codes
+constexpr int Q8K_PANEL_I16_TERMS = 2 * 8 * 4;
+static_assert(Q8K_PANEL_I16_TERMS * 2 * 2 * (int)Q8K_QMAX <= 32767, "AVX2 panel sums overflow");
+
+// Rows of a panel and panels per pass: Q8K_PANEL_ROWS and Q8K_PANEL_PASS (AVX-512: 16 lanes,
+// 32 registers), or an ISA's q8k_panel_rows / q8k_panel_pass (AVX2: 8 lanes, 16 registers)
+template <class O, class = void>
+struct Q8kPanelRows : std::integral_constant<int, Q8K_PANEL_ROWS> {};
+template <class O>
+struct Q8kPanelRows<O, std::void_t<decltype(O::q8k_panel_rows)>>
+    : std::integral_constant<int, O::q8k_panel_rows> {};
+template <class O, class = void>
+struct Q8kPanelPass : std::integral_constant<int, Q8K_PANEL_PASS> {};
+template <class O>
+struct Q8kPanelPass<O, std::void_t<decltype(O::q8k_panel_pass)>>
+    : std::integral_constant<int, O::q8k_panel_pass> {};
 
 // Whether rows_all runs M tokens of a layer through the panels (an ISA with has_q8k_panel).
 inline bool q8k_panels_apply(const Geometry& g, bool q8k, int64_t M) {
@@ -752,8 +773,9 @@ inline bool q8k_panels_apply(const Geometry& g, bool q8k, int64_t M) {
 
 // Rows per chunk of a call through the panels: up to 128 (each token tile's activations,
 // read from L2 or L3, serve that many rows), about 4 chunks per thread, multiples of a pass.
-inline int64_t q8k_panel_chunk(int64_t n, int threads) {
-  constexpr int64_t pass = Q8K_PANEL_ROWS * Q8K_PANEL_PASS;
+template <class O = NativeOps>
+int64_t q8k_panel_chunk(int64_t n, int threads) {
+  constexpr int64_t pass = Q8kPanelRows<O>::value * Q8kPanelPass<O>::value;
   const int64_t want = ceil_div(ceil_div(n, 4 * (int64_t)threads), pass) * pass;
   return std::min<int64_t>(128, want);
 }
@@ -772,15 +794,16 @@ inline void seg_scales(const Layer& L, int64_t n, float* out) {
 }
 
 // T tokens (x: their activations, ss / d8: their segment sums and block scales) against PR
-// panels (wt: the first one's words, pbytes apart; scv: their rows' float32 scales, 16 per
-// segment, (nseg + 1) * 16 apart); y: T x PR x 16 outputs.
+// panels of P rows (wt: the first one's words, pbytes apart; scv: their rows' float32 scales,
+// P per segment, (nseg + 1) * P apart); y: T x PR x P outputs.
 template <class O, int PR, int T>
 void q8k_panel_tile(const Geometry& g, const uint8_t* wt, int64_t pbytes, const float* scv,
                     const int8_t* const* x, const int32_t* const* ss, const float* const* d8,
                     float* y) {
   using W = typename O::W;
   using PF = typename O::PF;
-  for (int i = 0; i < T * PR; i++) O::pstore(y + 16 * i, O::pzero());
+  constexpr int P = Q8kPanelRows<O>::value;
+  for (int i = 0; i < T * PR; i++) O::pstore(y + P * i, O::pzero());
   for (int64_t j = 0; j < g.nseg; j++) {
     W acc[PR][T];
 #pragma GCC unroll 2
@@ -788,13 +811,13 @@ void q8k_panel_tile(const Geometry& g, const uint8_t* wt, int64_t pbytes, const 
 #pragma GCC unroll 8
       for (int t = 0; t < T; t++) acc[p][t] = O::wzero();
     for (int64_t s = 2 * j; s < 2 * j + 2; s++) {
-      const uint8_t* ws = wt + 512 * s;
+      const uint8_t* ws = wt + 32 * P * s;
       const int64_t xo = 128 * s;
 #pragma GCC unroll 1
       for (int d = 0; d < 8; d++) {
         W w[PR];
 #pragma GCC unroll 2
-        for (int p = 0; p < PR; p++) w[p] = O::pwload(ws + p * pbytes + 64 * d);
+        for (int p = 0; p < PR; p++) w[p] = O::pwload(ws + p * pbytes + 4 * P * d);
 #pragma GCC unroll 4
         for (int v = 0; v < 4; v++) {
           W c[PR];
@@ -811,10 +834,10 @@ void q8k_panel_tile(const Geometry& g, const uint8_t* wt, int64_t pbytes, const 
     }
 #pragma GCC unroll 2
     for (int p = 0; p < PR; p++) {
-      const PF sc = O::pload(scv + p * (g.nseg + 1) * 16 + 16 * j);
+      const PF sc = O::pload(scv + p * (g.nseg + 1) * P + P * j);
 #pragma GCC unroll 8
       for (int t = 0; t < T; t++) {
-        float* yp = y + 16 * (PR * t + p);
+        float* yp = y + P * (PR * t + p);
         O::pstore(yp, O::pstep(O::pload(yp), acc[p][t], ss[t][j], d8[t][g.seg_block[j]], sc));
       }
     }
@@ -827,13 +850,13 @@ void q8k_panel_tile(const Geometry& g, const uint8_t* wt, int64_t pbytes, const 
 // last tile repeats its last token and stores nothing from it.
 template <class O>
 void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
-  constexpr int P = Q8K_PANEL_ROWS, T = Q8K_PANEL_TOKENS, PR = Q8K_PANEL_PASS;
+  constexpr int P = Q8kPanelRows<O>::value, T = Q8K_PANEL_TOKENS, PR = Q8kPanelPass<O>::value;
   const Geometry& g = L.g;
   const int64_t rb = g.row_bytes, nsteps = (int64_t)g.steps.size(), xlen = g.xlen();
   const int64_t npan = ceil_div(n1 - n0, P), pbytes = rb * P;
   thread_local std::vector<uint8_t> wt_buf;
   thread_local std::vector<float> sc_buf;
-  // per panel: its rows' scales (nseg x 16), then their biases (16)
+  // per panel: its rows' scales (nseg x P), then their biases (P)
   const int64_t pfloats = (g.nseg + 1) * P;
   wt_buf.resize(npan * pbytes + 64), sc_buf.resize(npan * pfloats + 16 + g.nseg);
   // 64-byte aligned (the panels' words and scale vectors are whole cache lines)
@@ -845,13 +868,14 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
     uint8_t* dst = wt + p * pbytes;
     float* sp = scv + p * pfloats;
     if (rows == P) {
-      for (int64_t s = 0; s < nsteps; s++) O::ptranspose(L.w + r0 * rb + 32 * s, rb, dst + 512 * s);
+      for (int64_t s = 0; s < nsteps; s++)
+        O::ptranspose(L.w + r0 * rb + 32 * s, rb, dst + 32 * P * s);
     } else {
       std::memset(dst, 0, pbytes);
       std::fill(sp, sp + pfloats, 0.f);
       for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < rb / 4; i++)
-          std::memcpy(dst + 64 * i + 4 * r, L.w + (r0 + r) * rb + 4 * i, 4);
+          std::memcpy(dst + 4 * P * i + 4 * r, L.w + (r0 + r) * rb + 4 * i, 4);
     }
     for (int64_t r = 0; r < rows; r++) {
       seg_scales(L, r0 + r, row_sc);
@@ -886,7 +910,7 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
         const float* bias = scv + (p + q) * pfloats + P * g.nseg;
         for (int t = 0; t < valid; t++) {
           const float* yt = y + P * (pr * t + q);
-          if (rows == P && L.out_dtype == F32)  // y + b, 16 rows at once
+          if (rows == P && L.out_dtype == F32)  // y + b, P rows at once
             O::pstoreu((float*)L.out + (m + t) * g.n + r0, O::padd(O::pload(yt), O::pload(bias)));
           else
             for (int r = 0; r < rows; r++)
