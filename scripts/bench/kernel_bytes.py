@@ -8,6 +8,13 @@ table. Counts, not times: the emulator says nothing about speed.
     python scripts/bench/kernel_bytes.py [--k 2560] [--n 2560] [--tokens 1 4 8 16 64]
     python scripts/bench/kernel_bytes.py --check   # issue 30's targets at its three shapes
 
+    python scripts/bench/kernel_bytes.py --times 9 64 --k 4096 --n 256   # emulator seconds
+
+--times prints the emulator's own seconds per call (best of 3, the tokens interleaved, float16
+x, row scales, fast packing): a CPU program's time, a rough proxy of a kernel's work that
+docs/KERNELS.md quotes for 9 tokens (one GEMV launch) against 64 (one GEMM tile), kept out of
+the test suite because it is a time.
+
 --check asserts, for 2560 x 2560, 2560 -> 6912 and 4096 x 4096, both packings, int8 and
 float activations: packed-weight bytes at every M <= 16 equal M = 1's; all bytes at M = 16
 <= the 17-token (GEMM) call's; one launch per call up to 16 tokens; and all bytes at M = 1
@@ -70,6 +77,20 @@ def launches(packing, act, m, k, n, dtype=mx.float16, layer=None):
         reads = {b: v["read"] for b, v in stats.items() if v["read"]}
         out.append((variant[0], reads, sum(v["written"] for v in stats.values())))
     return out
+
+
+def emulated_seconds(tokens, k, n, rounds=3):
+    """{tokens: the emulator's best seconds for one call}, calls interleaved across tokens."""
+    layer = _layer("fast", k, n)
+    best = {m: float("inf") for m in tokens}
+    for r in range(rounds + 1):  # the first round compiles
+        for m in tokens:
+            launches("fast", None, m, k, n, layer=layer)
+            name = launch.choose_kernel(m, None)
+            name = "gemm" if name.startswith("gemm") else "gemv_fast"
+            if r:
+                best[m] = min(best[m], launch.get_kernel(name, "emulate").last_launch.seconds)
+    return best
 
 
 def table(k, n, tokens):
@@ -137,9 +158,17 @@ def main():
     ap.add_argument("--n", type=int, default=2560)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 17, 64])
     ap.add_argument("--check", action="store_true", help="assert issue 30's targets")
+    ap.add_argument("--times", type=int, nargs="+", help="the emulator's seconds at these tokens")
     args = ap.parse_args()
     if args.check:
         sys.exit(1 if check() else 0)
+    if args.times:
+        best = emulated_seconds(args.times, args.k, args.n)
+        for m, sec in best.items():
+            print(
+                f"{m:3d} tokens: {sec * 1e3:8.2f} ms in the emulator ({sec / best[max(best)]:.2f}x)"
+            )
+        return
     table(args.k, args.n, args.tokens)
 
 
