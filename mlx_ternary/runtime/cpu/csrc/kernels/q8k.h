@@ -417,11 +417,17 @@ inline void block_scales8(const Layer& L, int64_t n, float* out) {
 // than 2048 columns) it measured 4-14 % faster on every layer shape of the 0.53 G llama
 // (Zen 4, one thread, memory shared with other jobs: best of 8 interleaved rounds); the
 // farther prefetch hides more of a loaded memory system's latency.
-constexpr int R8_PREFETCH_BLOCKS = 2;
+#ifndef R8PF
+#define R8PF 2
+#endif
+constexpr int R8_PREFETCH_BLOCKS = R8PF;
 
 // `lines` cache lines from p on, into L2: the bytes of the block after next, read in step.
 inline void prefetch_lines(const uint8_t* p, int lines) {
-  for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l, 0, 2);
+#ifndef R8LV
+#define R8LV 2
+#endif
+  for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l, 0, R8LV);
 }
 
 // Token m's outputs of rows n .. n + 7 (lane r of y = row r), with their biases.
