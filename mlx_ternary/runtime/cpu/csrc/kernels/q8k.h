@@ -417,17 +417,11 @@ inline void block_scales8(const Layer& L, int64_t n, float* out) {
 // than 2048 columns) it measured 4-14 % faster on every layer shape of the 0.53 G llama
 // (Zen 4, one thread, memory shared with other jobs: best of 8 interleaved rounds); the
 // farther prefetch hides more of a loaded memory system's latency.
-#ifndef R8PF
-#define R8PF 2
-#endif
-constexpr int R8_PREFETCH_BLOCKS = R8PF;
+constexpr int R8_PREFETCH_BLOCKS = 2;
 
 // `lines` cache lines from p on, into L2: the bytes of the block after next, read in step.
 inline void prefetch_lines(const uint8_t* p, int lines) {
-#ifndef R8LV
-#define R8LV 2
-#endif
-  for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l, 0, R8LV);
+  for (int l = 0; l < lines; l++) __builtin_prefetch(p + 64 * l, 0, 2);
 }
 
 // Token m's outputs of rows n .. n + 7 (lane r of y = row r), with their biases.
@@ -608,6 +602,9 @@ void rows_q8k_r8w(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
   thread_local std::vector<float> sc_buf;  // grouped: the block's scales, 8 a segment
   sc_buf.resize(R * nseg);
   float* sc = sc_buf.data();
+  // the range's first blocks, which no block before them prefetched (a decode call's rows
+  // come in chunks, a few hundred a chunk)
+  prefetch_lines(L.w + n0 * rb, (int)(std::min<int64_t>(R8_PREFETCH_BLOCKS * R, n1 - n0) * rb / 64));
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     const uint8_t* w = L.w + n * rb;

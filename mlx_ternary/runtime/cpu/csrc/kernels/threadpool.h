@@ -74,18 +74,24 @@ class Pool {
   // waits for chunks a worker is running, at most a chunk's time unless the worker was
   // descheduled - then its spinning would only take the worker's core - so it spins less.
   static constexpr int64_t kWorkerSpinNs = 1'000'000, kCallerSpinNs = 100'000;
-  // true while `ns` since its construction have not passed; every 32 calls it reads the clock
-  // and yields the core (a thread spinning on a core that another of ours waits for - more
-  // threads than free cores - hands it over instead of holding it for the whole budget)
+  // true while `ns` since its construction have not passed and the thread keeps its core:
+  // every 32 calls (about 1 us) it yields and reads the clock, and a gap of more than
+  // kPreemptedNs since the last reading - another thread ran on this core: more threads
+  // than free cores - ends the spin (the thread sleeps, as it did after 300 pauses)
+  static constexpr int64_t kPreemptedNs = 50'000;
   struct Spin {
-    explicit Spin(int64_t ns) : ns(ns) {}
-    const int64_t ns;
-    const std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    using Clock = std::chrono::steady_clock;
+    explicit Spin(int64_t ns) : end(Clock::now() + std::chrono::nanoseconds(ns)), last(Clock::now()) {}
+    const Clock::time_point end;
+    Clock::time_point last;
     int calls = 0;
     bool operator()() {
       if (++calls % 32) return true;
       std::this_thread::yield();
-      return std::chrono::steady_clock::now() - t0 < std::chrono::nanoseconds(ns);
+      const Clock::time_point now = Clock::now();
+      if (now - last > std::chrono::nanoseconds(kPreemptedNs)) return false;
+      last = now;
+      return now < end;
     }
   };
 
