@@ -73,7 +73,9 @@ class Pool {
   // layers read 20-29 GB/s instead of 36-38 (2026-12-04, Zen 4, weights in cache). The caller
   // waits for chunks a worker is running, at most a chunk's time unless the worker was
   // descheduled - then its spinning would only take the worker's core - so it spins less.
-  static constexpr int64_t kWorkerSpinNs = 1'000'000, kCallerSpinNs = 100'000;
+  // Between decode steps (Python builds the next step's graph for milliseconds) a worker
+  // spinning longer only takes a core from it where the machine has no free one: 200 us.
+  static constexpr int64_t kWorkerSpinNs = 200'000, kCallerSpinNs = 100'000;
   // true while `ns` since its construction have not passed and the thread keeps its core:
   // every 32 calls (about 1 us) it yields and reads the clock, and a gap of more than
   // kPreemptedNs since the last reading - another thread ran on this core: more threads
