@@ -406,7 +406,8 @@ inline void block_scales8(const Layer& L, int64_t n, float* out) {
     for (; j + 8 <= g.nseg; j += 8)
       if (!native::f16x8x8_finite_to_f32(h + j, g.ngroups, out + 8 * j)) break;
     // the last segments through the 8 ending the row (values already there written again)
-    if (j >= 8 && j < g.nseg && native::f16x8x8_finite_to_f32(h + g.nseg - 8, g.ngroups, out + 8 * (g.nseg - 8)))
+    if (j >= 8 && j < g.nseg && j + 8 > g.nseg &&
+        native::f16x8x8_finite_to_f32(h + g.nseg - 8, g.ngroups, out + 8 * (g.nseg - 8)))
       j = g.nseg;
   }
   for (; j < g.nseg; j++) row_scales8(L, n, L.scale_kind == 2 ? g.seg_group[j] : 0, out + 8 * j);
