@@ -246,7 +246,9 @@ def test_native_decode_block_scales_with_a_non_finite_scale(bad):
         assert not np.isfinite(y[0, [5, 12]]).any() and np.isfinite(np.delete(y[0], [5, 12])).all()
     moved = np.array(s).copy()  # a control: another row's scale of a later segment
     moved[7, 18] *= 2
-    assert not np.array_equal(np.array(cpu.ternary_matmul(x[:1], packed, mx.array(moved), **args)), y)
+    assert not np.array_equal(
+        np.array(cpu.ternary_matmul(x[:1], packed, mx.array(moved), **args)), y
+    )
 
 
 @needs_native
