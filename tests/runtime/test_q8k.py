@@ -258,6 +258,37 @@ def test_native_prefill_at_the_largest_segment_sums():
 
 
 @needs_native
+@pytest.mark.parametrize("bad", [None, 3, 9, 17])  # no, a first, a middle, the last 8 segments
+def test_native_decode_block_scales_with_a_non_finite_scale(bad):
+    """The 8-row decode blocks convert their float16 block scales 8 segments at a time (19
+    segments a row here: two whole groups of 8, then the last 8 again); a non-finite scale
+    takes the scalar conversion for the segments from its group on. Every row is ggml's, inf
+    and NaN as the reference twin gives them."""
+    rng = np.random.default_rng(19)
+    k = 19 * 256
+    (packed, s, kw), t, s_blocks = tq_layer(rng, 16, k, "fast", "group")
+    if bad is not None:
+        sn = np.array(s)
+        sn[5, bad] = np.inf
+        sn[12, bad] = np.nan
+        s = mx.array(sn)
+    x = mx.array(tricky_x(rng, 2, k))
+    args = dict(activation_bits=fmt.Q8K, **kw)
+    y = np.array(cpu.ternary_matmul(x[:1], packed, s, **args))
+    want = np.array(reference.ternary_matmul(x[:1], packed, s, **args))
+    np.testing.assert_array_equal(y, want)
+    if bad is None:
+        np.testing.assert_array_equal(want, ggml_layer(np.array(x[:1]), t, s_blocks))
+    else:
+        assert not np.isfinite(y[0, [5, 12]]).any() and np.isfinite(np.delete(y[0], [5, 12])).all()
+    moved = np.array(s).copy()  # a control: another row's scale of a later segment
+    moved[7, 18] *= 2
+    assert not np.array_equal(
+        np.array(cpu.ternary_matmul(x[:1], packed, mx.array(moved), **args)), y
+    )
+
+
+@needs_native
 @pytest.mark.parametrize("m", [2, 13])  # tiles; prefill's row panels
 def test_native_q8k_bias_dtypes_and_gradient(m):
     rng = np.random.default_rng(7)

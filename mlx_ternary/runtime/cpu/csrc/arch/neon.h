@@ -395,6 +395,7 @@ inline void cpu_pause() { asm volatile("yield"); }
 
 using portable::absmax_head;
 using portable::f16x8_finite_to_f32;
+using portable::f16x8x8_finite_to_f32;
 using portable::fast_order_head;
 using portable::ggml_tile;
 using portable::q8k_block_head;

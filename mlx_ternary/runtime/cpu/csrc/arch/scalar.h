@@ -189,6 +189,7 @@ inline int64_t fast_order_head(const int8_t*, int64_t, int8_t*) { return 0; }
 inline bool q8k_block_head(const float*, int64_t, int8_t*, float&) { return false; }
 inline int64_t sum_i8_head(const int8_t*, int64_t, int32_t&) { return 0; }
 inline bool f16x8_finite_to_f32(const uint16_t*, float*) { return false; }
+inline bool f16x8x8_finite_to_f32(const uint16_t*, int64_t, float*) { return false; }
 
 // llama.cpp's tables: no rows of the ISA's own (kernels/kquants.h runs its generic loops)
 template <class GL>

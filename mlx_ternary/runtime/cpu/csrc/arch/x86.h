@@ -931,6 +931,34 @@ inline bool f16x8_finite_to_f32(const uint16_t* v, float* out) {
   return true;
 }
 
+// An 8 x 8 block of float16 values - 8 rows of 8 (row r at v + r * stride) - transposed into
+// float32, out + 8 j = value j of rows 0-7, when none is NaN or infinite (exact); false
+// otherwise (nothing written). Kernels/q8k.h block_scales8: a decode block's scales, 8
+// segments at a time.
+inline bool f16x8x8_finite_to_f32(const uint16_t* v, int64_t stride, float* out) {
+  __m128i a[8];
+  const __m128i ex = _mm_set1_epi16(0x7C00);
+  __m128i bad = _mm_setzero_si128();
+  for (int r = 0; r < 8; r++) {
+    a[r] = _mm_loadu_si128((const __m128i*)(v + r * stride));
+    bad = _mm_or_si128(bad, _mm_cmpeq_epi16(_mm_and_si128(a[r], ex), ex));
+  }
+  if (!_mm_testz_si128(bad, bad)) return false;
+  __m128i t[8], u[8];
+  for (int i = 0; i < 4; i++)  // rows 2i, 2i + 1 interleaved: values 0-3, then 4-7
+    t[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]),
+    t[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+  for (int h = 0; h < 2; h++)  // rows 4h .. 4h + 3: values (0, 1), (2, 3), (4, 5), (6, 7)
+    for (int i = 0; i < 2; i++)
+      u[4 * h + 2 * i] = _mm_unpacklo_epi32(t[4 * h + i], t[4 * h + 2 + i]),
+      u[4 * h + 2 * i + 1] = _mm_unpackhi_epi32(t[4 * h + i], t[4 * h + 2 + i]);
+  for (int k = 0; k < 4; k++) {  // values 2k, 2k + 1 of rows 0-7
+    _mm256_storeu_ps(out + 16 * k, _mm256_cvtph_ps(_mm_unpacklo_epi64(u[k], u[4 + k])));
+    _mm256_storeu_ps(out + 16 * k + 8, _mm256_cvtph_ps(_mm_unpackhi_epi64(u[k], u[4 + k])));
+  }
+  return true;
+}
+
 // ---- the dense kernel (kernels/dense.h): tiles of R rows x T tokens, one vector accumulator
 // per (row, token). A (row, token)'s sum is one chain - lane l adds columns l, l + W, l + 2W, ...
 // in order by FMA, then the W lanes are summed, then the tail columns in order - whatever R and

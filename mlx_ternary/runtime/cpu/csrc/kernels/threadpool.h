@@ -2,11 +2,13 @@
 // CPU stream thread) and any workers that wake in time. Chunks are claimed one at a time, and
 // the caller waits only for claimed chunks to finish, never for a worker to wake up: on shared
 // or oversubscribed cores a descheduled worker just claims nothing, instead of stalling every
-// layer (the failure mode of fork-join barriers there). Workers spin briefly after a job (a
-// decode step launches layers back to back), then sleep on a futex (std::atomic::wait).
+// layer (the failure mode of fork-join barriers there). Workers spin for a while after a job
+// (kSpinNs: a decode step's layers come tens of microseconds apart), then sleep on a futex
+// (std::atomic::wait); the caller waits for the last claimed chunks the same way.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -49,10 +51,11 @@ class Pool {
     gen_.fetch_add(1, std::memory_order_release);
     gen_.notify_all();
     work(*job);
-    for (int spins = 0;; spins++) {
+    Spin spin(kCallerSpinNs);
+    for (;;) {
       int64_t d = job->done.load(std::memory_order_acquire);
       if (d == n) break;
-      if (spins < kSpin) native::cpu_pause();
+      if (spin()) native::cpu_pause();
       else job->done.wait(d, std::memory_order_acquire);
     }
     std::lock_guard<std::mutex> jl(job_mu_);
@@ -60,7 +63,39 @@ class Pool {
   }
 
  private:
-  static constexpr int kSpin = 300;  // ~20-80 us: catches the next layer of a decode step
+  // How long a worker waits for the next job spinning before it sleeps, and the caller for
+  // the chunks the workers claimed. A decode step runs its ternary layers 10-100 us apart
+  // (norms, attention, MLX's other ops in between), and a futex wake-up costs tens of
+  // microseconds on a virtual machine: a worker that slept joins a layer late or not at all,
+  // and the caller runs most of it alone. 300 pauses (8 us on Zen 4, where a pause takes
+  // 27 ns) let the worker of a 2-thread BitNet 2B4T decode step sleep between most layers:
+  // with 20-100 us between the layers it did a third of the chunks instead of half, and the
+  // layers read 20-29 GB/s instead of 36-38 (2026-12-04, Zen 4, weights in cache). The caller
+  // waits for chunks a worker is running, at most a chunk's time unless the worker was
+  // descheduled - then its spinning would only take the worker's core - so it spins less.
+  // Between decode steps (Python builds the next step's graph for milliseconds) a worker
+  // spinning longer only takes a core from it where the machine has no free one: 200 us.
+  static constexpr int64_t kWorkerSpinNs = 200'000, kCallerSpinNs = 100'000;
+  // true while `ns` since its construction have not passed and the thread keeps its core:
+  // every 32 calls (about 1 us) it yields and reads the clock, and a gap of more than
+  // kPreemptedNs since the last reading - another thread ran on this core: more threads
+  // than free cores - ends the spin (the thread sleeps, as it did after 300 pauses)
+  static constexpr int64_t kPreemptedNs = 50'000;
+  struct Spin {
+    using Clock = std::chrono::steady_clock;
+    explicit Spin(int64_t ns) : end(Clock::now() + std::chrono::nanoseconds(ns)), last(Clock::now()) {}
+    const Clock::time_point end;
+    Clock::time_point last;
+    int calls = 0;
+    bool operator()() {
+      if (++calls % 32) return true;
+      std::this_thread::yield();
+      const Clock::time_point now = Clock::now();
+      if (now - last > std::chrono::nanoseconds(kPreemptedNs)) return false;
+      last = now;
+      return now < end;
+    }
+  };
 
   struct Job {
     Job(const std::function<void(int64_t)>& f, int64_t n) : f(f), n(n) {}
@@ -78,8 +113,8 @@ class Pool {
 
   void loop(uint32_t seen) {
     for (;;) {
-      for (int spins = 0; gen_.load(std::memory_order_acquire) == seen; spins++) {
-        if (spins < kSpin) native::cpu_pause();
+      for (Spin spin(kWorkerSpinNs); gen_.load(std::memory_order_acquire) == seen;) {
+        if (spin()) native::cpu_pause();
         else gen_.wait(seen, std::memory_order_acquire);
       }
       seen = gen_.load(std::memory_order_acquire);
