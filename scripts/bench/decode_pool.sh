@@ -4,24 +4,13 @@
 # printed (docs/NATIVE.md "Threads"). Usage: decode_pool.sh SHAPE(b2b|small) THREADS [GAP_US ...]
 # (default gaps 0 20 50); HOT=1: weights in cache. MARCH=haswell builds for AVX2.
 set -euo pipefail
-SRC="$(cd "$(dirname "$0")/../../mlx_ternary/runtime/cpu/csrc" && pwd)"
-OUT="$(mktemp -d)"
-trap 'rm -rf "$OUT"' EXIT
+. "$(dirname "$0")/csrc_ab.sh"
 SHAPE=${1:-b2b}
 THREADS=${2:-2}
 shift $(($# < 2 ? $# : 2))
 GAPS=("$@")
 [ ${#GAPS[@]} -eq 0 ] && GAPS=(0 20 50)
-build() {
-  g++ -std=c++20 -O3 -ffp-contract=off -w -march="${MARCH:-native}" -pthread -I"$1" \
-    "$(dirname "$0")/decode_pool.cpp" -o "$OUT/$2"
-}
-TREES=(this)
-build "$SRC" this
-if [ -n "${BASE:-}" ]; then
-  build "$BASE" base
-  TREES=(base this)
-fi
+ab_build decode_pool.cpp
 HOTARG=()
 [ -n "${HOT:-}" ] && HOTARG=(hot)
 for r in $(seq "${ROUNDS:-4}"); do

@@ -6,21 +6,10 @@
 # MARCH=haswell builds for AVX2 (default native). Usage: q8k_decode_sweep.sh [THREADS ...]
 # (default 1 2); CACHED=1 sweeps one copy of the 7 layers (in cache: the kernels' compute).
 set -euo pipefail
-SRC="$(cd "$(dirname "$0")/../../mlx_ternary/runtime/cpu/csrc" && pwd)"
-OUT="$(mktemp -d)"
-trap 'rm -rf "$OUT"' EXIT
+. "$(dirname "$0")/csrc_ab.sh"
 THREADS=("$@")
 [ $# -eq 0 ] && THREADS=(1 2)
-build() {  # build TREE_CSRC NAME
-  g++ -std=c++20 -O3 -ffp-contract=off -w -march="${MARCH:-native}" -pthread ${CXXFLAGS_EXTRA:-} \
-    -I"$1" "$(dirname "$0")/q8k_decode_sweep.cpp" -o "$OUT/$2"
-}
-TREES=(this)
-build "$SRC" this
-if [ -n "${BASE:-}" ]; then
-  build "$BASE" base
-  TREES=(base this)
-fi
+ab_build q8k_decode_sweep.cpp ${CXXFLAGS_EXTRA:-}
 mode=()
 [ -n "${CACHED:-}" ] && mode=(cached)
 for r in $(seq "${ROUNDS:-8}"); do

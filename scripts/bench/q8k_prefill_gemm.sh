@@ -4,23 +4,13 @@
 # ROUNDS rounds, the best of each printed (docs/NATIVE.md "row panels"). MARCH=haswell builds
 # for AVX2. Usage: q8k_prefill_gemm.sh [M ...] (default 128 2048).
 set -euo pipefail
-SRC="$(cd "$(dirname "$0")/../../mlx_ternary/runtime/cpu/csrc" && pwd)"
-OUT="$(mktemp -d)"
-trap 'rm -rf "$OUT"' EXIT
+. "$(dirname "$0")/csrc_ab.sh"
 MS=("$@")
 [ $# -eq 0 ] && MS=(128 2048)
-build() {  # build TREE_CSRC NAME (with the tree's own prefill chunks where it has panels)
-  local def=()
-  grep -q q8k_panel_chunk "$1/kernels/q8k.h" && def=(-DPANEL_CHUNK)
-  g++ -std=c++20 -O3 -ffp-contract=off -w -march="${MARCH:-native}" "${def[@]}" -I"$1" \
-    "$(dirname "$0")/q8k_prefill_gemm.cpp" -o "$OUT/$2"
+ab_flags() {  # a tree's own prefill chunks where it has panels
+  grep -q q8k_panel_chunk "$1/kernels/q8k.h" && echo -DPANEL_CHUNK || true
 }
-TREES=(this)
-build "$SRC" this
-if [ -n "${BASE:-}" ]; then
-  build "$BASE" base
-  TREES=(base this)
-fi
+ab_build q8k_prefill_gemm.cpp
 SHAPES=("2048 2048" "256 2048" "5632 2048" "2048 5632" "2560 2560" "640 2560" "6912 2560" "2560 6912")
 for r in $(seq "${ROUNDS:-2}"); do
   for m in "${MS[@]}"; do
