@@ -136,6 +136,21 @@ def ceiling_fraction(decode_tps: float, bytes_per_token: int, gbs: Optional[floa
     return decode_tps * bytes_per_token / (gbs * 1e9)
 
 
+def paired_ratios(
+    ours: Sequence[Dict[str, float]], theirs: Sequence[Dict[str, float]], key: str
+) -> List[float]:
+    """ours[i][key] / theirs[i][key] for every repeat i both measured: each engine's figure of
+    one repeat ran minutes apart at most, so a ratio of a pair sees the same state of a shared
+    host's memory system, where the ratio of two bests may pair a quiet minute with a busy one
+    (decode is memory-bound: the host's bandwidth moved 1.5x between runs seconds apart)."""
+    out = []
+    for a, b in zip(ours, theirs):
+        x, y = a.get(key), b.get(key)
+        if x is not None and y and x == x and y == y:
+            out.append(x / y)
+    return out
+
+
 def safetensors_sizes(model_dir: Path) -> Dict[str, int]:
     """{tensor name: bytes} of a checkpoint directory's safetensors files (headers only)."""
     import struct

@@ -24,14 +24,13 @@ _PLAN_SETTINGS = (
 )
 
 
-# (x shape, x dtype, call, launch...) of a layer's latest inference call, which
+# (x shape, x dtype, call, launch) of a layer's latest inference call, which
 # TernaryLinear's call checks first: comparing x's shape and dtype to it costs less than
 # hashing the (shape, Dtype) key of the plan's dict (MLX's Dtype hashes and compares through
 # nanobind). Where the call is one Metal GEMV launch (launch.py's `run.direct`: kernel, its
 # four inputs after x, template, grid, threadgroup, output shapes and dtypes), the call
-# launches it itself, without the closure's frame; else the launch fields are None.
-_NO_LAUNCH = (None,) * 10
-_NO_CALL = (None, None, None, *_NO_LAUNCH)
+# launches it itself, without the closure's frame; else the launch is None.
+_NO_CALL = (None, None, None, None)
 
 
 class TernaryLinear(nn.Module):
@@ -282,10 +281,11 @@ class TernaryLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         # The latest inference call's (decode: every call), its launch unpacked.
-        shape, dtype, fn, kern, w, s, b, p, tmpl, grid, tg, out_shapes, odt = self._last
+        shape, dtype, fn, launch = self._last
         if x.shape == shape and x.dtype == dtype:
-            if kern is None:
+            if launch is None:
                 return fn(x)
+            kern, w, s, b, p, tmpl, grid, tg, out_shapes, odt = launch
             return kern(
                 inputs=[x, w, s, b, p],
                 template=tmpl,
@@ -301,7 +301,7 @@ class TernaryLinear(nn.Module):
         fn = calls.get(key) or plan.plan_call(x, training)
         # Remembered only for a kept plan's kept inference call (not a trace's).
         if not training and calls.get(key) is fn and self.__dict__.get("_plan") is plan:
-            self.__dict__["_last"] = (*key, fn, *getattr(fn, "direct", _NO_LAUNCH))
+            self.__dict__["_last"] = (*key, fn, getattr(fn, "direct", None))
         return fn(x)
 
     def _extra_repr(self) -> str:

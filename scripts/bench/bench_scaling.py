@@ -25,7 +25,9 @@ DIR/model-bitnet-i2_s.gguf (the F16 file quantized by its own llama-quantize to 
 tables), prefill and decode at depth 0 only (its llama.cpp fork's llama-bench has no -gp).
 
 The engines alternate, the order rotated each repeat; each engine's tokens/s are reported as
-the best (min time) and median of the repeats (the machine may be shared: say so).
+the best (min time) and median of the repeats (the machine may be shared: say so); the
+"paired" rows give the median of each repeat's own ratio, its range and count: on a host
+whose memory bandwidth moves between runs they decide what the ratio of two bests cannot.
 mlx-ternary runs in fresh processes of this script (--worker), node-llama-cpp (llama.cpp,
 prompt and depth columns only) through bench/llamacpp.py, ik through its binaries.
 """
@@ -242,7 +244,10 @@ def columns(a) -> list:
 
 def table(a, results: dict, shape: dict) -> list:
     """Markdown: best (median) tok/s per engine and column; mlx-ternary / engine ratios of the
-    best figures; KV bytes per token."""
+    best figures, then the median (range, count) of the repeats' paired ratios
+    (peers.paired_ratios: one repeat's two runs, minutes apart); KV bytes per token."""
+    from mlx_ternary.bench import peers
+
     cols = columns(a)
     head = "| engine | " + " | ".join(cols) + " | KV bytes / token | peak RSS MB |"
     rows = [head, "|" + "---|" * (len(cols) + 3)]
@@ -271,6 +276,12 @@ def table(a, results: dict, shape: dict) -> list:
             x, y = best[(ours, c)], best[(name, c)]
             cells.append(f"{x / y:.2f}" if x == x and y == y and y else "-")
         rows.append(f"| mlx-ternary / {name} | " + " | ".join(cells) + " | | |")
+        cells = []
+        for c in cols:
+            r = sorted(peers.paired_ratios(results[ours], results[name], c))
+            med = statistics.median(r) if r else 0
+            cells.append(f"{med:.2f} ({r[0]:.2f}-{r[-1]:.2f}, {len(r)})" if r else "-")
+        rows.append(f"| paired / {name} | " + " | ".join(cells) + " | | |")
     return rows
 
 

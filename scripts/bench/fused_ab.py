@@ -13,15 +13,9 @@ times carry the scheduler's noise; the CPU times much less.
 """
 
 import argparse
-import resource
 import statistics
 import time
 from pathlib import Path
-
-
-def process_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def main():
@@ -51,10 +45,10 @@ def main():
 
     def timed(on, name, fn):
         block.set_enabled(on)
-        w, c, t = time.perf_counter(), process_cpu(), time.thread_time()
+        w, c, t = time.perf_counter(), time.process_time(), time.thread_time()
         fn()
         results[on].setdefault(f"{name} ms", []).append(1e3 * (time.perf_counter() - w))
-        results[on].setdefault(f"{name} CPU ms", []).append(1e3 * (process_cpu() - c))
+        results[on].setdefault(f"{name} CPU ms", []).append(1e3 * (time.process_time() - c))
         results[on].setdefault(f"{name} main-thread CPU ms", []).append(
             1e3 * (time.thread_time() - t)
         )

@@ -176,3 +176,18 @@ def test_cli_bench_peer_rows_and_measured_bandwidth(ggufs, tmp_path):
 
 def d_vocab(model_dir):
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+def test_paired_ratios_pair_each_repeat_and_skip_what_one_engine_lacks():
+    ours = [{"decode:0": 30.0, "prefill:128": 100.0}, {"decode:0": 20.0}, {"decode:0": 9.0}]
+    theirs = [
+        {"decode:0": 25.0, "prefill:128": 80.0},
+        {"decode:0": 16.0},
+        {"decode:0": float("nan")},
+    ]
+    assert peers.paired_ratios(ours, theirs, "decode:0") == [30 / 25, 20 / 16]
+    assert peers.paired_ratios(ours, theirs, "prefill:128") == [100 / 80]
+    # repeat by repeat, not best against best (that ratio would be 30 / 40 here)
+    ratios = peers.paired_ratios([{"d": 10.0}, {"d": 30.0}], [{"d": 5.0}, {"d": 40.0}], "d")
+    assert ratios == [2.0, 0.75]
+    assert peers.paired_ratios(ours, [{"decode:0": 0.0}], "decode:0") == []
