@@ -225,6 +225,24 @@ def cache_kind(cache, tokens: int, grow: bool = False):
     return (0, cache.offset) if batched else (int(cache.offset), None)
 
 
+def in_place(cache, offset, x, half: bool) -> bool:
+    """Whether attn_in writes this call's K/V into the cache's buffers itself (its k_cache):
+    a KVCache (offset an int) whose buffers hold the call's rows in the dtype attn_in gives,
+    outside transforms (the op has no vjp then). Its update_and_fetch would do the same in
+    four MLX ops (two slice_updates, two slices) and ~15 us of Python a layer."""
+    if offset[1] is not None or cache is None or _CACHES.get(type(cache)) is not False:
+        return False
+    keys, values = cache.keys, cache.values
+    dtype = mx.float16 if half else mx.float32
+    return (
+        keys is not None
+        and keys.dtype == dtype
+        and values.dtype == dtype
+        and offset[0] + x.shape[1] <= keys.shape[2]
+        and not require().is_tracer(x)
+    )
+
+
 def _mask(mask):
     """(causal, mask array) for the native attention, or None."""
     if mask is None:
@@ -301,11 +319,22 @@ def _plain_run(attn, found, subs) -> Callable:
     sub_f = dict(zip(("sub_norm_w", "sub_eps"), ffn_sub or ()), act=act)
 
     def run(x, cache, offset, how):
-        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=kv_half(cache))
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
+        half = kv_half(cache)
+        if in_place(cache, offset, x, half):  # k, v: the cache's buffers, the rows written
+            at = offset[0]
+            kv_len = at + x.shape[1]
+            q, k, v = m.attn_in(
+                x, *attn_in, *offset, *head_norms, kv_half=half,
+                k_cache=cache.keys, v_cache=cache.values, cache_at=at,
+            )  # fmt: skip
+            cache.keys, cache.values, cache.offset = k, v, kv_len  # as update_and_fetch
+        else:
+            q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=half)
+            kv_len = -1
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)
         causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
-        h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x, **sub_a)
+        h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x, **sub_a, kv_len=kv_len)
         return m.mlp(h, *mlp, h, **sub_f)
 
     return run

@@ -214,8 +214,24 @@ struct AttnInParams {
   RopeParams rope;
   int x = 0, w = 1, freqs = -1, offsets = -1, q_norm = -1, k_norm = -1;  // qwen3: per-head norms
   bool kv_half = false;     // k and v out as float16 (rounded to nearest even, as astype)
+  // mlx-lm's KVCache buffers (B, Hkv, S, D) of k and v: the outputs k and v are then these
+  // buffers with the call's L rows written at [cache_at, cache_at + L) (in place when MLX may
+  // donate them, as its slice_update does), in one op instead of its slice_update and slice
+  int k_cache = -1, v_cache = -1;
+  int64_t cache_at = 0;
   std::vector<Proj> projs;  // q, k, v
 };
+
+// Output i (1: k, 2: v) of AttnIn: the cache buffer `c` itself when MLX may donate it (as
+// slice_update does), else a new buffer that the task first fills with a copy of `c`.
+inline bool take_cache_buffer(const mx::array& c, mx::array& out) {
+  if (c.is_donatable() && c.flags().row_contiguous && c.size() == c.data_size()) {
+    out.copy_shared_buffer(c);
+    return true;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return false;
+}
 
 // mx.fast.rope's fallback: inverse frequencies 1 / freqs, or exp(-j * (log(base) / half)).
 inline void rope_inv_freqs(const RopeParams& r, const float* freqs, float* inv) {
@@ -245,11 +261,23 @@ class AttnIn : public CpuMultiPrimitive {
   AttnIn(mx::Stream s, AttnInParams p) : CpuMultiPrimitive(s), p_(std::move(p)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
-    auto& enc = enqueue(stream(), in, outs);
+    const bool cached = p_.k_cache >= 0;
+    bool donated[3] = {true, true, true};
+    if (cached) {
+      donated[1] = take_cache_buffer(in[p_.k_cache], outs[1]);
+      donated[2] = take_cache_buffer(in[p_.v_cache], outs[2]);
+    }
+    auto& enc = enqueue(stream(), in, outs.data(), cached ? 1 : 3);
+    for (int i = 1; cached && i < 3; i++) enc.set_output_array(outs[i]);
     std::vector<void*> op;
     for (auto& o : outs) op.push_back(o.data<void>());
-    enc.dispatch([p = p_, in, op]() {
-      std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn;
+    enc.dispatch([p = p_, in, op, donated]() {
+      std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn, kc;
+      for (int i = 1; i < 3; i++) {  // a cache buffer MLX could not donate: copied first
+        if (donated[i]) continue;
+        const mx::array& c = in[i == 1 ? p.k_cache : p.v_cache];
+        std::memcpy(op[i], row_major(c, kc), c.nbytes());
+      }
       const mx::array& x = in[p.x];
       const float* xp = (const float*)row_major(x, kx);
       const float* wp = (const float*)row_major(in[p.w], kw);
@@ -278,6 +306,9 @@ class AttnIn : public CpuMultiPrimitive {
                      inv.data());
       const int32_t* offs = p.offsets >= 0 ? (const int32_t*)row_major(in[p.offsets], ko) : nullptr;
       const int64_t noffs = p.offsets >= 0 ? (int64_t)in[p.offsets].size() : 0;
+      // where a head's row l goes in outputs 1 and 2: (B, H, S, D) with S = L, or the cache's
+      const int64_t S = p.k_cache >= 0 ? in[p.k_cache].shape(2) : L;
+      const int64_t at = p.k_cache >= 0 ? p.cache_at : 0;
       const float* qk_norm[2] = {
           p.q_norm >= 0 ? (const float*)row_major(in[p.q_norm], kqn) : nullptr,
           p.k_norm >= 0 ? (const float*)row_major(in[p.k_norm], kkn) : nullptr};
@@ -296,9 +327,10 @@ class AttnIn : public CpuMultiPrimitive {
             const int64_t H = i == 0 ? p.hq : p.hkv;
             for (int64_t h = 0; h < H; h++) {
               const float* src = buf[i].data() + m * H * D + h * D;
-              const int64_t at = ((b * H + h) * L + l) * D;
+              const int64_t to = i == 0 ? ((b * H + h) * L + l) * D
+                                        : ((b * H + h) * S + at + l) * D;
               const bool half_out = i > 0 && p.kv_half;
-              float* dst = half_out ? row.data() : (float*)op[i] + at;
+              float* dst = half_out ? row.data() : (float*)op[i] + to;
               if (i < 2 && qk_norm[i]) {  // qwen3's q_norm / k_norm: RMSNorm of each head
                 rms_norm_rows(src, qk_norm[i], p.qk_eps, D, head.data(), 0, 1);
                 src = head.data();
@@ -306,7 +338,7 @@ class AttnIn : public CpuMultiPrimitive {
               if (i < 2) rope_row(r, cs.data(), sn.data(), src, dst, D);
               else std::memcpy(dst, src, D * sizeof(float));
               if (half_out)
-                for (int64_t d = 0; d < D; d++) ((uint16_t*)op[i])[at + d] = tk::f32_to_f16(row[d]);
+                for (int64_t d = 0; d < D; d++) ((uint16_t*)op[i])[to + d] = tk::f32_to_f16(row[d]);
             }
           }
         }
@@ -316,12 +348,15 @@ class AttnIn : public CpuMultiPrimitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     const auto& x = in[p_.x];
     const int B = x.shape(0), L = x.shape(1), D = (int)p_.d;
+    if (p_.k_cache >= 0) return {{B, (int)p_.hq, L, D}, in[p_.k_cache].shape(), in[p_.v_cache].shape()};
     return {{B, (int)p_.hq, L, D}, {B, (int)p_.hkv, L, D}, {B, (int)p_.hkv, L, D}};
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums,
                              const std::vector<mx::array>&) override {
+    if (p_.k_cache >= 0)  // block.py writes the cache so only outside transforms
+      bad("attn_in with k_cache / v_cache has no vjp: give the cache its k and v instead");
     auto s = stream();
     auto reference = [p = p_, s](const std::vector<mx::array>& in) {
       const auto& x = in[p.x];
@@ -363,6 +398,7 @@ struct AttnOutParams {
   float scale;
   bool causal;
   float sub_eps = 0.f;
+  int64_t kv_len = -1;  // the keys [0, kv_len) of k and v (a KV cache's filled rows); -1: all
   int q = 0, k = 1, v = 2, mask = -1, residual = -1, sub_norm = -1;  // bitnet: attn_sub_norm
   Proj o;
 };
@@ -380,6 +416,7 @@ class AttnOut : public CpuPrimitive {
       const int64_t M = B * L, HD = H * D;
       // the attention straight into the token layout (B, L, H D) o_proj reads
       tk::AttnShape sh = attn_shape(q, k, p.scale, p.causal, {L * HD, D, HD});
+      if (p.kv_len >= 0) sh.Lk = p.kv_len;  // the rows past it are not read
       if (p.mask >= 0) mask_view(in[p.mask], sh);
       const float* qp = (const float*)attn_view(q, kq, sh.qs);
       const void* kp = attn_view(k, kk, sh.ks);
@@ -420,11 +457,15 @@ class AttnOut : public CpuPrimitive {
     auto s = stream();
     auto reference = [p = p_, s](const std::vector<mx::array>& in) {
       const auto& q = in[p.q];
+      auto k = in[p.k], v = in[p.v];
+      if (p.kv_len >= 0) {
+        const mx::Shape stop{k.shape(0), k.shape(1), (int)p.kv_len, k.shape(3)};
+        k = mx::slice(k, {0, 0, 0, 0}, stop, s), v = mx::slice(v, {0, 0, 0, 0}, stop, s);
+      }
       auto att = p.mask >= 0 ? mx::fast::scaled_dot_product_attention(
-                                   q, in[p.k], in[p.v], p.scale, "array", in[p.mask], {}, false, s)
+                                   q, k, v, p.scale, "array", in[p.mask], {}, false, s)
                              : mx::fast::scaled_dot_product_attention(
-                                   q, in[p.k], in[p.v], p.scale, p.causal ? "causal" : "", {},
-                                   {}, false, s);
+                                   q, k, v, p.scale, p.causal ? "causal" : "", {}, {}, false, s);
       att = mx::reshape(mx::transpose(att, {0, 2, 1, 3}, s), {q.shape(0), q.shape(2), -1}, s);
       if (p.sub_norm >= 0) att = mx::fast::rms_norm(att, in[p.sub_norm], p.sub_eps, s);
       auto y = ternary_ref(att, p.o, in, s);
@@ -548,7 +589,9 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
                                std::optional<mx::array> freqs, int offset,
                                std::optional<mx::array> offsets,
                                std::optional<mx::array> q_norm_w,
-                               std::optional<mx::array> k_norm_w, float qk_eps, bool kv_half) {
+                               std::optional<mx::array> k_norm_w, float qk_eps, bool kv_half,
+                               std::optional<mx::array> k_cache, std::optional<mx::array> v_cache,
+                               int cache_at) {
   if (x.ndim() != 3 || x.shape(2) != in_features) bad("attn_in: x must be (B, L, in_features)");
   check_f32(x, "attn_in: x");
   check_f32(norm_w, "attn_in: the norm weight");
@@ -601,6 +644,24 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
                                 {B, n_kv_heads, L, head_dim}};
   p.kv_half = kv_half;
   const mx::Dtype kvt = kv_half ? mx::float16 : mx::float32;
+  if (k_cache.has_value() != v_cache.has_value())
+    bad("attn_in: give both or neither of k_cache and v_cache");
+  if (k_cache) {
+    for (auto* c : {&*k_cache, &*v_cache}) {
+      if (c->dtype() != kvt)
+        bad(std::string("attn_in: the cache buffers must be ") + (kv_half ? "float16" : "float32") +
+            " (kv_half), got " + shape_str(*c) + " of another dtype");
+      if (c->ndim() != 4 || c->shape(0) != B || c->shape(1) != n_kv_heads || c->shape(3) != head_dim)
+        bad("attn_in: a cache buffer " + shape_str(*c) + " is not (B, n_kv_heads, S, head_dim)");
+    }
+    if (k_cache->shape(2) != v_cache->shape(2) || cache_at < 0 || cache_at + L > k_cache->shape(2))
+      bad("attn_in: the cache buffers must hold rows [cache_at, cache_at + L), have " +
+          shape_str(*k_cache) + " and cache_at " + std::to_string(cache_at));
+    p.cache_at = cache_at;
+    p.k_cache = (int)inputs.size(), inputs.push_back(*k_cache);
+    p.v_cache = (int)inputs.size(), inputs.push_back(*v_cache);
+    shapes[1] = k_cache->shape(), shapes[2] = v_cache->shape();
+  }
   return mx::array::make_arrays(std::move(shapes), {mx::float32, kvt, kvt},
                                 std::make_shared<AttnIn>(s, std::move(p)), inputs);
 }
@@ -610,18 +671,19 @@ mx::array attn_out(const mx::array& q, const mx::array& k, const mx::array& v, f
                    const mx::array& scales, std::optional<mx::array> bias, int packing,
                    int in_features, int group_size, int activation_bits,
                    std::optional<mx::array> residual, std::optional<mx::array> sub_norm_w,
-                   float sub_eps) {
+                   float sub_eps, int kv_len) {
   check_attention_inputs(q, k, v, "attn_out");
+  if (kv_len > k.shape(2)) bad("attn_out: kv_len is past k's rows");
   if ((int64_t)q.shape(1) * q.shape(3) != in_features)
     bad("attn_out: o_proj's in_features must be heads * head_dim");
   auto s = mx::default_stream(mx::Device::cpu);
   AttnOutParams p;
-  p.scale = scale, p.causal = causal;
+  p.scale = scale, p.causal = causal, p.kv_len = kv_len < 0 ? -1 : kv_len;
   std::vector<mx::array> inputs{q, k, v};
   if (mask) {
     if (mask->dtype() != mx::bool_ || mask->ndim() > 4)
       bad("attn_out: the mask must be a bool array of at most 4 dimensions");
-    mx::Shape full{q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
+    mx::Shape full{q.shape(0), q.shape(1), q.shape(2), kv_len < 0 ? k.shape(2) : kv_len};
     p.mask = (int)inputs.size(), inputs.push_back(mx::broadcast_to(*mask, full, s));
   }
   p.o = check_projs({packed}, {scales}, {bias}, packing, in_features, group_size, activation_bits,
