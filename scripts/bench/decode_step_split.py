@@ -9,6 +9,9 @@ thread, the native pool's workers), the whole process's CPU, and the native kern
   one computes), --gen tokens after the prompt; per token after the first.
 - "single": one step at a time (`model(tok, cache)`, mx.eval, the cache trimmed back), the
   main thread's CPU split into building the graph and mx.eval.
+- "fused ops' phases": single steps with the native block's phase clocks on
+  (`block_times`): the ms per step its tasks spent in norms, activation preparation, the
+  ternary rows, RoPE, attention..., summed over the layers (the rows: the matmuls).
 - "kernels alone": the model's ternary layers on one token, and its output layer, each
   evaluated alone (as profile_cpu_step.py); the rest of a single step is everything else.
 
@@ -102,6 +105,30 @@ def single(model, cache, steps: int, main: int) -> float:
     return min(wall)
 
 
+def phases(model, cache, steps: int) -> None:
+    import mlx.core as mx
+
+    from mlx_ternary.runtime.cpu import require
+
+    m = require()
+    tok = mx.array([[5]], dtype=mx.uint32)
+    mx.eval(model(tok, cache=cache))
+    for k in cache:
+        k.trim(1)
+    m.block_times(True)
+    for _ in range(steps):
+        mx.eval(model(tok, cache=cache))
+        for k in cache:
+            k.trim(1)
+    t = m.block_times(False)
+    tasks = t.pop("tasks")
+    total = sum(t.values())
+    print(
+        f"  fused ops' phases, ms/step ({tasks / steps:.0f} tasks a step): total {total / steps / 1e6:.2f}"
+    )
+    print("    " + ", ".join(f"{k} {v / steps / 1e6:.3f}" for k, v in t.items()))
+
+
 def kernels_alone(model, steps: int) -> float:
     import mlx.core as mx
 
@@ -151,6 +178,7 @@ def main():
     cache = make_prompt_cache(model)
     mx.eval(model(prompt[None], cache=cache))
     step = single(model, cache, a.steps, main_tid)
+    phases(model, cache, a.steps)
     alone = kernels_alone(model, a.steps)
     print(f"  single step's minimum less the kernels' minima: {step - alone:.2f} ms")
 

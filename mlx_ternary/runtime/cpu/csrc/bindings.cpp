@@ -105,6 +105,18 @@ NB_MODULE(_mlx_ternary_native, m) {
         nb::arg("sub_norm_w").none() = nb::none(), nb::arg("sub_eps") = 0.f,
         "[residual +] down([RMSNorm](act(gate(n)) * up(n))), n = RMSNorm(h): act MLP_SILU (a "
         "fused llama MLP) or MLP_RELU2 (bitnet's; sub_norm_w its ffn_sub_norm).");
+  m.def(
+      "block_times",
+      [](bool on) {
+        nb::dict out;
+        for (int i = 0; i < PH_N; i++) out[BLOCK_PHASES[i]] = block_ns[i].exchange(0);
+        out["tasks"] = block_tasks.exchange(0);
+        block_times_on = on;
+        return out;
+      },
+      nb::arg("on"),
+      "The fused ops' tasks' nanoseconds per phase (and their count) since the last call, "
+      "reset; `on` turns the counting on or off from now (off by default).");
   m.def("local_sum", &local_sum, nb::arg("x"),
         "The sum of this rank's float32 `x` and the other local rank's, over the attached "
         "segment (slot 0 + slot 1: the same bits on both ranks).");

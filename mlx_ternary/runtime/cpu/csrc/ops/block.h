@@ -20,6 +20,8 @@
 // path anyway.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <functional>
 
 #include "mlx/backend/cpu/simd/simd.h"  // MLX's own sin/cos/exp (the RoPE)
@@ -36,28 +38,60 @@ namespace mlxt {
 
 // ---- shared pieces ---------------------------------------------------------------------------
 
+// Where the fused ops' tasks spend their time (scripts/bench/decode_step_split.py): each phase's
+// nanoseconds on the thread that runs the task, summed while `block_times(true)` has turned
+// them on (off by default: a phase then costs one relaxed load at the task's start).
+enum BlockPhase { PH_NORM, PH_ACTS, PH_ROWS, PH_ROPE, PH_CACHE, PH_ATTN, PH_GLU, PH_RESID, PH_N };
+constexpr const char* BLOCK_PHASES[PH_N] = {"norms",     "activations", "rows",     "rope+layout",
+                                            "cache copy", "attention",   "act(gate)*up", "residual"};
+inline std::atomic<bool> block_times_on{false};
+inline std::atomic<int64_t> block_ns[PH_N], block_tasks{0};
+
+struct PhaseClock {
+  using clock = std::chrono::steady_clock;
+  bool on = block_times_on.load(std::memory_order_relaxed);
+  clock::time_point t = on ? clock::now() : clock::time_point{};
+  PhaseClock() {
+    if (on) block_tasks++;
+  }
+  void lap(BlockPhase ph) {
+    if (!on) return;
+    const auto n = clock::now();
+    block_ns[ph] += std::chrono::duration_cast<std::chrono::nanoseconds>(n - t).count();
+    t = n;
+  }
+};
+
 // MLX's CPU RMSNorm (the fallback of mx.fast.rms_norm): rows [m0, m1) of (M, K) x. Each row's
 // sum of squares is one sequential float32 chain (MLX's order); RMS_ROWS rows run their chains
 // side by side (the adds' latency, not their throughput, bounds one chain: a 6912-wide
 // sub-norm is ~21 k cycles a row alone), each row's operations and their order unchanged.
-constexpr int RMS_ROWS = 8;
+constexpr int RMS_ROWS = 8;  // rms_norm_rows' switch names each count below it
 inline void rms_norm_rows(const float* x, const float* w, float eps, int64_t K, float* out,
                           int64_t m0, int64_t m1) {
   const float inv_n = (float)(1.0 / (double)K);
   for (int64_t m = m0; m < m1; m += RMS_ROWS) {
     const int rows = (int)std::min<int64_t>(RMS_ROWS, m1 - m);
     float s[RMS_ROWS] = {};
-    auto sums = [&](auto nrows) {  // a constant count for whole groups: the j loop unrolls
+    auto sums = [&](auto nrows) {
       for (int64_t i = 0; i < K; i++)
         for (int j = 0; j < (int)nrows; j++) {
           const float v = x[(m + j) * K + i];
           s[j] = s[j] + v * v;
         }
     };
-    if (rows == RMS_ROWS)
-      sums(std::integral_constant<int, RMS_ROWS>{});
-    else
-      sums(rows);
+    // a constant count for every group, so the sums stay in registers: a runtime count kept
+    // them in memory, a store-to-load round trip per add (a decode token's 1 row: ~3x slower)
+    switch (rows) {
+      case 1: sums(std::integral_constant<int, 1>{}); break;
+      case 2: sums(std::integral_constant<int, 2>{}); break;
+      case 3: sums(std::integral_constant<int, 3>{}); break;
+      case 4: sums(std::integral_constant<int, 4>{}); break;
+      case 5: sums(std::integral_constant<int, 5>{}); break;
+      case 6: sums(std::integral_constant<int, 6>{}); break;
+      case 7: sums(std::integral_constant<int, 7>{}); break;
+      default: sums(std::integral_constant<int, RMS_ROWS>{});
+    }
     for (int j = 0; j < rows; j++) {
       const float* xr = x + (m + j) * K;
       float* o = out + (m + j) * K;
@@ -264,6 +298,12 @@ class AttnIn : public CpuMultiPrimitive {
     const bool cached = p_.k_cache >= 0;
     bool donated[3] = {true, true, true};
     if (cached) {
+      // Each output holds its own copy of the inputs (make_arrays) until MLX detaches them
+      // right after this call, so no input would ever look donatable; the siblings' copies
+      // go now (the one in `in` stays, and a tracer's are kept, as MLX keeps them).
+      if (!outs[0].is_tracer())
+        for (auto& o : outs)
+          if (&o.inputs() != &in) o.inputs().clear();
       donated[1] = take_cache_buffer(in[p_.k_cache], outs[1]);
       donated[2] = take_cache_buffer(in[p_.v_cache], outs[2]);
     }
@@ -272,12 +312,14 @@ class AttnIn : public CpuMultiPrimitive {
     std::vector<void*> op;
     for (auto& o : outs) op.push_back(o.data<void>());
     enc.dispatch([p = p_, in, op, donated]() {
+      PhaseClock clk;
       std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn, kc;
       for (int i = 1; i < 3; i++) {  // a cache buffer MLX could not donate: copied first
         if (donated[i]) continue;
         const mx::array& c = in[i == 1 ? p.k_cache : p.v_cache];
         std::memcpy(op[i], row_major(c, kc), c.nbytes());
       }
+      clk.lap(PH_CACHE);
       const mx::array& x = in[p.x];
       const float* xp = (const float*)row_major(x, kx);
       const float* wp = (const float*)row_major(in[p.w], kw);
@@ -291,13 +333,16 @@ class AttnIn : public CpuMultiPrimitive {
       tk::Acts& acts = acts_tl;
       normed.resize(M * K);
       per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(xp, wp, p.eps, K, normed.data(), m0, m1); });
+      clk.lap(PH_NORM);
       BoundLayer ls[3];
       for (int i = 0; i < 3; i++) {
         buf[i].resize(M * p.projs[i].p.n);
         ls[i].bind(p.projs[i], in, buf[i].data());
       }
       prepare_acts(*ls[0].g, p.projs[0].p, normed.data(), tk::F32, M, acts);
+      clk.lap(PH_ACTS);
       rows_of_layers({&ls[0], &ls[1], &ls[2]}, acts, M);
+      clk.lap(PH_ROWS);
       // RoPE (q, k) and the (B, L, H, D) -> (B, H, L, D) layout (q, k, v)
       const RopeParams& r = p.rope;
       const int half = r.dims / 2;
@@ -343,6 +388,7 @@ class AttnIn : public CpuMultiPrimitive {
           }
         }
       });
+      clk.lap(PH_ROPE);
     });
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
@@ -410,6 +456,7 @@ class AttnOut : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
+      PhaseClock clk;
       const mx::array &q = in[p.q], &k = in[p.k], &v = in[p.v];
       std::vector<uint8_t> kq, kk, kv, kr, ksn;
       const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
@@ -429,20 +476,25 @@ class AttnOut : public CpuPrimitive {
       tk::attention<tk::NativeOps>(sh, qp, kp, vp, tok.data(), [](int64_t n, const auto& f) {
         pool().parallel_for(n, f);
       });
+      clk.lap(PH_ATTN);
       if (p.sub_norm >= 0) {  // bitnet's attn_sub_norm, in place
         const float* w = (const float*)row_major(in[p.sub_norm], ksn);
         per_token(M, [&](int64_t m0, int64_t m1) {
           rms_norm_rows(tok.data(), w, p.sub_eps, HD, tok.data(), m0, m1);
         });
+        clk.lap(PH_NORM);
       }
       BoundLayer o;
       o.bind(p.o, in, outp);
       prepare_acts(*o.g, p.o.p, tok.data(), tk::F32, M, acts);
+      clk.lap(PH_ACTS);
       rows_of_layers({&o}, acts, M);
+      clk.lap(PH_ROWS);
       if (p.residual >= 0) {
         const float* rp = (const float*)row_major(in[p.residual], kr);
         const int64_t n = M * p.o.p.n;
         for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
+        clk.lap(PH_RESID);
       }
     });
   }
@@ -501,6 +553,7 @@ class Mlp : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
+      PhaseClock clk;
       std::vector<uint8_t> kh, kw, kr, ksn;
       const mx::array& h = in[p.h];
       const float* hp = (const float*)row_major(h, kh);
@@ -516,11 +569,14 @@ class Mlp : public CpuPrimitive {
       g.resize(M * F);
       u.resize(M * F);
       per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(hp, wp, p.eps, K, normed.data(), m0, m1); });
+      clk.lap(PH_NORM);
       BoundLayer lg, lu, ld;
       lg.bind(p.gate_up[0], in, g.data());
       lu.bind(p.gate_up[1], in, u.data());
       prepare_acts(*lg.g, p.gate_up[0].p, normed.data(), tk::F32, M, acts);
+      clk.lap(PH_ACTS);
       rows_of_layers({&lg, &lu}, acts, M);
+      clk.lap(PH_ROWS);
       // act(gate) * up, in place into g (the native SwiGLU's chunks); relu2 as mlx-lm's
       // bitnet MLP: square(maximum(g, 0)) * up
       parallel_rows(M * F, 1 << 14, [&](int64_t i0, int64_t i1) {
@@ -531,19 +587,24 @@ class Mlp : public CpuPrimitive {
           gp[i] = (r * r) * up[i];
         }
       });
+      clk.lap(PH_GLU);
       if (p.sub_norm >= 0) {  // bitnet's ffn_sub_norm, in place
         const float* w = (const float*)row_major(in[p.sub_norm], ksn);
         per_token(M, [&](int64_t m0, int64_t m1) {
           rms_norm_rows(g.data(), w, p.sub_eps, F, g.data(), m0, m1);
         });
+        clk.lap(PH_NORM);
       }
       ld.bind(p.down, in, outp);
       prepare_acts(*ld.g, p.down.p, g.data(), tk::F32, M, acts);
+      clk.lap(PH_ACTS);
       rows_of_layers({&ld}, acts, M);
+      clk.lap(PH_ROWS);
       if (p.residual >= 0) {
         const float* rp = (const float*)row_major(in[p.residual], kr);
         const int64_t n = M * p.down.p.n;
         for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
+        clk.lap(PH_RESID);
       }
     });
   }
