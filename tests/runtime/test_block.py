@@ -542,3 +542,29 @@ def test_cache_buffers_and_kv_len_are_checked(tmp_path, on_cpu):
         m.attn_in(*args, kv_half=True, k_cache=buf, v_cache=buf, cache_at=6)
     with pytest.raises(ValueError, match="kv_len"):
         m.attn_out(q, kb, vb, scale, True, None, *o[:3], *o[3], x, kv_len=9)
+
+
+def test_attn_out_and_mlp_fused_into_one_op_are_the_two(tmp_path, on_cpu):
+    """mlp(h, ..., residual=h, fuse=True) on attn_out's unevaluated h runs both as one op:
+    the bits of the two ops; with another residual, or h evaluated, it is the plain mlp."""
+    from mlx_lm.models import bitnet
+
+    model = _model(tmp_path, "bitnet")
+    layer, m = model.model.layers[0], cpu.require()
+    run = block.plan(layer, bitnet).run
+    env = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__)))
+    q, k, v = (mx.random.normal((1, 4, 3, 16), key=mx.random.key(i)) for i in range(3))
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(5))
+    o, mlp = env["attn_out"], env["mlp"]
+
+    def out(fuse, evaluated=False, residual=True):
+        h = m.attn_out(q, k, v, layer.self_attn.scale, True, None, *o, x, **env["sub_a"])
+        if evaluated:
+            mx.eval(h)
+        return np.array(m.mlp(h, *mlp, h if residual else None, **env["sub_f"], fuse=fuse))
+
+    two = out(False)
+    np.testing.assert_array_equal(out(True), two)
+    np.testing.assert_array_equal(out(True, evaluated=True), two)
+    np.testing.assert_array_equal(out(True, residual=False), out(False, residual=False))
+    assert not np.array_equal(out(True, residual=False), two)

@@ -335,7 +335,8 @@ def _plain_run(attn, found, subs) -> Callable:
                 k, v = cache.update_and_fetch(k, v)
         causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
         h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x, **sub_a, kv_len=kv_len)
-        return m.mlp(h, *mlp, h, **sub_f)
+        # outside transforms (as the cache write), attn_out and mlp run as one MLX op
+        return m.mlp(h, *mlp, h, **sub_f, fuse=kv_len >= 0)
 
     return run
 

@@ -103,8 +103,10 @@ NB_MODULE(_mlx_ternary_native, m) {
         nb::arg("down_in_features"), nb::arg("down_group_size"),
         nb::arg("down_activation_bits"), nb::arg("residual").none(), nb::arg("act") = int(ACT_SILU),
         nb::arg("sub_norm_w").none() = nb::none(), nb::arg("sub_eps") = 0.f,
+        nb::arg("fuse") = false,
         "[residual +] down([RMSNorm](act(gate(n)) * up(n))), n = RMSNorm(h): act MLP_SILU (a "
-        "fused llama MLP) or MLP_RELU2 (bitnet's; sub_norm_w its ffn_sub_norm).");
+        "fused llama MLP) or MLP_RELU2 (bitnet's; sub_norm_w its ffn_sub_norm). fuse: where h "
+        "is attn_out's unevaluated output and the residual h, one op computes both (no vjp).");
   m.def(
       "block_times",
       [](bool on) {

@@ -449,55 +449,59 @@ struct AttnOutParams {
   Proj o;
 };
 
+// AttnOut's task: its (B, L, out) result into outp.
+inline void attn_out_task(const AttnOutParams& p, const std::vector<mx::array>& in, float* outp) {
+  PhaseClock clk;
+  const mx::array &q = in[p.q], &k = in[p.k], &v = in[p.v];
+  std::vector<uint8_t> kq, kk, kv, kr, ksn;
+  const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int64_t M = B * L, HD = H * D;
+  // the attention straight into the token layout (B, L, H D) o_proj reads
+  tk::AttnShape sh = attn_shape(q, k, p.scale, p.causal, {L * HD, D, HD});
+  if (p.kv_len >= 0) sh.Lk = p.kv_len;  // the rows past it are not read
+  if (p.mask >= 0) mask_view(in[p.mask], sh);
+  const float* qp = (const float*)attn_view(q, kq, sh.qs);
+  const void* kp = attn_view(k, kk, sh.ks);
+  const void* vp = attn_view(v, kv, sh.vs);
+  thread_local std::vector<float> tok_tl;
+  thread_local tk::Acts acts_tl;
+  auto& tok = tok_tl;
+  tk::Acts& acts = acts_tl;
+  tok.resize(M * HD);
+  tk::attention<tk::NativeOps>(sh, qp, kp, vp, tok.data(), [](int64_t n, const auto& f) {
+    pool().parallel_for(n, f);
+  });
+  clk.lap(PH_ATTN);
+  if (p.sub_norm >= 0) {  // bitnet's attn_sub_norm, in place
+    const float* w = (const float*)row_major(in[p.sub_norm], ksn);
+    per_token(M, [&](int64_t m0, int64_t m1) {
+      rms_norm_rows(tok.data(), w, p.sub_eps, HD, tok.data(), m0, m1);
+    });
+    clk.lap(PH_NORM);
+  }
+  BoundLayer o;
+  o.bind(p.o, in, outp);
+  prepare_acts(*o.g, p.o.p, tok.data(), tk::F32, M, acts);
+  clk.lap(PH_ACTS);
+  rows_of_layers({&o}, acts, M);
+  clk.lap(PH_ROWS);
+  if (p.residual >= 0) {
+    const float* rp = (const float*)row_major(in[p.residual], kr);
+    const int64_t n = M * p.o.p.n;
+    for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
+    clk.lap(PH_RESID);
+  }
+}
+
 class AttnOut : public CpuPrimitive {
  public:
   AttnOut(mx::Stream s, AttnOutParams p) : CpuPrimitive(s), p_(std::move(p)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = enqueue(stream(), in, out);
-    enc.dispatch([p = p_, in, outp = out.data<float>()]() {
-      PhaseClock clk;
-      const mx::array &q = in[p.q], &k = in[p.k], &v = in[p.v];
-      std::vector<uint8_t> kq, kk, kv, kr, ksn;
-      const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
-      const int64_t M = B * L, HD = H * D;
-      // the attention straight into the token layout (B, L, H D) o_proj reads
-      tk::AttnShape sh = attn_shape(q, k, p.scale, p.causal, {L * HD, D, HD});
-      if (p.kv_len >= 0) sh.Lk = p.kv_len;  // the rows past it are not read
-      if (p.mask >= 0) mask_view(in[p.mask], sh);
-      const float* qp = (const float*)attn_view(q, kq, sh.qs);
-      const void* kp = attn_view(k, kk, sh.ks);
-      const void* vp = attn_view(v, kv, sh.vs);
-      thread_local std::vector<float> tok_tl;
-      thread_local tk::Acts acts_tl;
-      auto& tok = tok_tl;
-      tk::Acts& acts = acts_tl;
-      tok.resize(M * HD);
-      tk::attention<tk::NativeOps>(sh, qp, kp, vp, tok.data(), [](int64_t n, const auto& f) {
-        pool().parallel_for(n, f);
-      });
-      clk.lap(PH_ATTN);
-      if (p.sub_norm >= 0) {  // bitnet's attn_sub_norm, in place
-        const float* w = (const float*)row_major(in[p.sub_norm], ksn);
-        per_token(M, [&](int64_t m0, int64_t m1) {
-          rms_norm_rows(tok.data(), w, p.sub_eps, HD, tok.data(), m0, m1);
-        });
-        clk.lap(PH_NORM);
-      }
-      BoundLayer o;
-      o.bind(p.o, in, outp);
-      prepare_acts(*o.g, p.o.p, tok.data(), tk::F32, M, acts);
-      clk.lap(PH_ACTS);
-      rows_of_layers({&o}, acts, M);
-      clk.lap(PH_ROWS);
-      if (p.residual >= 0) {
-        const float* rp = (const float*)row_major(in[p.residual], kr);
-        const int64_t n = M * p.o.p.n;
-        for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
-        clk.lap(PH_RESID);
-      }
-    });
+    enc.dispatch([p = p_, in, outp = out.data<float>()]() { attn_out_task(p, in, outp); });
   }
+  const AttnOutParams& params() const { return p_; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     const auto& q = in[p_.q];
     return {{q.shape(0), q.shape(2), (int)p_.o.p.n}};
@@ -546,6 +550,61 @@ struct MlpParams {
   Proj down;
 };
 
+// Mlp's task on M rows of K at hp (row-major), [+ the residual rp], into outp.
+inline void mlp_task(const MlpParams& p, const std::vector<mx::array>& in, const float* hp,
+                     int64_t M, int64_t K, const float* rp, float* outp) {
+  PhaseClock clk;
+  std::vector<uint8_t> kw, ksn;
+  const float* wp = (const float*)row_major(in[p.w], kw);
+  const int64_t F = p.gate_up[0].p.n;
+  thread_local std::vector<float> normed_tl, g_tl, u_tl;
+  thread_local tk::Acts acts_tl;
+  auto& normed = normed_tl;
+  auto& g = g_tl;
+  auto& u = u_tl;
+  tk::Acts& acts = acts_tl;
+  normed.resize(M * K);
+  g.resize(M * F);
+  u.resize(M * F);
+  per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(hp, wp, p.eps, K, normed.data(), m0, m1); });
+  clk.lap(PH_NORM);
+  BoundLayer lg, lu, ld;
+  lg.bind(p.gate_up[0], in, g.data());
+  lu.bind(p.gate_up[1], in, u.data());
+  prepare_acts(*lg.g, p.gate_up[0].p, normed.data(), tk::F32, M, acts);
+  clk.lap(PH_ACTS);
+  rows_of_layers({&lg, &lu}, acts, M);
+  clk.lap(PH_ROWS);
+  // act(gate) * up, in place into g (the native SwiGLU's chunks); relu2 as mlx-lm's
+  // bitnet MLP: square(maximum(g, 0)) * up
+  parallel_rows(M * F, 1 << 14, [&](int64_t i0, int64_t i1) {
+    if (p.act == ACT_SILU) return tk::silu_mul(g.data(), u.data(), g.data(), i0, i1);
+    float *gp = g.data(), *up = u.data();
+    for (int64_t i = i0; i < i1; i++) {
+      const float r = std::max(gp[i], 0.f);
+      gp[i] = (r * r) * up[i];
+    }
+  });
+  clk.lap(PH_GLU);
+  if (p.sub_norm >= 0) {  // bitnet's ffn_sub_norm, in place
+    const float* w = (const float*)row_major(in[p.sub_norm], ksn);
+    per_token(M, [&](int64_t m0, int64_t m1) {
+      rms_norm_rows(g.data(), w, p.sub_eps, F, g.data(), m0, m1);
+    });
+    clk.lap(PH_NORM);
+  }
+  ld.bind(p.down, in, outp);
+  prepare_acts(*ld.g, p.down.p, g.data(), tk::F32, M, acts);
+  clk.lap(PH_ACTS);
+  rows_of_layers({&ld}, acts, M);
+  clk.lap(PH_ROWS);
+  if (rp) {
+    const int64_t n = M * p.down.p.n;
+    for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
+    clk.lap(PH_RESID);
+  }
+}
+
 class Mlp : public CpuPrimitive {
  public:
   Mlp(mx::Stream s, MlpParams p) : CpuPrimitive(s), p_(std::move(p)) {}
@@ -553,59 +612,11 @@ class Mlp : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
-      PhaseClock clk;
-      std::vector<uint8_t> kh, kw, kr, ksn;
+      std::vector<uint8_t> kh, kr;
       const mx::array& h = in[p.h];
-      const float* hp = (const float*)row_major(h, kh);
-      const float* wp = (const float*)row_major(in[p.w], kw);
-      const int64_t K = h.shape(-1), M = (int64_t)(h.size() / K), F = p.gate_up[0].p.n;
-      thread_local std::vector<float> normed_tl, g_tl, u_tl;
-      thread_local tk::Acts acts_tl;
-      auto& normed = normed_tl;
-      auto& g = g_tl;
-      auto& u = u_tl;
-      tk::Acts& acts = acts_tl;
-      normed.resize(M * K);
-      g.resize(M * F);
-      u.resize(M * F);
-      per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(hp, wp, p.eps, K, normed.data(), m0, m1); });
-      clk.lap(PH_NORM);
-      BoundLayer lg, lu, ld;
-      lg.bind(p.gate_up[0], in, g.data());
-      lu.bind(p.gate_up[1], in, u.data());
-      prepare_acts(*lg.g, p.gate_up[0].p, normed.data(), tk::F32, M, acts);
-      clk.lap(PH_ACTS);
-      rows_of_layers({&lg, &lu}, acts, M);
-      clk.lap(PH_ROWS);
-      // act(gate) * up, in place into g (the native SwiGLU's chunks); relu2 as mlx-lm's
-      // bitnet MLP: square(maximum(g, 0)) * up
-      parallel_rows(M * F, 1 << 14, [&](int64_t i0, int64_t i1) {
-        if (p.act == ACT_SILU) return tk::silu_mul(g.data(), u.data(), g.data(), i0, i1);
-        float *gp = g.data(), *up = u.data();
-        for (int64_t i = i0; i < i1; i++) {
-          const float r = std::max(gp[i], 0.f);
-          gp[i] = (r * r) * up[i];
-        }
-      });
-      clk.lap(PH_GLU);
-      if (p.sub_norm >= 0) {  // bitnet's ffn_sub_norm, in place
-        const float* w = (const float*)row_major(in[p.sub_norm], ksn);
-        per_token(M, [&](int64_t m0, int64_t m1) {
-          rms_norm_rows(g.data(), w, p.sub_eps, F, g.data(), m0, m1);
-        });
-        clk.lap(PH_NORM);
-      }
-      ld.bind(p.down, in, outp);
-      prepare_acts(*ld.g, p.down.p, g.data(), tk::F32, M, acts);
-      clk.lap(PH_ACTS);
-      rows_of_layers({&ld}, acts, M);
-      clk.lap(PH_ROWS);
-      if (p.residual >= 0) {
-        const float* rp = (const float*)row_major(in[p.residual], kr);
-        const int64_t n = M * p.down.p.n;
-        for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
-        clk.lap(PH_RESID);
-      }
+      const int64_t K = h.shape(-1), M = (int64_t)(h.size() / K);
+      const float* rp = p.residual >= 0 ? (const float*)row_major(in[p.residual], kr) : nullptr;
+      mlp_task(p, in, (const float*)row_major(h, kh), M, K, rp, outp);
     });
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
@@ -637,6 +648,67 @@ class Mlp : public CpuPrimitive {
  private:
   MlpParams p_;
 };
+
+// ---- AttnOut + Mlp ------------------------------------------------------------------------------
+
+// h = attn_out(...), out = mlp(h, residual=h) as one MLX op (mlp(..., fuse=True) makes it of the
+// two): a decode step's layer is then attn_in and this, two ops where it was three. The inputs
+// are AttnOut's, then Mlp's but h (Mlp's indices refer to them); h lives in scratch.
+class AttnOutMlp : public CpuPrimitive {
+ public:
+  AttnOutMlp(mx::Stream s, AttnOutParams a, MlpParams m)
+      : CpuPrimitive(s), a_(std::move(a)), m_(std::move(m)) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    auto& enc = enqueue(stream(), in, out);
+    enc.dispatch([a = a_, m = m_, in, outp = out.data<float>()]() {
+      const mx::array& q = in[a.q];
+      const int64_t M = (int64_t)q.shape(0) * q.shape(2), N = a.o.p.n;
+      thread_local std::vector<float> h_tl;
+      auto& h = h_tl;
+      h.resize(M * N);
+      attn_out_task(a, in, h.data());
+      mlp_task(m, in, h.data(), M, N, h.data(), outp);
+    });
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    const auto& q = in[a_.q];
+    return {{q.shape(0), q.shape(2), (int)m_.down.p.n}};
+  }
+  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&,
+                             const std::vector<int>&, const std::vector<mx::array>&) override {
+    bad("mlp(fuse=True) has no vjp: block.py fuses only outside transforms");
+  }
+  const char* name() const override { return "FusedAttnOutMlp"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  AttnOutParams a_;
+  MlpParams m_;
+};
+
+// mlp's op (its inputs `inputs`, h at 0) merged with the AttnOut that makes h, where h is an
+// unevaluated AttnOut output and the residual is h itself; else nullopt.
+std::optional<mx::array> fuse_with_attn_out(const mx::array& h, MlpParams p,
+                                            const std::vector<mx::array>& inputs) {
+  if (h.status() != mx::array::Status::unscheduled || !h.has_primitive() || h.is_tracer())
+    return std::nullopt;
+  auto* ao = dynamic_cast<AttnOut*>(&h.primitive());
+  if (!ao || p.residual < 0 || inputs[p.residual].id() != h.id()) return std::nullopt;
+  std::vector<mx::array> merged = h.inputs();
+  std::vector<int> at(inputs.size(), -1);
+  for (size_t i = 1; i < inputs.size(); i++)
+    if ((int)i != p.residual) at[i] = (int)merged.size(), merged.push_back(inputs[i]);
+  auto move = [&](int& i) { i = i < 0 ? -1 : at[i]; };
+  for (auto* pr : {&p.gate_up[0], &p.gate_up[1], &p.down}) move(pr->packed), move(pr->scales), move(pr->bias);
+  move(p.w), move(p.sub_norm);
+  p.h = -1, p.residual = -1;
+  auto shape = h.shape();
+  shape.back() = (int)p.down.p.n;
+  return mx::array(shape, mx::float32,
+                   std::make_shared<AttnOutMlp>(h.primitive().stream(), ao->params(), std::move(p)),
+                   std::move(merged));
+}
 
 // ---- ops ---------------------------------------------------------------------------------------
 
@@ -773,7 +845,7 @@ mx::array mlp(const mx::array& h, const mx::array& norm_w, float eps,
               const mx::array& down_scales, std::optional<mx::array> down_bias,
               int down_packing, int down_in_features, int down_group_size,
               int down_activation_bits, std::optional<mx::array> residual, int act,
-              std::optional<mx::array> sub_norm_w, float sub_eps) {
+              std::optional<mx::array> sub_norm_w, float sub_eps, bool fuse) {
   if (h.ndim() < 1 || h.shape(-1) != in_features) bad("mlp: h must end in in_features");
   if (act != ACT_SILU && act != ACT_RELU2) bad("mlp: act must be MLP_SILU or MLP_RELU2");
   check_f32(h, "mlp: h");
@@ -805,6 +877,8 @@ mx::array mlp(const mx::array& h, const mx::array& norm_w, float eps,
     p.sub_eps = sub_eps;
     p.sub_norm = (int)inputs.size(), inputs.push_back(*sub_norm_w);
   }
+  if (fuse)
+    if (auto merged = fuse_with_attn_out(h, p, inputs)) return *merged;
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32, std::make_shared<Mlp>(s, std::move(p)), std::move(inputs));
 }
