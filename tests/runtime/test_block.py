@@ -78,17 +78,28 @@ def on_cpu():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Counts the calls of each fused op (the native module's functions, spied on)."""
+    """Counts the calls of each fused op (the native module's functions, spied on); a
+    prepared decode step (layer_step) runs one of each."""
     m = cpu.require()
     calls = {"attn_in": 0, "attn_out": 0, "mlp": 0}
-    for name in calls:
+    for name in (*calls, "layer_step"):
         real = getattr(m, name)
 
-        def spy(*a, _real=real, _name=name, **k):
-            calls[_name] += 1
+        def spy(*a, _real=real, _names=(name,) if name in calls else tuple(calls), **k):
+            for n in _names:
+                calls[n] += 1
             return _real(*a, **k)
 
         monkeypatch.setattr(m, name, spy)
+    real_prepared = block._prepared
+
+    def uncounted(*a, **k):  # a plan's example calls of the ops (never evaluated) don't count
+        before = dict(calls)
+        out = real_prepared(*a, **k)
+        calls.update(before)
+        return out
+
+    monkeypatch.setattr(block, "_prepared", uncounted)
     return calls
 
 
@@ -471,20 +482,20 @@ def test_residual_none_returns_the_partial_projection(tmp_path, on_cpu):
 def test_kv_cache_written_in_place_is_the_update_and_fetch_path(
     tmp_path, on_cpu, fused_calls, monkeypatch
 ):
-    """A KVCache with room takes its K/V rows from attn_in itself (k_cache, then attn_out's
-    kv_len): the decode steps' logits and the cache's rows are those of mlx-lm's
-    update_and_fetch path bit for bit; a buffer someone still holds is copied, not written."""
+    """A KVCache with room takes its K/V rows from attn_in itself (layer_step: k_cache, then
+    attn_out's kv_len and mlp fused): the decode steps' logits and the cache's rows are those
+    of mlx-lm's update_and_fetch path bit for bit; a buffer still held is copied, not written."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model = _model(tmp_path, "bitnet")
     m, cached = cpu.require(), [0]
-    real = m.attn_in
+    real = m.layer_step
 
     def spy(*a, **k):
-        cached[0] += k.get("k_cache") is not None
+        cached[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(m, "attn_in", spy)
+    monkeypatch.setattr(m, "layer_step", spy)
     written, tokens, cache = _decode(model, True, steps=4)
     n = len(model.model.layers)
     assert cached[0] == 4 * n  # every decode step; the prompt made the buffers

@@ -226,10 +226,10 @@ def cache_kind(cache, tokens: int, grow: bool = False):
 
 
 def in_place(cache, offset, x, half: bool) -> bool:
-    """Whether attn_in writes this call's K/V into the cache's buffers itself (its k_cache):
-    a KVCache (offset an int) whose buffers hold the call's rows in the dtype attn_in gives,
-    outside transforms (the op has no vjp then). Its update_and_fetch would do the same in
-    four MLX ops (two slice_updates, two slices) and ~15 us of Python a layer."""
+    """Whether layer_step writes this call's K/V into the cache's buffers itself (attn_in's
+    k_cache): a KVCache (offset an int) whose buffers hold the call's rows in the dtype attn_in
+    gives, outside transforms (the ops have no vjp then). Its update_and_fetch would do the
+    same in four MLX ops (two slice_updates, two slices) and ~15 us of Python a layer."""
     if offset[1] is not None or cache is None or _CACHES.get(type(cache)) is not False:
         return False
     keys, values = cache.keys, cache.values
@@ -318,27 +318,47 @@ def _plain_run(attn, found, subs) -> Callable:
     sub_a = dict(zip(("sub_norm_w", "sub_eps"), attn_sub or ()))
     sub_f = dict(zip(("sub_norm_w", "sub_eps"), ffn_sub or ()), act=act)
 
+    prepared = _prepared(m, attn_in, head_norms, (scale, attn_out, sub_a), (mlp, sub_f))
+
     def run(x, cache, offset, how):
         half = kv_half(cache)
-        if in_place(cache, offset, x, half):  # k, v: the cache's buffers, the rows written
-            at = offset[0]
-            kv_len = at + x.shape[1]
-            q, k, v = m.attn_in(
-                x, *attn_in, *offset, *head_norms, kv_half=half,
-                k_cache=cache.keys, v_cache=cache.values, cache_at=at,
-            )  # fmt: skip
-            cache.keys, cache.values, cache.offset = k, v, kv_len  # as update_and_fetch
-        else:
-            q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=half)
-            kv_len = -1
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)
         causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
-        h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x, **sub_a, kv_len=kv_len)
-        # outside transforms (as the cache write), attn_out and mlp run as one MLX op
-        return m.mlp(h, *mlp, h, **sub_f, fuse=kv_len >= 0)
+        if prepared is not None and mask_array is None and in_place(cache, offset, x, half):
+            at = offset[0]  # one op writes the rows into the cache's buffers, one does the rest
+            out, cache.keys, cache.values = m.layer_step(
+                prepared, x, at, half, cache.keys, cache.values, causal
+            )
+            cache.offset = at + x.shape[1]  # as update_and_fetch
+            return out
+        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=half)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x, **sub_a)
+        return m.mlp(h, *mlp, h, **sub_f)
 
     return run
+
+
+def _prepared(m, attn_in, head_norms, out_args, mlp_args):
+    """The native PreparedLayer of a block's bound arguments (m.layer_step: attn_in writing a
+    KVCache's buffers, then attn_out and mlp as one op), made from the ops on an example
+    token; None where its arrays belong to a transform's trace (its ops have no vjp)."""
+    (scale, attn_out, sub_a), (mlp, sub_f) = out_args, mlp_args
+    args = (attn_in, head_norms, attn_out, mlp, list(sub_a.values()), list(sub_f.values()))
+    if any(isinstance(a, mx.array) and require().is_tracer(a) for a in _arrays(args)):
+        return None
+    x = mx.zeros((1, 1, attn_in[0].shape[0]))
+    q, k, v = m.attn_in(x, *attn_in, 0, None, *head_norms)
+    h = m.attn_out(q, k, v, scale, True, None, *attn_out, x, **sub_a)
+    return m.PreparedLayer(q, m.mlp(h, *mlp, h, **sub_f, fuse=True))
+
+
+def _arrays(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _arrays(a)
+        else:
+            yield a
 
 
 class BlockPlan:

@@ -119,6 +119,13 @@ NB_MODULE(_mlx_ternary_native, m) {
       nb::arg("on"),
       "The fused ops' tasks' nanoseconds per phase (and their count) since the last call, "
       "reset; `on` turns the counting on or off from now (off by default).");
+  nb::class_<PreparedLayer>(m, "PreparedLayer",
+                            "A block's attn_in and attn_out + mlp, prepared for layer_step.")
+      .def(nb::init<const mx::array&, const mx::array&>(), nb::arg("q"), nb::arg("out"));
+  m.def("layer_step", &layer_step, nb::arg("prepared"), nb::arg("x"), nb::arg("offset"),
+        nb::arg("kv_half"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("causal"),
+        "One prepared block on x over a KVCache's buffers (rows [offset, offset + L) written): "
+        "[output, new k buffer, new v buffer].");
   m.def("local_sum", &local_sum, nb::arg("x"),
         "The sum of this rank's float32 `x` and the other local rank's, over the attached "
         "segment (slot 0 + slot 1: the same bits on both ranks).");

@@ -432,6 +432,7 @@ class AttnIn : public CpuMultiPrimitive {
     return reference_vjp(reference, primals, cotangents, argnums, {p_.freqs});
   }
   const char* name() const override { return "FusedAttnIn"; }
+  const AttnInParams& params() const { return p_; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
  private:
@@ -680,6 +681,8 @@ class AttnOutMlp : public CpuPrimitive {
     bad("mlp(fuse=True) has no vjp: block.py fuses only outside transforms");
   }
   const char* name() const override { return "FusedAttnOutMlp"; }
+  const AttnOutParams& attn() const { return a_; }
+  const MlpParams& mlp() const { return m_; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
  private:
@@ -711,6 +714,21 @@ std::optional<mx::array> fuse_with_attn_out(const mx::array& h, MlpParams p,
 }
 
 // ---- ops ---------------------------------------------------------------------------------------
+
+// attn_in's cache buffers: (B, Hkv, S, D) of the K/V dtype with rows [cache_at, cache_at + L).
+void check_cache(const mx::array& k, const mx::array& v, bool kv_half, int B, int L, int64_t hkv,
+                 int64_t d, int cache_at) {
+  for (auto* c : {&k, &v}) {
+    if (c->dtype() != (kv_half ? mx::float16 : mx::float32))
+      bad(std::string("attn_in: the cache buffers must be ") + (kv_half ? "float16" : "float32") +
+          " (kv_half), got " + shape_str(*c) + " of another dtype");
+    if (c->ndim() != 4 || c->shape(0) != B || c->shape(1) != hkv || c->shape(3) != d)
+      bad("attn_in: a cache buffer " + shape_str(*c) + " is not (B, n_kv_heads, S, head_dim)");
+  }
+  if (k.shape(2) != v.shape(2) || cache_at < 0 || cache_at + L > k.shape(2))
+    bad("attn_in: the cache buffers must hold rows [cache_at, cache_at + L), have " +
+        shape_str(k) + " and cache_at " + std::to_string(cache_at));
+}
 
 std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, float eps,
                                const std::vector<mx::array>& packed,
@@ -780,16 +798,7 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
   if (k_cache.has_value() != v_cache.has_value())
     bad("attn_in: give both or neither of k_cache and v_cache");
   if (k_cache) {
-    for (auto* c : {&*k_cache, &*v_cache}) {
-      if (c->dtype() != kvt)
-        bad(std::string("attn_in: the cache buffers must be ") + (kv_half ? "float16" : "float32") +
-            " (kv_half), got " + shape_str(*c) + " of another dtype");
-      if (c->ndim() != 4 || c->shape(0) != B || c->shape(1) != n_kv_heads || c->shape(3) != head_dim)
-        bad("attn_in: a cache buffer " + shape_str(*c) + " is not (B, n_kv_heads, S, head_dim)");
-    }
-    if (k_cache->shape(2) != v_cache->shape(2) || cache_at < 0 || cache_at + L > k_cache->shape(2))
-      bad("attn_in: the cache buffers must hold rows [cache_at, cache_at + L), have " +
-          shape_str(*k_cache) + " and cache_at " + std::to_string(cache_at));
+    check_cache(*k_cache, *v_cache, kv_half, B, L, n_kv_heads, head_dim, cache_at);
     p.cache_at = cache_at;
     p.k_cache = (int)inputs.size(), inputs.push_back(*k_cache);
     p.v_cache = (int)inputs.size(), inputs.push_back(*v_cache);
@@ -883,5 +892,61 @@ mx::array mlp(const mx::array& h, const mx::array& norm_w, float eps,
   return mx::array(shape, mx::float32, std::make_shared<Mlp>(s, std::move(p)), std::move(inputs));
 }
 
+// ---- a block's layer, prepared --------------------------------------------------------------
+
+// attn_in with the cache written in place and AttnOutMlp of one block, everything but a call's
+// own arrays taken once from the two ops made on example inputs (their checks ran then), so a
+// decode step's layer is one call (layer_step) with nothing to convert or check again but x
+// and the cache buffers. The inputs of the examples are kept with x, q, k, v as placeholders.
+struct PreparedLayer {
+  AttnInParams ai;
+  AttnOutParams a;
+  MlpParams m;
+  std::vector<mx::array> ai_in, out_in;
+
+  PreparedLayer(const mx::array& q, const mx::array& out) {
+    auto* pi = q.has_primitive() ? dynamic_cast<AttnIn*>(&q.primitive()) : nullptr;
+    auto* po = out.has_primitive() ? dynamic_cast<AttnOutMlp*>(&out.primitive()) : nullptr;
+    if (!pi || !po) bad("PreparedLayer takes attn_in's q and mlp(..., fuse=True)'s result");
+    ai = pi->params(), a = po->attn(), m = po->mlp();
+    if (ai.k_cache >= 0 || ai.offsets >= 0 || a.mask >= 0 || a.residual < 0)
+      bad("PreparedLayer: attn_in without a cache or offsets array, attn_out with a residual and "
+          "no mask array");
+    ai_in = q.inputs(), out_in = out.inputs();
+    const mx::array none(0.f);
+    ai_in[ai.x] = none, out_in[a.q] = none, out_in[a.k] = none, out_in[a.v] = none;
+    out_in[a.residual] = none;
+  }
+};
+
+// One block on x (B, L, K) over a KVCache's buffers, its rows [offset, offset + L) written:
+// [block output, the new k buffer, the new v buffer] (attn_in, attn_out, mlp's results).
+std::vector<mx::array> layer_step(const PreparedLayer& pl, const mx::array& x, int offset,
+                                  bool kv_half, const mx::array& k_cache,
+                                  const mx::array& v_cache, bool causal) {
+  if (x.ndim() != 3 || x.shape(2) != pl.ai_in[pl.ai.w].shape(0))
+    bad("layer_step: x must be (B, L, in_features)");
+  check_f32(x, "layer_step: x");
+  const int B = x.shape(0), L = x.shape(1);
+  check_cache(k_cache, v_cache, kv_half, B, L, pl.ai.hkv, pl.ai.d, offset);
+  auto s = mx::default_stream(mx::Device::cpu);
+  AttnInParams p = pl.ai;
+  p.rope.offset = offset, p.kv_half = kv_half, p.cache_at = offset;
+  std::vector<mx::array> in = pl.ai_in;
+  in[p.x] = x;
+  p.k_cache = (int)in.size(), in.push_back(k_cache);
+  p.v_cache = (int)in.size(), in.push_back(v_cache);
+  const mx::Dtype kvt = kv_half ? mx::float16 : mx::float32;
+  auto qkv = mx::array::make_arrays({{B, (int)p.hq, L, (int)p.d}, k_cache.shape(), v_cache.shape()},
+                                    {mx::float32, kvt, kvt}, std::make_shared<AttnIn>(s, std::move(p)),
+                                    in);
+  AttnOutParams a = pl.a;
+  a.causal = causal, a.kv_len = offset + L;
+  std::vector<mx::array> oin = pl.out_in;
+  oin[a.q] = qkv[0], oin[a.k] = qkv[1], oin[a.v] = qkv[2], oin[a.residual] = x;
+  mx::array out({B, L, (int)pl.m.down.p.n}, mx::float32, std::make_shared<AttnOutMlp>(s, a, pl.m),
+                std::move(oin));
+  return {out, qkv[1], qkv[2]};
+}
 
 }  // namespace mlxt
