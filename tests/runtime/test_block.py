@@ -91,7 +91,7 @@ def fused_calls(monkeypatch):
             return _real(*a, **k)
 
         monkeypatch.setattr(m, name, spy)
-    real_prepared = block._prepared
+    real_prepared = block.prepared_layer
 
     def uncounted(*a, **k):  # a plan's example calls of the ops (never evaluated) don't count
         before = dict(calls)
@@ -99,7 +99,7 @@ def fused_calls(monkeypatch):
         calls.update(before)
         return out
 
-    monkeypatch.setattr(block, "_prepared", uncounted)
+    monkeypatch.setattr(block, "prepared_layer", uncounted)
     return calls
 
 

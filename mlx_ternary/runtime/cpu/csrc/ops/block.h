@@ -10,7 +10,8 @@
 //            one activation preparation and one parallel_for
 //
 // The KV cache update stays mlx-lm's (between AttnIn and AttnOut), so every cache it has
-// keeps working. Each step computes what MLX's CPU ops compute, in their order and float32
+// keeps working; for a decode step over a KVCache with room AttnIn writes the rows into its
+// buffers instead (k_cache) and AttnOutMlp runs AttnOut and Mlp as one op (layer_step). Each step computes what MLX's CPU ops compute, in their order and float32
 // rounding: RMSNorm as MLX's fallback (x * (1 / sqrt(sum(x * x) * (1 / K) + eps))) * w with a
 // sequential sum, RoPE as mx.fast.rope's fallback with MLX's own sin/cos/exp (its simd
 // header), the projections, the attention and SwiGLU as the native ops of the unfused path -
