@@ -258,7 +258,23 @@ struct AttnInParams {
 };
 
 // Output i (1: k, 2: v) of AttnIn: the cache buffer `c` itself when MLX may donate it (as
-// slice_update does), else a new buffer that the task first fills with a copy of `c`.
+// slice_update does), else a new buffer that the task fills with c's rows before the call's
+// (copy_cache_rows). A pending task that reads `c` keeps it from being donated: in
+// generate_step a small model's main thread runs a whole step ahead, so this is common.
+// The new buffer of a cache `c` (B, H, S, D) MLX could not donate: c's rows [0, at) (the
+// filled ones), the call's rows [at, at + L) left to be written, zeros past them (as mlx-lm's
+// fresh buffers hold; no one reads them), not a copy of all S rows.
+inline void copy_cache_rows(const mx::array& c, int64_t at, int64_t L, void* out,
+                            std::vector<uint8_t>& keep) {
+  const uint8_t* src = (const uint8_t*)row_major(c, keep);
+  const int64_t S = c.shape(2), row = c.shape(3) * c.itemsize(), heads = c.shape(0) * c.shape(1);
+  for (int64_t h = 0; h < heads; h++) {
+    uint8_t* dst = (uint8_t*)out + h * S * row;
+    std::memcpy(dst, src + h * S * row, at * row);
+    std::memset(dst + (at + L) * row, 0, (S - at - L) * row);
+  }
+}
+
 inline bool take_cache_buffer(const mx::array& c, mx::array& out) {
   if (c.is_donatable() && c.flags().row_contiguous && c.size() == c.data_size()) {
     out.copy_shared_buffer(c);
@@ -315,11 +331,9 @@ class AttnIn : public CpuMultiPrimitive {
     enc.dispatch([p = p_, in, op, donated]() {
       PhaseClock clk;
       std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn, kc;
-      for (int i = 1; i < 3; i++) {  // a cache buffer MLX could not donate: copied first
-        if (donated[i]) continue;
-        const mx::array& c = in[i == 1 ? p.k_cache : p.v_cache];
-        std::memcpy(op[i], row_major(c, kc), c.nbytes());
-      }
+      for (int i = 1; i < 3; i++)  // a cache buffer MLX could not donate
+        if (!donated[i])
+          copy_cache_rows(in[i == 1 ? p.k_cache : p.v_cache], p.cache_at, in[p.x].shape(1), op[i], kc);
       clk.lap(PH_CACHE);
       const mx::array& x = in[p.x];
       const float* xp = (const float*)row_major(x, kx);
