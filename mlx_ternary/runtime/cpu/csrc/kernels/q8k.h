@@ -553,8 +553,9 @@ constexpr int64_t Q8K_LIN_MAX_SEG = 64;
 inline void flat_scales(const Layer& L, int64_t n, int64_t f0, int64_t f1, float* sc) {
   const Geometry& g = L.g;
   int64_t f = f0;
-  if (L.scale_kind != 2) {  // a scale a row (or the tensor's)
-    for (; f < f1; f++) sc[f] = L.scale(n + f / g.nseg, 0);
+  if (L.scale_kind != 2) {  // a scale a row (or the tensor's), converted once a row
+    for (int64_t r = f0 / g.nseg; r * g.nseg < f1; r++)
+      std::fill(sc + std::max(f0, r * g.nseg), sc + std::min(f1, (r + 1) * g.nseg), L.scale(n + r, 0));
     return;
   }
   if (L.scale_dtype == F16 && g.ngroups == g.nseg) {
