@@ -8,7 +8,9 @@
 // MLX's other ops of a decode step. Usage: decode_pool SHAPE(b2b|small) THREADS REPS [hot].
 // Prints the minimum over REPS of the calls' wall time (the gaps excluded), the GB/s of
 // weights + scales it reads, the share of chunks the workers ran, and a digest of outputs.
-// hot: one layer's weights for every layer (in cache: the kernels' own speed).
+// hot: one layer's weights for every layer (in cache: the kernels' own speed). ROW_SCALES=1:
+// one float16 scale a row, as load() keeps a GGUF whose blocks of a row share one (both
+// models of docs/NATIVE.md's peer tables). CPT=N: N decode chunks a thread (row_chunk: 8).
 #include <time.h>
 
 #include <atomic>
@@ -32,6 +34,8 @@ int main(int argc, char** argv) {
   if (argc < 4) return 2;
   const bool b2b = !std::strcmp(argv[1], "b2b"), hot = argc > 4;
   const int threads = std::atoi(argv[2]), reps = std::atoi(argv[3]);
+  const bool row_scales = getenv("ROW_SCALES") && std::atoi(getenv("ROW_SCALES"));
+  const int64_t cpt = getenv("CPT") ? std::atoi(getenv("CPT")) : 8;
   const int layers = b2b ? 30 : 12, distinct = hot ? 1 : layers;
   const int64_t H = b2b ? 2560 : 2048, KV = b2b ? 640 : 256, F = b2b ? 6912 : 5632;
   const int64_t shapes[7][2] = {{H, H}, {KV, H}, {KV, H}, {H, H}, {F, H}, {F, H}, {H, F}};
@@ -49,7 +53,7 @@ int main(int argc, char** argv) {
       Weights y{make_geometry(FAST, sh[0], sh[1], 256), {}, {}};
       y.w.resize(sh[0] * y.g.row_bytes);
       for (auto& b : y.w) b = (uint8_t)rng();
-      y.s.resize(sh[0] * y.g.ngroups);
+      y.s.resize(sh[0] * (row_scales ? 1 : y.g.ngroups));
       for (auto& v : y.s) v = f32_to_f16(0.5f + (rng() % 1000) / 1000.f);
       ws.push_back(std::move(y));
     }
@@ -73,13 +77,13 @@ int main(int argc, char** argv) {
         const Weights& wt = ws[7 * (l % distinct) + i];
         const Geometry& g = wt.g;
         Layer L(g);
-        L.w = wt.w.data(), L.scales = wt.s.data(), L.scale_dtype = F16, L.scale_kind = 2;
+        L.w = wt.w.data(), L.scales = wt.s.data(), L.scale_dtype = F16, L.scale_kind = row_scales ? 1 : 2;
         L.act_quant = L.q8k = true, L.out = y.data();
         const double t0 = wall();
         a.q.resize(g.xlen()), a.d8.resize(g.nblocks8), a.ssum.resize(g.nseg);
         quantize_token_q8k(g, x.data(), F32, 0, a, tmp.data());
         // ops/ternary.h row_chunk for one token
-        const int64_t chunk = std::max<int64_t>(16, ceil_div(ceil_div(g.n, 8 * (int64_t)threads), 16) * 16);
+        const int64_t chunk = std::max<int64_t>(16, ceil_div(ceil_div(g.n, cpt * (int64_t)threads), 16) * 16);
         pool.parallel_for(ceil_div(g.n, chunk), [&](int64_t c) {
           rows_dispatch<NativeOps>(L, a, 1, c * chunk, std::min(g.n, (c + 1) * chunk));
           chunks++;

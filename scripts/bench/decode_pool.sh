@@ -2,7 +2,8 @@
 # A decode step's ternary layers outside MLX (decode_pool.cpp): this tree and optionally another
 # (BASE=<another checkout's csrc>, e.g. main's), runs alternated, ROUNDS rounds, the best of each
 # printed (docs/NATIVE.md "Threads"). Usage: decode_pool.sh SHAPE(b2b|small) THREADS [GAP_US ...]
-# (default gaps 0 20 50); HOT=1: weights in cache. MARCH=haswell builds for AVX2.
+# (default gaps 0 20 50); HOT=1: weights in cache; ROW_SCALES=1: a scale a row, as load() keeps
+# both models; CPT=N: N chunks a thread (decode_pool.cpp). MARCH=haswell builds for AVX2.
 set -euo pipefail
 . "$(dirname "$0")/csrc_ab.sh"
 SHAPE=${1:-b2b}

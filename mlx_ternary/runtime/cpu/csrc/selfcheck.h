@@ -358,13 +358,16 @@ inline std::string selfcheck() {
              std::to_string(K) + ")";
   }
   // decode one row at a time (q8k.h rows_q8k_lin, AVX2 without VNNI; the 8-row blocks
-  // elsewhere): rows in blocks of 8 and a partial one, segments in groups of 8 and a partial
-  // one, 1-3 tokens, every scale kind, float16 scales (an infinite one), a bias, a row too
-  // long for the kernel's buffer (rows_r8)
+  // elsewhere): rows in blocks of 8 and a partial one, a block's segments in groups of 8
+  // across the rows' ends and a partial last group, 1-3 tokens, every scale kind, float16
+  // scales (an infinite one), a bias, rows of one segment, BitNet 2B4T's 10 and 27 segments,
+  // a row too long for the kernel's buffer (rows_r8)
   for (auto [M, N, K, sk, bias, f16] :
        {std::tuple{1, 13, 2304, 2, false, true}, std::tuple{2, 7, 4096, 1, true, false},
         std::tuple{3, 21, 1792, 2, true, true}, std::tuple{1, 16, 2048, 0, false, true},
-        std::tuple{2, 9, 5632, 2, false, false}, std::tuple{1, 9, 16640, 2, true, true}}) {
+        std::tuple{2, 9, 5632, 2, false, false}, std::tuple{1, 9, 16640, 2, true, true},
+        std::tuple{1, 19, 2560, 2, true, true}, std::tuple{3, 11, 6912, 2, false, true},
+        std::tuple{2, 13, 256, 1, false, false}, std::tuple{1, 10, 2560, 0, false, true}}) {
     std::string e = check_q8k_case(FAST, M, N, K, 256, sk, seed++, bias, f16);
     if (!e.empty())
       return e + " (one row at a time, M " + std::to_string(M) + ", N " + std::to_string(N) +

@@ -238,10 +238,10 @@ struct Avx2Ops {
     return _mm_cvtss_f32(a);
   }
   static FV fvadd(FV a, FV b) { return _mm256_add_ps(a, b); }
-  // c[i] lane r = p[r * stride + i]: 8 rows of 8 floats transposed
+  // c[i] lane r = p[r * stride + i]: 8 rows of 8 floats transposed (any alignment)
   static void ftranspose8(const float* p, int64_t stride, FV c[8]) {
     __m256 r[8], u[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_load_ps(p + i * stride);
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(p + i * stride);
     for (int i = 0; i < 4; i++) {
       u[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
       u[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);

@@ -532,86 +532,99 @@ struct Q8kRows8 {
 // the 0.53 G llama's layers took 17 ms without their software prefetch, 10 with it, 7.4 from
 // cache). Here a block of 8 rows is read row after row, each from start to end - one linear
 // stream, as the float16 output layer reads - and the lanes turn the other way: a segment's
-// sum (O::q8k_seg, int16 lanes) is reduced with 7 others of the same row (tsum8: lane i =
-// segment j0 + i) and their terms float(sumi - ssum) * (d * s) computed lane by lane
-// (O::tterms) and stored; then the 8 rows' terms are transposed (lane = row) and added in
-// segment order: the operations of tstep_rows in the same order, so the bits are rows_q8k's.
-// (A q8k_wide row's segment j is its block j: the activations' d and sums of 8 segments are
-// 8 consecutive floats / ints.)
+// sum (O::q8k_seg, int16 lanes) is reduced with the next 7 of the block's run of segments
+// (tsum8: lane i = segment f0 + i, across the rows' ends) and their terms float(sumi - ssum)
+// * (d * s) computed lane by lane (O::tterms) and stored; then the 8 rows' terms are
+// transposed (lane = row) and added in segment order: the operations of tstep_rows in the
+// same order, so the bits are rows_q8k's. (A q8k_wide row's segment j is its block j.)
 
 template <class O, class = void>
 struct HasQ8kLin : std::false_type {};
 template <class O>
 struct HasQ8kLin<O, std::void_t<decltype(O::has_q8k_lin)>> : std::true_type {};
 
-// The scales of row n for segments j0 .. j0 + cnt - 1 (of a q8k_wide row: segment j is scale
-// group j * 256 / group), L.scale's values, into s8.
-inline void seg_scales8(const Layer& L, int64_t n, int64_t j0, int cnt, float* s8) {
+// Segments of a row the kernel's buffers hold (16384 columns); longer rows take rows_r8.
+constexpr int64_t Q8K_LIN_MAX_SEG = 64;
+
+// The scales of a block's flat segments f0 .. f1 - 1 (flat segment f = segment f % nseg of
+// row n + f / nseg), L.scale's values, into sc + f: float16 scales of one 256-column group a
+// segment are the block's rows' scales side by side, converted 8 at a time through F16C where
+// none of the 8 is NaN or infinite.
+inline void flat_scales(const Layer& L, int64_t n, int64_t f0, int64_t f1, float* sc) {
   const Geometry& g = L.g;
-  if (L.scale_kind == 2 && L.scale_dtype == F16 && g.group == Q8K_BLOCK) {
-    const uint16_t* h = (const uint16_t*)L.scales + n * g.ngroups + j0;
-    if (cnt == 8) {
-      if (native::f16x8_finite_to_f32(h, s8)) return;
-    } else {
-      alignas(16) uint16_t v[8] = {0};
-      for (int i = 0; i < cnt; i++) v[i] = h[i];
-      if (native::f16x8_finite_to_f32(v, s8)) return;
-    }
+  int64_t f = f0;
+  if (L.scale_kind != 2) {  // a scale a row (or the tensor's), converted once a row
+    for (int64_t r = f0 / g.nseg; r * g.nseg < f1; r++)
+      std::fill(sc + std::max(f0, r * g.nseg), sc + std::min(f1, (r + 1) * g.nseg), L.scale(n + r, 0));
+    return;
   }
-  for (int i = 0; i < cnt; i++)
-    s8[i] = L.scale(n, L.scale_kind == 2 ? g.seg_group[j0 + i] : 0);
+  if (L.scale_dtype == F16 && g.ngroups == g.nseg) {
+    const uint16_t* h = (const uint16_t*)L.scales + n * g.ngroups;
+    for (; f + 8 <= f1; f += 8)
+      if (!native::f16x8_finite_to_f32(h + f, sc + f)) break;
+  }
+  for (; f < f1; f++) {
+    const int64_t j = f % g.nseg;
+    sc[f] = L.scale(n + f / g.nseg, g.seg_group[j]);
+  }
 }
 
-// Segments of a row the kernel's stack buffer holds (16384 columns); longer rows take rows_r8.
-constexpr int64_t Q8K_LIN_MAX_SEG = 64;
+// Rows of whole 64-byte segments, contiguous (a q8k_wide row: segment j = bytes 64 j ..):
+// a block of 8 rows is one run of 8 nseg segments, walked in 8s across the rows' ends, so
+// no row leaves a partial group of 8 (BitNet 2B4T's rows of 10 and 27 segments left 2 and 3:
+// a whole reduction and a padded copy for each).
+inline bool q8k_lin_applies(const Geometry& g) {
+  return g.q8k_wide && g.nseg <= Q8K_LIN_MAX_SEG && g.row_bytes == 64 * g.nseg &&
+         g.nblocks8 == g.nseg;
+}
 
 template <class O>
 void rows_q8k_lin(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
   constexpr int R = Q8K_ROW_BLOCK;
   const Geometry& g = L.g;
-  const int64_t xlen = g.xlen(), rb = g.row_bytes, nseg = g.nseg, nb = g.nblocks8;
-  const int64_t nsegp = ceil_div(nseg, 8) * 8;
-  const bool row_scale = L.scale_kind != 2;
-  // tb[r * nsegp + j]: row r's term of segment j (zeros in the rows a partial block lacks)
-  alignas(32) float tb[R * Q8K_LIN_MAX_SEG] = {};
+  const int64_t xlen = g.xlen(), rb = g.row_bytes, nseg = g.nseg, nflat = R * nseg;
+  const int64_t ntok = m1 - m0, span = nflat + 8;  // the tables' entries a token, padded
+  // per flat segment f of a block: its activations' offset, and each token's sum and d
+  // (segment f % nseg's; zeros in the padding)
+  thread_local std::vector<int32_t> xo_buf, ss_buf;
+  thread_local std::vector<float> d8_buf;
+  xo_buf.assign(span, 0), ss_buf.assign(ntok * span, 0), d8_buf.assign(ntok * span, 0.f);
+  int32_t *xo = xo_buf.data(), *ssr = ss_buf.data();
+  float* d8r = d8_buf.data();
+  for (int64_t f = 0; f < nflat; f++) {
+    const int64_t j = f % nseg;
+    xo[f] = (int32_t)(256 * j);
+    for (int64_t t = 0; t < ntok; t++)
+      ssr[t * span + f] = a.ssum[(m0 + t) * nseg + j], d8r[t * span + f] = a.d8[(m0 + t) * nseg + j];
+  }
+  // tb[f]: flat segment f's term (row f / nseg's, segment f % nseg's); sc[f]: its scale
+  alignas(32) float tb[R * Q8K_LIN_MAX_SEG + 8] = {}, sc[R * Q8K_LIN_MAX_SEG + 8] = {};
   for (int64_t n = n0; n < n1; n += R) {
     const int rows = (int)std::min<int64_t>(R, n1 - n);
+    const int64_t nf = rows * nseg;
+    const uint8_t* w = L.w + n * rb;
+    flat_scales(L, n, 0, nf, sc);
     for (int64_t m = m0; m < m1; m++) {
       const int8_t* x = a.q.data() + m * xlen;
-      const int32_t* ss = a.ssum.data() + m * nseg;
-      const float* d8 = a.d8.data() + m * nb;
-      for (int r = 0; r < rows; r++) {
-        const uint8_t* w = L.w + (n + r) * rb;
-        alignas(32) float s8[8];
-        if (row_scale) std::fill(s8, s8 + 8, L.scale(n + r, 0));
-        for (int64_t j0 = 0; j0 < nseg; j0 += 8) {
-          const int cnt = (int)std::min<int64_t>(8, nseg - j0);
-          typename O::TA acc[8];
-          if (cnt == 8) {
+      const int32_t* ss = ssr + (m - m0) * span;
+      const float* d8 = d8r + (m - m0) * span;
+      for (int64_t f0 = 0; f0 < nf; f0 += 8) {
+        typename O::TA acc[8];
+        if (f0 + 8 <= nf) {
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) acc[i] = O::q8k_seg(w + 64 * (j0 + i), x + 256 * (j0 + i));
-          } else {
-            for (int i = 0; i < 8; i++)
-              acc[i] = i < cnt ? O::q8k_seg(w + 64 * (j0 + i), x + 256 * (j0 + i)) : O::tzero();
-          }
-          if (!row_scale) seg_scales8(L, n + r, j0, cnt, s8);
-          typename O::FV t;
-          if (cnt == 8) {
-            t = O::tterms(O::tsum8(acc), ss + j0, d8 + j0, s8);
-          } else {  // the row's last segments: a padded copy of their sums and block scales
-            alignas(32) int32_t ss8[8] = {0};
-            alignas(32) float dd8[8] = {0};
-            std::memcpy(ss8, ss + j0, 4 * cnt), std::memcpy(dd8, d8 + j0, 4 * cnt);
-            t = O::tterms(O::tsum8(acc), ss8, dd8, s8);
-          }
-          O::fvstore(tb + r * nsegp + j0, t);
+          for (int i = 0; i < 8; i++) acc[i] = O::q8k_seg(w + 64 * (f0 + i), x + xo[f0 + i]);
+        } else {  // the last segments of a partial block
+          for (int i = 0; i < 8; i++)
+            acc[i] = f0 + i < nf ? O::q8k_seg(w + 64 * (f0 + i), x + xo[f0 + i]) : O::tzero();
         }
+        O::fvstore(tb + f0, O::tterms(O::tsum8(acc), ss + f0, d8 + f0, sc + f0));
       }
-      // the terms added in segment order, 8 rows at once (lane = row)
+      // the terms added in segment order, 8 rows at once (lane = row; lanes past the rows
+      // and columns past a row's segments are read but never added)
       typename O::FV y = O::fvzero();
       for (int64_t j0 = 0; j0 < nseg; j0 += 8) {
         typename O::FV c[8];
-        O::ftranspose8(tb + j0, nsegp, c);
+        O::ftranspose8(tb + j0, nseg, c);
         const int cnt = (int)std::min<int64_t>(8, nseg - j0);
         if (cnt == 8) {
 #pragma GCC unroll 8
@@ -949,7 +962,7 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
 template <class O>
 void rows_q8k_few(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
   if constexpr (HasQ8kLin<O>::value)
-    if (L.g.q8k_wide && L.g.nseg <= Q8K_LIN_MAX_SEG) return rows_q8k_lin<O>(L, a, n0, n1, m0, m1);
+    if (q8k_lin_applies(L.g)) return rows_q8k_lin<O>(L, a, n0, n1, m0, m1);
   if constexpr (HasQ8kWide<O>::value)
     if (L.g.q8k_wide) return rows_q8k_r8w<O>(L, a, n0, n1, m0, m1);
   rows_q8k_r8<O>(L, a, n0, n1, m0, m1);
