@@ -78,28 +78,17 @@ def on_cpu():
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Counts the calls of each fused op (the native module's functions, spied on); a
-    prepared decode step (layer_step) runs one of each."""
+    """Counts the calls of each fused op (the native module's functions, spied on)."""
     m = cpu.require()
     calls = {"attn_in": 0, "attn_out": 0, "mlp": 0}
-    for name in (*calls, "layer_step"):
+    for name in calls:
         real = getattr(m, name)
 
-        def spy(*a, _real=real, _names=(name,) if name in calls else tuple(calls), **k):
-            for n in _names:
-                calls[n] += 1
+        def spy(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
             return _real(*a, **k)
 
         monkeypatch.setattr(m, name, spy)
-    real_prepared = block.prepared_layer
-
-    def uncounted(*a, **k):  # a plan's example calls of the ops (never evaluated) don't count
-        before = dict(calls)
-        out = real_prepared(*a, **k)
-        calls.update(before)
-        return out
-
-    monkeypatch.setattr(block, "prepared_layer", uncounted)
     return calls
 
 
@@ -477,107 +466,3 @@ def test_residual_none_returns_the_partial_projection(tmp_path, on_cpu):
     h = m.attn_out(q, k, v, attn.scale, True, None, *o[:3], *o[3], x)
     out = m.mlp(h, w2, eps2, *gate_up[:3], *gate_up[3], *down[:3], *down[3], h)
     assert _rel(np.array(out), np.array(ref)) <= 1e-5
-
-
-def test_kv_cache_written_in_place_is_the_update_and_fetch_path(
-    tmp_path, on_cpu, fused_calls, monkeypatch
-):
-    """A KVCache with room takes its K/V rows from attn_in itself (layer_step: k_cache, then
-    attn_out's kv_len and mlp fused): the decode steps' logits and the cache's rows are those
-    of mlx-lm's update_and_fetch path bit for bit; a buffer still held is copied, not written."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    model = _model(tmp_path, "bitnet")
-    m, cached = cpu.require(), [0]
-    real = m.layer_step
-
-    def spy(*a, **k):
-        cached[0] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(m, "layer_step", spy)
-    written, tokens, cache = _decode(model, True, steps=4)
-    n = len(model.model.layers)
-    assert cached[0] == 4 * n  # every decode step; the prompt made the buffers
-    held = cache[0].keys  # a reference the next step must not write through
-    before = np.array(held)
-    mx.eval(model(mx.array(tokens[:, -1:]), cache=cache))
-    np.testing.assert_array_equal(np.array(held), before)
-    at, after = cache[0].offset - 1, np.array(cache[0].keys)  # a new buffer: the rows before
-    np.testing.assert_array_equal(after[:, :, :at], before[:, :, :at])  # the step's copied,
-    assert np.abs(after[:, :, at]).max() > 0 and not after[:, :, at + 1 :].any()  # zeros after
-    for c in cache:
-        c.trim(1)
-
-    monkeypatch.setattr(block, "in_place", lambda *a: False)
-    cached[0] = 0
-    fetched, fetched_tokens, ref_cache = _decode(model, True, steps=4)
-    assert cached[0] == 0
-    for a, r in zip(written, fetched):
-        np.testing.assert_array_equal(a, r)
-    np.testing.assert_array_equal(tokens, fetched_tokens)
-    for a, r in zip(_cache_arrays(cache), _cache_arrays(ref_cache)):
-        np.testing.assert_array_equal(a, r)
-    assert cache[1].keys.shape[2] == 256 and cache[1].offset == len(PROMPT[0]) + 4
-    fresh = make_prompt_cache(model)
-    assert not block.in_place(fresh[0], (0, None), mx.zeros((1, 1, 8)), True)  # no buffers yet
-
-
-def test_cache_buffers_and_kv_len_are_checked(tmp_path, on_cpu):
-    """attn_in's cache buffers must be the K/V dtype, shape and hold the rows; attn_out's
-    kv_len reads only those rows (a longer buffer's zeros would change the softmax)."""
-    from mlx_lm.models import llama
-    from mlx_lm.models.cache import KVCache
-
-    model = _model(tmp_path, "int8-fast-row")
-    layer, m = model.model.layers[0], cpu.require()
-    (w1, eps1), _, qkv, _, o, _, rope, norms = block.parts(layer, llama)
-    scale = layer.self_attn.scale
-    x = mx.random.normal((1, 3, 64), key=mx.random.key(4))
-    args = (x, w1, eps1, *qkv[:3], *qkv[3], 4, 2, 16, *rope, 0, None, *norms)
-    q, k, v = m.attn_in(*args, kv_half=True)
-    k, v = KVCache().update_and_fetch(k, v)  # (1, 2, 3, 16) of a (1, 2, 256, 16) buffer
-    ref = m.attn_out(q, k, v, scale, True, None, *o[:3], *o[3], x)
-    buf = mx.zeros((1, 2, 8, 16), mx.float16)
-    _, kb, vb = m.attn_in(*args, kv_half=True, k_cache=buf, v_cache=buf, cache_at=5)
-    assert kb.shape == (1, 2, 8, 16)
-    np.testing.assert_array_equal(np.array(kb[:, :, 5:]), np.array(k))
-    np.testing.assert_array_equal(np.array(vb[:, :, :5]), 0)
-    q0, kb, vb = m.attn_in(*args, kv_half=True, k_cache=buf, v_cache=buf)  # rows 0-2
-    out = m.attn_out(q0, kb, vb, scale, True, None, *o[:3], *o[3], x, kv_len=3)
-    np.testing.assert_array_equal(np.array(out), np.array(ref))
-    full = m.attn_out(q0, kb, vb, scale, True, None, *o[:3], *o[3], x)  # 5 zero keys too
-    assert not np.array_equal(np.array(full), np.array(ref))
-    np.testing.assert_array_equal(np.array(buf), 0)  # held here: copied, never written
-    with pytest.raises(ValueError, match="float16"):
-        m.attn_in(*args, kv_half=True, k_cache=buf.astype(mx.float32), v_cache=buf)
-    with pytest.raises(ValueError, match="cache_at"):
-        m.attn_in(*args, kv_half=True, k_cache=buf, v_cache=buf, cache_at=6)
-    with pytest.raises(ValueError, match="kv_len"):
-        m.attn_out(q, kb, vb, scale, True, None, *o[:3], *o[3], x, kv_len=9)
-
-
-def test_attn_out_and_mlp_fused_into_one_op_are_the_two(tmp_path, on_cpu):
-    """mlp(h, ..., residual=h, fuse=True) on attn_out's unevaluated h runs both as one op:
-    the bits of the two ops; with another residual, or h evaluated, it is the plain mlp."""
-    from mlx_lm.models import bitnet
-
-    model = _model(tmp_path, "bitnet")
-    layer, m = model.model.layers[0], cpu.require()
-    run = block.plan(layer, bitnet).run
-    env = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__)))
-    q, k, v = (mx.random.normal((1, 4, 3, 16), key=mx.random.key(i)) for i in range(3))
-    x = mx.random.normal((1, 3, 64), key=mx.random.key(5))
-    o, mlp = env["attn_out"], env["mlp"]
-
-    def out(fuse, evaluated=False, residual=True):
-        h = m.attn_out(q, k, v, layer.self_attn.scale, True, None, *o, x, **env["sub_a"])
-        if evaluated:
-            mx.eval(h)
-        return np.array(m.mlp(h, *mlp, h if residual else None, **env["sub_f"], fuse=fuse))
-
-    two = out(False)
-    np.testing.assert_array_equal(out(True), two)
-    np.testing.assert_array_equal(out(True, evaluated=True), two)
-    np.testing.assert_array_equal(out(True, residual=False), out(False, residual=False))
-    assert not np.array_equal(out(True, residual=False), two)

@@ -14,12 +14,7 @@ TransformerBlock: ARCHS) for a subclass of the same name whose
     out = mlp(h, residual=h)                 RMSNorm, gate+up sharing their activations,
                                              the native SwiGLU, down
 
-(csrc/ops/block.h). A decode step over a KVCache with room (and no mask array) runs the same
-three ops as one native call and two MLX ops (`layer_step` of the block's PreparedLayer):
-attn_in writes k and v into the cache's buffers itself (in place where MLX may donate them,
-as its slice_update would) and attn_out and mlp are one op; mlx-lm's update_and_fetch would
-add four ops (two slice_updates, two slices) and ~15 us of Python a layer. The ops reproduce
-MLX's CPU arithmetic step by step (its RMSNorm and RoPE
+(csrc/ops/block.h). The ops reproduce MLX's CPU arithmetic step by step (its RMSNorm and RoPE
 fallbacks, with MLX's own sin/cos/exp) and use the kernels the unfused path routes to, so a
 fused block returns the unfused block's bits (tests/runtime/test_block.py).
 
@@ -230,24 +225,6 @@ def cache_kind(cache, tokens: int, grow: bool = False):
     return (0, cache.offset) if batched else (int(cache.offset), None)
 
 
-def in_place(cache, offset, x, half: bool) -> bool:
-    """Whether layer_step writes this call's K/V into the cache's buffers itself (attn_in's
-    k_cache): a KVCache (offset an int) whose buffers hold the call's rows in the dtype attn_in
-    gives, outside transforms (the ops have no vjp then). Its update_and_fetch would do the
-    same in four MLX ops (two slice_updates, two slices) and ~15 us of Python a layer."""
-    if offset[1] is not None or cache is None or _CACHES.get(type(cache)) is not False:
-        return False
-    keys, values = cache.keys, cache.values
-    dtype = mx.float16 if half else mx.float32
-    return (
-        keys is not None
-        and keys.dtype == dtype
-        and values.dtype == dtype
-        and offset[0] + x.shape[1] <= keys.shape[2]
-        and not require().is_tracer(x)
-    )
-
-
 def _mask(mask):
     """(causal, mask array) for the native attention, or None."""
     if mask is None:
@@ -323,47 +300,15 @@ def _plain_run(attn, found, subs) -> Callable:
     sub_a = dict(zip(("sub_norm_w", "sub_eps"), attn_sub or ()))
     sub_f = dict(zip(("sub_norm_w", "sub_eps"), ffn_sub or ()), act=act)
 
-    prepared = prepared_layer(m, attn_in, head_norms, (scale, attn_out, sub_a), (mlp, sub_f))
-
     def run(x, cache, offset, how):
-        half = kv_half(cache)
-        causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
-        if prepared is not None and mask_array is None and in_place(cache, offset, x, half):
-            at = offset[0]  # one op writes the rows into the cache's buffers, one does the rest
-            out, cache.keys, cache.values = m.layer_step(
-                prepared, x, at, half, cache.keys, cache.values, causal
-            )
-            cache.offset = at + x.shape[1]  # as update_and_fetch
-            return out
-        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=half)
+        q, k, v = m.attn_in(x, *attn_in, *offset, *head_norms, kv_half=kv_half(cache))
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
+        causal, mask_array = how  # a bool mask that does not fit raises, as mlx-lm's would
         h = m.attn_out(q, k, v, scale, causal, mask_array, *attn_out, x, **sub_a)
         return m.mlp(h, *mlp, h, **sub_f)
 
     return run
-
-
-def prepared_layer(m, attn_in, head_norms, out_args, mlp_args):
-    """The native PreparedLayer of a block's bound arguments (m.layer_step: attn_in writing a
-    KVCache's buffers, then attn_out and mlp as one op), made from the ops on an example
-    token; None where its arrays belong to a transform's trace (its ops have no vjp)."""
-    (scale, attn_out, sub_a), (mlp, sub_f) = out_args, mlp_args
-    args = (attn_in, head_norms, attn_out, mlp, list(sub_a.values()), list(sub_f.values()))
-    if any(isinstance(a, mx.array) and require().is_tracer(a) for a in _arrays(args)):
-        return None
-    x = mx.zeros((1, 1, attn_in[0].shape[0]))
-    q, k, v = m.attn_in(x, *attn_in, 0, None, *head_norms)
-    h = m.attn_out(q, k, v, scale, True, None, *attn_out, x, **sub_a)
-    return m.PreparedLayer(q, m.mlp(h, *mlp, h, **sub_f, fuse=True))
-
-
-def _arrays(args):
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            yield from _arrays(a)
-        else:
-            yield a
 
 
 class BlockPlan:

@@ -81,21 +81,16 @@ NB_MODULE(_mlx_ternary_native, m) {
         nb::arg("freqs").none(), nb::arg("offset"), nb::arg("offsets").none(),
         nb::arg("q_norm_w").none() = nb::none(), nb::arg("k_norm_w").none() = nb::none(),
         nb::arg("qk_eps") = 0.f, nb::arg("kv_half") = false,
-        nb::arg("k_cache").none() = nb::none(), nb::arg("v_cache").none() = nb::none(),
-        nb::arg("cache_at") = 0,
         "RMSNorm(x) -> q, k, v (B, H, L, D) with RoPE applied (a fused llama attention input; "
         "q_norm_w / k_norm_w: qwen3's RMSNorm of each q and k head before RoPE; kv_half: k and "
-        "v as float16, the 16-bit KV cache; k_cache / v_cache: a KVCache's (B, H, S, D) "
-        "buffers, then k and v are those buffers with the L new rows at cache_at).");
+        "v as float16, the 16-bit KV cache).");
   m.def("attn_out", &attn_out, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("causal"), nb::arg("mask").none(), nb::arg("packed"), nb::arg("scales"),
         nb::arg("bias").none(), nb::arg("packing"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("activation_bits"), nb::arg("residual").none(),
         nb::arg("sub_norm_w").none() = nb::none(), nb::arg("sub_eps") = 0.f,
-        nb::arg("kv_len") = -1,
         "[residual +] o_proj([RMSNorm](attention(q, k, v))) in (B, L, out); k/v float32 or "
-        "float16; sub_norm_w: bitnet's attn_sub_norm; kv_len: only k/v's first kv_len rows "
-        "(a cache buffer's filled ones; -1: all).");
+        "float16; sub_norm_w: bitnet's attn_sub_norm.");
   m.def("mlp", &mlp, nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("packed"),
         nb::arg("scales"), nb::arg("bias"), nb::arg("packing"), nb::arg("in_features"),
         nb::arg("group_size"), nb::arg("activation_bits"), nb::arg("down_packed"),
@@ -103,29 +98,8 @@ NB_MODULE(_mlx_ternary_native, m) {
         nb::arg("down_in_features"), nb::arg("down_group_size"),
         nb::arg("down_activation_bits"), nb::arg("residual").none(), nb::arg("act") = int(ACT_SILU),
         nb::arg("sub_norm_w").none() = nb::none(), nb::arg("sub_eps") = 0.f,
-        nb::arg("fuse") = false,
         "[residual +] down([RMSNorm](act(gate(n)) * up(n))), n = RMSNorm(h): act MLP_SILU (a "
-        "fused llama MLP) or MLP_RELU2 (bitnet's; sub_norm_w its ffn_sub_norm). fuse: where h "
-        "is attn_out's unevaluated output and the residual h, one op computes both (no vjp).");
-  m.def(
-      "block_times",
-      [](bool on) {
-        nb::dict out;
-        for (int i = 0; i < PH_N; i++) out[BLOCK_PHASES[i]] = block_ns[i].exchange(0);
-        out["tasks"] = block_tasks.exchange(0);
-        block_times_on = on;
-        return out;
-      },
-      nb::arg("on"),
-      "The fused ops' tasks' nanoseconds per phase (and their count) since the last call, "
-      "reset; `on` turns the counting on or off from now (off by default).");
-  nb::class_<PreparedLayer>(m, "PreparedLayer",
-                            "A block's attn_in and attn_out + mlp, prepared for layer_step.")
-      .def(nb::init<const mx::array&, const mx::array&>(), nb::arg("q"), nb::arg("out"));
-  m.def("layer_step", &layer_step, nb::arg("prepared"), nb::arg("x"), nb::arg("offset"),
-        nb::arg("kv_half"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("causal"),
-        "One prepared block on x over a KVCache's buffers (rows [offset, offset + L) written): "
-        "[output, new k buffer, new v buffer].");
+        "fused llama MLP) or MLP_RELU2 (bitnet's; sub_norm_w its ffn_sub_norm).");
   m.def("local_sum", &local_sum, nb::arg("x"),
         "The sum of this rank's float32 `x` and the other local rank's, over the attached "
         "segment (slot 0 + slot 1: the same bits on both ranks).");

@@ -10,8 +10,7 @@
 //            one activation preparation and one parallel_for
 //
 // The KV cache update stays mlx-lm's (between AttnIn and AttnOut), so every cache it has
-// keeps working; for a decode step over a KVCache with room AttnIn writes the rows into its
-// buffers instead (k_cache) and AttnOutMlp runs AttnOut and Mlp as one op (layer_step). Each step computes what MLX's CPU ops compute, in their order and float32
+// keeps working. Each step computes what MLX's CPU ops compute, in their order and float32
 // rounding: RMSNorm as MLX's fallback (x * (1 / sqrt(sum(x * x) * (1 / K) + eps))) * w with a
 // sequential sum, RoPE as mx.fast.rope's fallback with MLX's own sin/cos/exp (its simd
 // header), the projections, the attention and SwiGLU as the native ops of the unfused path -
@@ -21,8 +20,6 @@
 // path anyway.
 #pragma once
 
-#include <atomic>
-#include <chrono>
 #include <functional>
 
 #include "mlx/backend/cpu/simd/simd.h"  // MLX's own sin/cos/exp (the RoPE)
@@ -39,60 +36,28 @@ namespace mlxt {
 
 // ---- shared pieces ---------------------------------------------------------------------------
 
-// Where the fused ops' tasks spend their time (scripts/bench/decode_step_split.py): each phase's
-// nanoseconds on the thread that runs the task, summed while `block_times(true)` has turned
-// them on (off by default: a phase then costs one relaxed load at the task's start).
-enum BlockPhase { PH_NORM, PH_ACTS, PH_ROWS, PH_ROPE, PH_CACHE, PH_ATTN, PH_GLU, PH_RESID, PH_N };
-constexpr const char* BLOCK_PHASES[PH_N] = {"norms",     "activations", "rows",     "rope+layout",
-                                            "cache copy", "attention",   "act(gate)*up", "residual"};
-inline std::atomic<bool> block_times_on{false};
-inline std::atomic<int64_t> block_ns[PH_N], block_tasks{0};
-
-struct PhaseClock {
-  using clock = std::chrono::steady_clock;
-  bool on = block_times_on.load(std::memory_order_relaxed);
-  clock::time_point t = on ? clock::now() : clock::time_point{};
-  PhaseClock() {
-    if (on) block_tasks++;
-  }
-  void lap(BlockPhase ph) {
-    if (!on) return;
-    const auto n = clock::now();
-    block_ns[ph] += std::chrono::duration_cast<std::chrono::nanoseconds>(n - t).count();
-    t = n;
-  }
-};
-
 // MLX's CPU RMSNorm (the fallback of mx.fast.rms_norm): rows [m0, m1) of (M, K) x. Each row's
 // sum of squares is one sequential float32 chain (MLX's order); RMS_ROWS rows run their chains
 // side by side (the adds' latency, not their throughput, bounds one chain: a 6912-wide
 // sub-norm is ~21 k cycles a row alone), each row's operations and their order unchanged.
-constexpr int RMS_ROWS = 8;  // rms_norm_rows' switch names each count below it
+constexpr int RMS_ROWS = 8;
 inline void rms_norm_rows(const float* x, const float* w, float eps, int64_t K, float* out,
                           int64_t m0, int64_t m1) {
   const float inv_n = (float)(1.0 / (double)K);
   for (int64_t m = m0; m < m1; m += RMS_ROWS) {
     const int rows = (int)std::min<int64_t>(RMS_ROWS, m1 - m);
     float s[RMS_ROWS] = {};
-    auto sums = [&](auto nrows) {
+    auto sums = [&](auto nrows) {  // a constant count for whole groups: the j loop unrolls
       for (int64_t i = 0; i < K; i++)
         for (int j = 0; j < (int)nrows; j++) {
           const float v = x[(m + j) * K + i];
           s[j] = s[j] + v * v;
         }
     };
-    // a constant count for every group, so the sums stay in registers: a runtime count kept
-    // them in memory, a store-to-load round trip per add (a decode token's 1 row: ~3x slower)
-    switch (rows) {
-      case 1: sums(std::integral_constant<int, 1>{}); break;
-      case 2: sums(std::integral_constant<int, 2>{}); break;
-      case 3: sums(std::integral_constant<int, 3>{}); break;
-      case 4: sums(std::integral_constant<int, 4>{}); break;
-      case 5: sums(std::integral_constant<int, 5>{}); break;
-      case 6: sums(std::integral_constant<int, 6>{}); break;
-      case 7: sums(std::integral_constant<int, 7>{}); break;
-      default: sums(std::integral_constant<int, RMS_ROWS>{});
-    }
+    if (rows == RMS_ROWS)
+      sums(std::integral_constant<int, RMS_ROWS>{});
+    else
+      sums(rows);
     for (int j = 0; j < rows; j++) {
       const float* xr = x + (m + j) * K;
       float* o = out + (m + j) * K;
@@ -249,40 +214,8 @@ struct AttnInParams {
   RopeParams rope;
   int x = 0, w = 1, freqs = -1, offsets = -1, q_norm = -1, k_norm = -1;  // qwen3: per-head norms
   bool kv_half = false;     // k and v out as float16 (rounded to nearest even, as astype)
-  // mlx-lm's KVCache buffers (B, Hkv, S, D) of k and v: the outputs k and v are then these
-  // buffers with the call's L rows written at [cache_at, cache_at + L) (in place when MLX may
-  // donate them, as its slice_update does), in one op instead of its slice_update and slice
-  int k_cache = -1, v_cache = -1;
-  int64_t cache_at = 0;
   std::vector<Proj> projs;  // q, k, v
 };
-
-// Output i (1: k, 2: v) of AttnIn: the cache buffer `c` itself when MLX may donate it (as
-// slice_update does), else a new buffer that the task fills with c's rows before the call's
-// (copy_cache_rows). A pending task that reads `c` keeps it from being donated: in
-// generate_step a small model's main thread runs a whole step ahead, so this is common.
-// The new buffer of a cache `c` (B, H, S, D) MLX could not donate: c's rows [0, at) (the
-// filled ones), the call's rows [at, at + L) left to be written, zeros past them (as mlx-lm's
-// fresh buffers hold; no one reads them), not a copy of all S rows.
-inline void copy_cache_rows(const mx::array& c, int64_t at, int64_t L, void* out,
-                            std::vector<uint8_t>& keep) {
-  const uint8_t* src = (const uint8_t*)row_major(c, keep);
-  const int64_t S = c.shape(2), row = c.shape(3) * c.itemsize(), heads = c.shape(0) * c.shape(1);
-  for (int64_t h = 0; h < heads; h++) {
-    uint8_t* dst = (uint8_t*)out + h * S * row;
-    std::memcpy(dst, src + h * S * row, at * row);
-    std::memset(dst + (at + L) * row, 0, (S - at - L) * row);
-  }
-}
-
-inline bool take_cache_buffer(const mx::array& c, mx::array& out) {
-  if (c.is_donatable() && c.flags().row_contiguous && c.size() == c.data_size()) {
-    out.copy_shared_buffer(c);
-    return true;
-  }
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  return false;
-}
 
 // mx.fast.rope's fallback: inverse frequencies 1 / freqs, or exp(-j * (log(base) / half)).
 inline void rope_inv_freqs(const RopeParams& r, const float* freqs, float* inv) {
@@ -312,29 +245,11 @@ class AttnIn : public CpuMultiPrimitive {
   AttnIn(mx::Stream s, AttnInParams p) : CpuMultiPrimitive(s), p_(std::move(p)) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
-    const bool cached = p_.k_cache >= 0;
-    bool donated[3] = {true, true, true};
-    if (cached) {
-      // Each output holds its own copy of the inputs (make_arrays) until MLX detaches them
-      // right after this call, so no input would ever look donatable; the siblings' copies
-      // go now (the one in `in` stays, and a tracer's are kept, as MLX keeps them).
-      if (!outs[0].is_tracer())
-        for (auto& o : outs)
-          if (&o.inputs() != &in) o.inputs().clear();
-      donated[1] = take_cache_buffer(in[p_.k_cache], outs[1]);
-      donated[2] = take_cache_buffer(in[p_.v_cache], outs[2]);
-    }
-    auto& enc = enqueue(stream(), in, outs.data(), cached ? 1 : 3);
-    for (int i = 1; cached && i < 3; i++) enc.set_output_array(outs[i]);
+    auto& enc = enqueue(stream(), in, outs);
     std::vector<void*> op;
     for (auto& o : outs) op.push_back(o.data<void>());
-    enc.dispatch([p = p_, in, op, donated]() {
-      PhaseClock clk;
-      std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn, kc;
-      for (int i = 1; i < 3; i++)  // a cache buffer MLX could not donate
-        if (!donated[i])
-          copy_cache_rows(in[i == 1 ? p.k_cache : p.v_cache], p.cache_at, in[p.x].shape(1), op[i], kc);
-      clk.lap(PH_CACHE);
+    enc.dispatch([p = p_, in, op]() {
+      std::vector<uint8_t> kx, kw, kf, ko, kqn, kkn;
       const mx::array& x = in[p.x];
       const float* xp = (const float*)row_major(x, kx);
       const float* wp = (const float*)row_major(in[p.w], kw);
@@ -348,16 +263,13 @@ class AttnIn : public CpuMultiPrimitive {
       tk::Acts& acts = acts_tl;
       normed.resize(M * K);
       per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(xp, wp, p.eps, K, normed.data(), m0, m1); });
-      clk.lap(PH_NORM);
       BoundLayer ls[3];
       for (int i = 0; i < 3; i++) {
         buf[i].resize(M * p.projs[i].p.n);
         ls[i].bind(p.projs[i], in, buf[i].data());
       }
       prepare_acts(*ls[0].g, p.projs[0].p, normed.data(), tk::F32, M, acts);
-      clk.lap(PH_ACTS);
       rows_of_layers({&ls[0], &ls[1], &ls[2]}, acts, M);
-      clk.lap(PH_ROWS);
       // RoPE (q, k) and the (B, L, H, D) -> (B, H, L, D) layout (q, k, v)
       const RopeParams& r = p.rope;
       const int half = r.dims / 2;
@@ -366,9 +278,6 @@ class AttnIn : public CpuMultiPrimitive {
                      inv.data());
       const int32_t* offs = p.offsets >= 0 ? (const int32_t*)row_major(in[p.offsets], ko) : nullptr;
       const int64_t noffs = p.offsets >= 0 ? (int64_t)in[p.offsets].size() : 0;
-      // where a head's row l goes in outputs 1 and 2: (B, H, S, D) with S = L, or the cache's
-      const int64_t S = p.k_cache >= 0 ? in[p.k_cache].shape(2) : L;
-      const int64_t at = p.k_cache >= 0 ? p.cache_at : 0;
       const float* qk_norm[2] = {
           p.q_norm >= 0 ? (const float*)row_major(in[p.q_norm], kqn) : nullptr,
           p.k_norm >= 0 ? (const float*)row_major(in[p.k_norm], kkn) : nullptr};
@@ -387,10 +296,9 @@ class AttnIn : public CpuMultiPrimitive {
             const int64_t H = i == 0 ? p.hq : p.hkv;
             for (int64_t h = 0; h < H; h++) {
               const float* src = buf[i].data() + m * H * D + h * D;
-              const int64_t to = i == 0 ? ((b * H + h) * L + l) * D
-                                        : ((b * H + h) * S + at + l) * D;
+              const int64_t at = ((b * H + h) * L + l) * D;
               const bool half_out = i > 0 && p.kv_half;
-              float* dst = half_out ? row.data() : (float*)op[i] + to;
+              float* dst = half_out ? row.data() : (float*)op[i] + at;
               if (i < 2 && qk_norm[i]) {  // qwen3's q_norm / k_norm: RMSNorm of each head
                 rms_norm_rows(src, qk_norm[i], p.qk_eps, D, head.data(), 0, 1);
                 src = head.data();
@@ -398,26 +306,22 @@ class AttnIn : public CpuMultiPrimitive {
               if (i < 2) rope_row(r, cs.data(), sn.data(), src, dst, D);
               else std::memcpy(dst, src, D * sizeof(float));
               if (half_out)
-                for (int64_t d = 0; d < D; d++) ((uint16_t*)op[i])[to + d] = tk::f32_to_f16(row[d]);
+                for (int64_t d = 0; d < D; d++) ((uint16_t*)op[i])[at + d] = tk::f32_to_f16(row[d]);
             }
           }
         }
       });
-      clk.lap(PH_ROPE);
     });
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     const auto& x = in[p_.x];
     const int B = x.shape(0), L = x.shape(1), D = (int)p_.d;
-    if (p_.k_cache >= 0) return {{B, (int)p_.hq, L, D}, in[p_.k_cache].shape(), in[p_.v_cache].shape()};
     return {{B, (int)p_.hq, L, D}, {B, (int)p_.hkv, L, D}, {B, (int)p_.hkv, L, D}};
   }
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals,
                              const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums,
                              const std::vector<mx::array>&) override {
-    if (p_.k_cache >= 0)  // block.py writes the cache so only outside transforms
-      bad("attn_in with k_cache / v_cache has no vjp: give the cache its k and v instead");
     auto s = stream();
     auto reference = [p = p_, s](const std::vector<mx::array>& in) {
       const auto& x = in[p.x];
@@ -447,7 +351,6 @@ class AttnIn : public CpuMultiPrimitive {
     return reference_vjp(reference, primals, cotangents, argnums, {p_.freqs});
   }
   const char* name() const override { return "FusedAttnIn"; }
-  const AttnInParams& params() const { return p_; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
  private:
@@ -460,54 +363,9 @@ struct AttnOutParams {
   float scale;
   bool causal;
   float sub_eps = 0.f;
-  int64_t kv_len = -1;  // the keys [0, kv_len) of k and v (a KV cache's filled rows); -1: all
   int q = 0, k = 1, v = 2, mask = -1, residual = -1, sub_norm = -1;  // bitnet: attn_sub_norm
   Proj o;
 };
-
-// AttnOut's task: its (B, L, out) result into outp.
-inline void attn_out_task(const AttnOutParams& p, const std::vector<mx::array>& in, float* outp) {
-  PhaseClock clk;
-  const mx::array &q = in[p.q], &k = in[p.k], &v = in[p.v];
-  std::vector<uint8_t> kq, kk, kv, kr, ksn;
-  const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int64_t M = B * L, HD = H * D;
-  // the attention straight into the token layout (B, L, H D) o_proj reads
-  tk::AttnShape sh = attn_shape(q, k, p.scale, p.causal, {L * HD, D, HD});
-  if (p.kv_len >= 0) sh.Lk = p.kv_len;  // the rows past it are not read
-  if (p.mask >= 0) mask_view(in[p.mask], sh);
-  const float* qp = (const float*)attn_view(q, kq, sh.qs);
-  const void* kp = attn_view(k, kk, sh.ks);
-  const void* vp = attn_view(v, kv, sh.vs);
-  thread_local std::vector<float> tok_tl;
-  thread_local tk::Acts acts_tl;
-  auto& tok = tok_tl;
-  tk::Acts& acts = acts_tl;
-  tok.resize(M * HD);
-  tk::attention<tk::NativeOps>(sh, qp, kp, vp, tok.data(), [](int64_t n, const auto& f) {
-    pool().parallel_for(n, f);
-  });
-  clk.lap(PH_ATTN);
-  if (p.sub_norm >= 0) {  // bitnet's attn_sub_norm, in place
-    const float* w = (const float*)row_major(in[p.sub_norm], ksn);
-    per_token(M, [&](int64_t m0, int64_t m1) {
-      rms_norm_rows(tok.data(), w, p.sub_eps, HD, tok.data(), m0, m1);
-    });
-    clk.lap(PH_NORM);
-  }
-  BoundLayer o;
-  o.bind(p.o, in, outp);
-  prepare_acts(*o.g, p.o.p, tok.data(), tk::F32, M, acts);
-  clk.lap(PH_ACTS);
-  rows_of_layers({&o}, acts, M);
-  clk.lap(PH_ROWS);
-  if (p.residual >= 0) {
-    const float* rp = (const float*)row_major(in[p.residual], kr);
-    const int64_t n = M * p.o.p.n;
-    for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
-    clk.lap(PH_RESID);
-  }
-}
 
 class AttnOut : public CpuPrimitive {
  public:
@@ -515,9 +373,42 @@ class AttnOut : public CpuPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = enqueue(stream(), in, out);
-    enc.dispatch([p = p_, in, outp = out.data<float>()]() { attn_out_task(p, in, outp); });
+    enc.dispatch([p = p_, in, outp = out.data<float>()]() {
+      const mx::array &q = in[p.q], &k = in[p.k], &v = in[p.v];
+      std::vector<uint8_t> kq, kk, kv, kr, ksn;
+      const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+      const int64_t M = B * L, HD = H * D;
+      // the attention straight into the token layout (B, L, H D) o_proj reads
+      tk::AttnShape sh = attn_shape(q, k, p.scale, p.causal, {L * HD, D, HD});
+      if (p.mask >= 0) mask_view(in[p.mask], sh);
+      const float* qp = (const float*)attn_view(q, kq, sh.qs);
+      const void* kp = attn_view(k, kk, sh.ks);
+      const void* vp = attn_view(v, kv, sh.vs);
+      thread_local std::vector<float> tok_tl;
+      thread_local tk::Acts acts_tl;
+      auto& tok = tok_tl;
+      tk::Acts& acts = acts_tl;
+      tok.resize(M * HD);
+      tk::attention<tk::NativeOps>(sh, qp, kp, vp, tok.data(), [](int64_t n, const auto& f) {
+        pool().parallel_for(n, f);
+      });
+      if (p.sub_norm >= 0) {  // bitnet's attn_sub_norm, in place
+        const float* w = (const float*)row_major(in[p.sub_norm], ksn);
+        per_token(M, [&](int64_t m0, int64_t m1) {
+          rms_norm_rows(tok.data(), w, p.sub_eps, HD, tok.data(), m0, m1);
+        });
+      }
+      BoundLayer o;
+      o.bind(p.o, in, outp);
+      prepare_acts(*o.g, p.o.p, tok.data(), tk::F32, M, acts);
+      rows_of_layers({&o}, acts, M);
+      if (p.residual >= 0) {
+        const float* rp = (const float*)row_major(in[p.residual], kr);
+        const int64_t n = M * p.o.p.n;
+        for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
+      }
+    });
   }
-  const AttnOutParams& params() const { return p_; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     const auto& q = in[p_.q];
     return {{q.shape(0), q.shape(2), (int)p_.o.p.n}};
@@ -529,15 +420,11 @@ class AttnOut : public CpuPrimitive {
     auto s = stream();
     auto reference = [p = p_, s](const std::vector<mx::array>& in) {
       const auto& q = in[p.q];
-      auto k = in[p.k], v = in[p.v];
-      if (p.kv_len >= 0) {
-        const mx::Shape stop{k.shape(0), k.shape(1), (int)p.kv_len, k.shape(3)};
-        k = mx::slice(k, {0, 0, 0, 0}, stop, s), v = mx::slice(v, {0, 0, 0, 0}, stop, s);
-      }
       auto att = p.mask >= 0 ? mx::fast::scaled_dot_product_attention(
-                                   q, k, v, p.scale, "array", in[p.mask], {}, false, s)
+                                   q, in[p.k], in[p.v], p.scale, "array", in[p.mask], {}, false, s)
                              : mx::fast::scaled_dot_product_attention(
-                                   q, k, v, p.scale, p.causal ? "causal" : "", {}, {}, false, s);
+                                   q, in[p.k], in[p.v], p.scale, p.causal ? "causal" : "", {},
+                                   {}, false, s);
       att = mx::reshape(mx::transpose(att, {0, 2, 1, 3}, s), {q.shape(0), q.shape(2), -1}, s);
       if (p.sub_norm >= 0) att = mx::fast::rms_norm(att, in[p.sub_norm], p.sub_eps, s);
       auto y = ternary_ref(att, p.o, in, s);
@@ -566,61 +453,6 @@ struct MlpParams {
   Proj down;
 };
 
-// Mlp's task on M rows of K at hp (row-major), [+ the residual rp], into outp.
-inline void mlp_task(const MlpParams& p, const std::vector<mx::array>& in, const float* hp,
-                     int64_t M, int64_t K, const float* rp, float* outp) {
-  PhaseClock clk;
-  std::vector<uint8_t> kw, ksn;
-  const float* wp = (const float*)row_major(in[p.w], kw);
-  const int64_t F = p.gate_up[0].p.n;
-  thread_local std::vector<float> normed_tl, g_tl, u_tl;
-  thread_local tk::Acts acts_tl;
-  auto& normed = normed_tl;
-  auto& g = g_tl;
-  auto& u = u_tl;
-  tk::Acts& acts = acts_tl;
-  normed.resize(M * K);
-  g.resize(M * F);
-  u.resize(M * F);
-  per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(hp, wp, p.eps, K, normed.data(), m0, m1); });
-  clk.lap(PH_NORM);
-  BoundLayer lg, lu, ld;
-  lg.bind(p.gate_up[0], in, g.data());
-  lu.bind(p.gate_up[1], in, u.data());
-  prepare_acts(*lg.g, p.gate_up[0].p, normed.data(), tk::F32, M, acts);
-  clk.lap(PH_ACTS);
-  rows_of_layers({&lg, &lu}, acts, M);
-  clk.lap(PH_ROWS);
-  // act(gate) * up, in place into g (the native SwiGLU's chunks); relu2 as mlx-lm's
-  // bitnet MLP: square(maximum(g, 0)) * up
-  parallel_rows(M * F, 1 << 14, [&](int64_t i0, int64_t i1) {
-    if (p.act == ACT_SILU) return tk::silu_mul(g.data(), u.data(), g.data(), i0, i1);
-    float *gp = g.data(), *up = u.data();
-    for (int64_t i = i0; i < i1; i++) {
-      const float r = std::max(gp[i], 0.f);
-      gp[i] = (r * r) * up[i];
-    }
-  });
-  clk.lap(PH_GLU);
-  if (p.sub_norm >= 0) {  // bitnet's ffn_sub_norm, in place
-    const float* w = (const float*)row_major(in[p.sub_norm], ksn);
-    per_token(M, [&](int64_t m0, int64_t m1) {
-      rms_norm_rows(g.data(), w, p.sub_eps, F, g.data(), m0, m1);
-    });
-    clk.lap(PH_NORM);
-  }
-  ld.bind(p.down, in, outp);
-  prepare_acts(*ld.g, p.down.p, g.data(), tk::F32, M, acts);
-  clk.lap(PH_ACTS);
-  rows_of_layers({&ld}, acts, M);
-  clk.lap(PH_ROWS);
-  if (rp) {
-    const int64_t n = M * p.down.p.n;
-    for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
-    clk.lap(PH_RESID);
-  }
-}
-
 class Mlp : public CpuPrimitive {
  public:
   Mlp(mx::Stream s, MlpParams p) : CpuPrimitive(s), p_(std::move(p)) {}
@@ -628,11 +460,50 @@ class Mlp : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
-      std::vector<uint8_t> kh, kr;
+      std::vector<uint8_t> kh, kw, kr, ksn;
       const mx::array& h = in[p.h];
-      const int64_t K = h.shape(-1), M = (int64_t)(h.size() / K);
-      const float* rp = p.residual >= 0 ? (const float*)row_major(in[p.residual], kr) : nullptr;
-      mlp_task(p, in, (const float*)row_major(h, kh), M, K, rp, outp);
+      const float* hp = (const float*)row_major(h, kh);
+      const float* wp = (const float*)row_major(in[p.w], kw);
+      const int64_t K = h.shape(-1), M = (int64_t)(h.size() / K), F = p.gate_up[0].p.n;
+      thread_local std::vector<float> normed_tl, g_tl, u_tl;
+      thread_local tk::Acts acts_tl;
+      auto& normed = normed_tl;
+      auto& g = g_tl;
+      auto& u = u_tl;
+      tk::Acts& acts = acts_tl;
+      normed.resize(M * K);
+      g.resize(M * F);
+      u.resize(M * F);
+      per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(hp, wp, p.eps, K, normed.data(), m0, m1); });
+      BoundLayer lg, lu, ld;
+      lg.bind(p.gate_up[0], in, g.data());
+      lu.bind(p.gate_up[1], in, u.data());
+      prepare_acts(*lg.g, p.gate_up[0].p, normed.data(), tk::F32, M, acts);
+      rows_of_layers({&lg, &lu}, acts, M);
+      // act(gate) * up, in place into g (the native SwiGLU's chunks); relu2 as mlx-lm's
+      // bitnet MLP: square(maximum(g, 0)) * up
+      parallel_rows(M * F, 1 << 14, [&](int64_t i0, int64_t i1) {
+        if (p.act == ACT_SILU) return tk::silu_mul(g.data(), u.data(), g.data(), i0, i1);
+        float *gp = g.data(), *up = u.data();
+        for (int64_t i = i0; i < i1; i++) {
+          const float r = std::max(gp[i], 0.f);
+          gp[i] = (r * r) * up[i];
+        }
+      });
+      if (p.sub_norm >= 0) {  // bitnet's ffn_sub_norm, in place
+        const float* w = (const float*)row_major(in[p.sub_norm], ksn);
+        per_token(M, [&](int64_t m0, int64_t m1) {
+          rms_norm_rows(g.data(), w, p.sub_eps, F, g.data(), m0, m1);
+        });
+      }
+      ld.bind(p.down, in, outp);
+      prepare_acts(*ld.g, p.down.p, g.data(), tk::F32, M, acts);
+      rows_of_layers({&ld}, acts, M);
+      if (p.residual >= 0) {
+        const float* rp = (const float*)row_major(in[p.residual], kr);
+        const int64_t n = M * p.down.p.n;
+        for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
+      }
     });
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
@@ -665,85 +536,7 @@ class Mlp : public CpuPrimitive {
   MlpParams p_;
 };
 
-// ---- AttnOut + Mlp ------------------------------------------------------------------------------
-
-// h = attn_out(...), out = mlp(h, residual=h) as one MLX op (mlp(..., fuse=True) makes it of the
-// two): a decode step's layer is then attn_in and this, two ops where it was three. The inputs
-// are AttnOut's, then Mlp's but h (Mlp's indices refer to them); h lives in scratch.
-class AttnOutMlp : public CpuPrimitive {
- public:
-  AttnOutMlp(mx::Stream s, AttnOutParams a, MlpParams m)
-      : CpuPrimitive(s), a_(std::move(a)), m_(std::move(m)) {}
-
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    auto& enc = enqueue(stream(), in, out);
-    enc.dispatch([a = a_, m = m_, in, outp = out.data<float>()]() {
-      const mx::array& q = in[a.q];
-      const int64_t M = (int64_t)q.shape(0) * q.shape(2), N = a.o.p.n;
-      thread_local std::vector<float> h_tl;
-      auto& h = h_tl;
-      h.resize(M * N);
-      attn_out_task(a, in, h.data());
-      mlp_task(m, in, h.data(), M, N, h.data(), outp);
-    });
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    const auto& q = in[a_.q];
-    return {{q.shape(0), q.shape(2), (int)m_.down.p.n}};
-  }
-  std::vector<mx::array> vjp(const std::vector<mx::array>&, const std::vector<mx::array>&,
-                             const std::vector<int>&, const std::vector<mx::array>&) override {
-    bad("mlp(fuse=True) has no vjp: block.py fuses only outside transforms");
-  }
-  const char* name() const override { return "FusedAttnOutMlp"; }
-  const AttnOutParams& attn() const { return a_; }
-  const MlpParams& mlp() const { return m_; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
-
- private:
-  AttnOutParams a_;
-  MlpParams m_;
-};
-
-// mlp's op (its inputs `inputs`, h at 0) merged with the AttnOut that makes h, where h is an
-// unevaluated AttnOut output and the residual is h itself; else nullopt.
-std::optional<mx::array> fuse_with_attn_out(const mx::array& h, MlpParams p,
-                                            const std::vector<mx::array>& inputs) {
-  if (h.status() != mx::array::Status::unscheduled || !h.has_primitive() || h.is_tracer())
-    return std::nullopt;
-  auto* ao = dynamic_cast<AttnOut*>(&h.primitive());
-  if (!ao || p.residual < 0 || inputs[p.residual].id() != h.id()) return std::nullopt;
-  std::vector<mx::array> merged = h.inputs();
-  std::vector<int> at(inputs.size(), -1);
-  for (size_t i = 1; i < inputs.size(); i++)
-    if ((int)i != p.residual) at[i] = (int)merged.size(), merged.push_back(inputs[i]);
-  auto move = [&](int& i) { i = i < 0 ? -1 : at[i]; };
-  for (auto* pr : {&p.gate_up[0], &p.gate_up[1], &p.down}) move(pr->packed), move(pr->scales), move(pr->bias);
-  move(p.w), move(p.sub_norm);
-  p.h = -1, p.residual = -1;
-  auto shape = h.shape();
-  shape.back() = (int)p.down.p.n;
-  return mx::array(shape, mx::float32,
-                   std::make_shared<AttnOutMlp>(h.primitive().stream(), ao->params(), std::move(p)),
-                   std::move(merged));
-}
-
 // ---- ops ---------------------------------------------------------------------------------------
-
-// attn_in's cache buffers: (B, Hkv, S, D) of the K/V dtype with rows [cache_at, cache_at + L).
-void check_cache(const mx::array& k, const mx::array& v, bool kv_half, int B, int L, int64_t hkv,
-                 int64_t d, int cache_at) {
-  for (auto* c : {&k, &v}) {
-    if (c->dtype() != (kv_half ? mx::float16 : mx::float32))
-      bad(std::string("attn_in: the cache buffers must be ") + (kv_half ? "float16" : "float32") +
-          " (kv_half), got " + shape_str(*c) + " of another dtype");
-    if (c->ndim() != 4 || c->shape(0) != B || c->shape(1) != hkv || c->shape(3) != d)
-      bad("attn_in: a cache buffer " + shape_str(*c) + " is not (B, n_kv_heads, S, head_dim)");
-  }
-  if (k.shape(2) != v.shape(2) || cache_at < 0 || cache_at + L > k.shape(2))
-    bad("attn_in: the cache buffers must hold rows [cache_at, cache_at + L), have " +
-        shape_str(k) + " and cache_at " + std::to_string(cache_at));
-}
 
 std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, float eps,
                                const std::vector<mx::array>& packed,
@@ -755,9 +548,7 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
                                std::optional<mx::array> freqs, int offset,
                                std::optional<mx::array> offsets,
                                std::optional<mx::array> q_norm_w,
-                               std::optional<mx::array> k_norm_w, float qk_eps, bool kv_half,
-                               std::optional<mx::array> k_cache, std::optional<mx::array> v_cache,
-                               int cache_at) {
+                               std::optional<mx::array> k_norm_w, float qk_eps, bool kv_half) {
   if (x.ndim() != 3 || x.shape(2) != in_features) bad("attn_in: x must be (B, L, in_features)");
   check_f32(x, "attn_in: x");
   check_f32(norm_w, "attn_in: the norm weight");
@@ -810,15 +601,6 @@ std::vector<mx::array> attn_in(const mx::array& x, const mx::array& norm_w, floa
                                 {B, n_kv_heads, L, head_dim}};
   p.kv_half = kv_half;
   const mx::Dtype kvt = kv_half ? mx::float16 : mx::float32;
-  if (k_cache.has_value() != v_cache.has_value())
-    bad("attn_in: give both or neither of k_cache and v_cache");
-  if (k_cache) {
-    check_cache(*k_cache, *v_cache, kv_half, B, L, n_kv_heads, head_dim, cache_at);
-    p.cache_at = cache_at;
-    p.k_cache = (int)inputs.size(), inputs.push_back(*k_cache);
-    p.v_cache = (int)inputs.size(), inputs.push_back(*v_cache);
-    shapes[1] = k_cache->shape(), shapes[2] = v_cache->shape();
-  }
   return mx::array::make_arrays(std::move(shapes), {mx::float32, kvt, kvt},
                                 std::make_shared<AttnIn>(s, std::move(p)), inputs);
 }
@@ -828,19 +610,18 @@ mx::array attn_out(const mx::array& q, const mx::array& k, const mx::array& v, f
                    const mx::array& scales, std::optional<mx::array> bias, int packing,
                    int in_features, int group_size, int activation_bits,
                    std::optional<mx::array> residual, std::optional<mx::array> sub_norm_w,
-                   float sub_eps, int kv_len) {
+                   float sub_eps) {
   check_attention_inputs(q, k, v, "attn_out");
-  if (kv_len > k.shape(2)) bad("attn_out: kv_len is past k's rows");
   if ((int64_t)q.shape(1) * q.shape(3) != in_features)
     bad("attn_out: o_proj's in_features must be heads * head_dim");
   auto s = mx::default_stream(mx::Device::cpu);
   AttnOutParams p;
-  p.scale = scale, p.causal = causal, p.kv_len = kv_len < 0 ? -1 : kv_len;
+  p.scale = scale, p.causal = causal;
   std::vector<mx::array> inputs{q, k, v};
   if (mask) {
     if (mask->dtype() != mx::bool_ || mask->ndim() > 4)
       bad("attn_out: the mask must be a bool array of at most 4 dimensions");
-    mx::Shape full{q.shape(0), q.shape(1), q.shape(2), kv_len < 0 ? k.shape(2) : kv_len};
+    mx::Shape full{q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
     p.mask = (int)inputs.size(), inputs.push_back(mx::broadcast_to(*mask, full, s));
   }
   p.o = check_projs({packed}, {scales}, {bias}, packing, in_features, group_size, activation_bits,
@@ -869,7 +650,7 @@ mx::array mlp(const mx::array& h, const mx::array& norm_w, float eps,
               const mx::array& down_scales, std::optional<mx::array> down_bias,
               int down_packing, int down_in_features, int down_group_size,
               int down_activation_bits, std::optional<mx::array> residual, int act,
-              std::optional<mx::array> sub_norm_w, float sub_eps, bool fuse) {
+              std::optional<mx::array> sub_norm_w, float sub_eps) {
   if (h.ndim() < 1 || h.shape(-1) != in_features) bad("mlp: h must end in in_features");
   if (act != ACT_SILU && act != ACT_RELU2) bad("mlp: act must be MLP_SILU or MLP_RELU2");
   check_f32(h, "mlp: h");
@@ -901,67 +682,9 @@ mx::array mlp(const mx::array& h, const mx::array& norm_w, float eps,
     p.sub_eps = sub_eps;
     p.sub_norm = (int)inputs.size(), inputs.push_back(*sub_norm_w);
   }
-  if (fuse)
-    if (auto merged = fuse_with_attn_out(h, p, inputs)) return *merged;
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(shape, mx::float32, std::make_shared<Mlp>(s, std::move(p)), std::move(inputs));
 }
 
-// ---- a block's layer, prepared --------------------------------------------------------------
-
-// attn_in with the cache written in place and AttnOutMlp of one block, everything but a call's
-// own arrays taken once from the two ops made on example inputs (their checks ran then), so a
-// decode step's layer is one call (layer_step) with nothing to convert or check again but x
-// and the cache buffers. The inputs of the examples are kept with x, q, k, v as placeholders.
-struct PreparedLayer {
-  AttnInParams ai;
-  AttnOutParams a;
-  MlpParams m;
-  std::vector<mx::array> ai_in, out_in;
-
-  PreparedLayer(const mx::array& q, const mx::array& out) {
-    auto* pi = q.has_primitive() ? dynamic_cast<AttnIn*>(&q.primitive()) : nullptr;
-    auto* po = out.has_primitive() ? dynamic_cast<AttnOutMlp*>(&out.primitive()) : nullptr;
-    if (!pi || !po) bad("PreparedLayer takes attn_in's q and mlp(..., fuse=True)'s result");
-    ai = pi->params(), a = po->attn(), m = po->mlp();
-    if (ai.k_cache >= 0 || ai.offsets >= 0 || a.mask >= 0 || a.residual < 0)
-      bad("PreparedLayer: attn_in without a cache or offsets array, attn_out with a residual and "
-          "no mask array");
-    ai_in = q.inputs(), out_in = out.inputs();
-    const mx::array none(0.f);
-    ai_in[ai.x] = none, out_in[a.q] = none, out_in[a.k] = none, out_in[a.v] = none;
-    out_in[a.residual] = none;
-  }
-};
-
-// One block on x (B, L, K) over a KVCache's buffers, its rows [offset, offset + L) written:
-// [block output, the new k buffer, the new v buffer] (attn_in, attn_out, mlp's results).
-std::vector<mx::array> layer_step(const PreparedLayer& pl, const mx::array& x, int offset,
-                                  bool kv_half, const mx::array& k_cache,
-                                  const mx::array& v_cache, bool causal) {
-  if (x.ndim() != 3 || x.shape(2) != pl.ai_in[pl.ai.w].shape(0))
-    bad("layer_step: x must be (B, L, in_features)");
-  check_f32(x, "layer_step: x");
-  const int B = x.shape(0), L = x.shape(1);
-  check_cache(k_cache, v_cache, kv_half, B, L, pl.ai.hkv, pl.ai.d, offset);
-  auto s = mx::default_stream(mx::Device::cpu);
-  AttnInParams p = pl.ai;
-  p.rope.offset = offset, p.kv_half = kv_half, p.cache_at = offset;
-  std::vector<mx::array> in = pl.ai_in;
-  in[p.x] = x;
-  p.k_cache = (int)in.size(), in.push_back(k_cache);
-  p.v_cache = (int)in.size(), in.push_back(v_cache);
-  const mx::Dtype kvt = kv_half ? mx::float16 : mx::float32;
-  auto qkv = mx::array::make_arrays({{B, (int)p.hq, L, (int)p.d}, k_cache.shape(), v_cache.shape()},
-                                    {mx::float32, kvt, kvt}, std::make_shared<AttnIn>(s, std::move(p)),
-                                    in);
-  AttnOutParams a = pl.a;
-  a.causal = causal, a.kv_len = offset + L;
-  std::vector<mx::array> oin = pl.out_in;
-  oin[a.q] = qkv[0], oin[a.k] = qkv[1], oin[a.v] = qkv[2], oin[a.residual] = x;
-  mx::array out({B, L, (int)pl.m.down.p.n}, mx::float32, std::make_shared<AttnOutMlp>(s, a, pl.m),
-                std::move(oin));
-  return {out, qkv[1], qkv[2]};
-}
 
 }  // namespace mlxt
