@@ -40,24 +40,32 @@ namespace mlxt {
 // sum of squares is one sequential float32 chain (MLX's order); RMS_ROWS rows run their chains
 // side by side (the adds' latency, not their throughput, bounds one chain: a 6912-wide
 // sub-norm is ~21 k cycles a row alone), each row's operations and their order unchanged.
-constexpr int RMS_ROWS = 8;
+constexpr int RMS_ROWS = 8;  // rms_norm_rows' switch names each count below it
 inline void rms_norm_rows(const float* x, const float* w, float eps, int64_t K, float* out,
                           int64_t m0, int64_t m1) {
   const float inv_n = (float)(1.0 / (double)K);
   for (int64_t m = m0; m < m1; m += RMS_ROWS) {
     const int rows = (int)std::min<int64_t>(RMS_ROWS, m1 - m);
     float s[RMS_ROWS] = {};
-    auto sums = [&](auto nrows) {  // a constant count for whole groups: the j loop unrolls
+    auto sums = [&](auto nrows) {
       for (int64_t i = 0; i < K; i++)
         for (int j = 0; j < (int)nrows; j++) {
           const float v = x[(m + j) * K + i];
           s[j] = s[j] + v * v;
         }
     };
-    if (rows == RMS_ROWS)
-      sums(std::integral_constant<int, RMS_ROWS>{});
-    else
-      sums(rows);
+    // a constant count for every group, so the sums stay in registers: a runtime count kept
+    // them in memory, a store-to-load round trip per add (a decode token's 1 row: ~3x slower)
+    switch (rows) {
+      case 1: sums(std::integral_constant<int, 1>{}); break;
+      case 2: sums(std::integral_constant<int, 2>{}); break;
+      case 3: sums(std::integral_constant<int, 3>{}); break;
+      case 4: sums(std::integral_constant<int, 4>{}); break;
+      case 5: sums(std::integral_constant<int, 5>{}); break;
+      case 6: sums(std::integral_constant<int, 6>{}); break;
+      case 7: sums(std::integral_constant<int, 7>{}); break;
+      default: sums(std::integral_constant<int, RMS_ROWS>{});
+    }
     for (int j = 0; j < rows; j++) {
       const float* xr = x + (m + j) * K;
       float* o = out + (m + j) * K;
