@@ -19,14 +19,11 @@
 #include <cstring>
 #include <thread>
 
+#include "clock.h"
 #include "kernels/threadpool.h"
 #include "selfcheck.h"
 
-static double wall() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
+static double wall() { return clock_seconds(CLOCK_MONOTONIC); }
 
 using namespace tk;
 

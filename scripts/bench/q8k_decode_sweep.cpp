@@ -13,15 +13,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "clock.h"
 #include "kernels/threadpool.h"
 #include "selfcheck.h"
 
 static clockid_t CLOCK = CLOCK_MONOTONIC;  // one thread: its CPU time (a shared machine)
-static double now() {
-  timespec ts;
-  clock_gettime(CLOCK, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
+static double now() { return clock_seconds(CLOCK); }
 
 int main(int argc, char** argv) {
   using namespace tk;

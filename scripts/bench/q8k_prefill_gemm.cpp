@@ -10,13 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "clock.h"
 #include "selfcheck.h"
 
-static double cpu_seconds() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
+static double cpu_seconds() { return clock_seconds(CLOCK_THREAD_CPUTIME_ID); }
 
 int main(int argc, char** argv) {
   using namespace tk;
