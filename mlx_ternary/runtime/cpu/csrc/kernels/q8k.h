@@ -604,14 +604,16 @@ void rows_q8k_lin(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
       ssr[t * span + f] = a.ssum[(m0 + t) * nseg + j], d8r[t * span + f] = a.d8[(m0 + t) * nseg + j];
   }
   // tb[f]: flat segment f's term (row f / nseg's, segment f % nseg's); sc[f]: its scale.
-  // Zeroed once a thread, not once a call (4 KB a call: ~1 % of the AVX2 decode's time);
-  // entries past a call's segments keep an earlier call's values: read, never added.
-  alignas(32) thread_local float tb[R * Q8K_LIN_MAX_SEG + 8] = {}, sc[R * Q8K_LIN_MAX_SEG + 8] = {};
+  // Only what is read past a block's segments is zeroed, not 4 KB a call (~1 % of the AVX2
+  // decode's time): lanes that are computed or transposed but never added.
+  alignas(32) float tb[R * Q8K_LIN_MAX_SEG + 8], sc[R * Q8K_LIN_MAX_SEG + 8];
   for (int64_t n = n0; n < n1; n += R) {
     const int rows = (int)std::min<int64_t>(R, n1 - n);
-    const int64_t nf = rows * nseg;
+    const int64_t nf = rows * nseg, nf8 = (nf + 7) / 8 * 8;
     const uint8_t* w = L.w + n * rb;
     flat_scales(L, n, 0, nf, sc);
+    std::fill(sc + nf, sc + nf8, 0.f);
+    std::fill(tb + nf8, tb + nflat + 8, 0.f);
     for (int64_t m = m0; m < m1; m++) {
       const int8_t* x = a.q.data() + m * xlen;
       const int32_t* ss = ssr + (m - m0) * span;
