@@ -46,7 +46,11 @@ void prepare_acts(const tk::Geometry& g, const TernaryParams& p, const void* xp,
   if (p.q8k) {
     a.q.resize(M * xlen), a.d8.resize(M * g.nblocks8), a.ssum.resize(M * g.nseg);
     parallel_rows(M, 8, [&](int64_t m0, int64_t m1) {
-      std::vector<float> tmp(tk::q8k_tmp_floats(p.k));
+      // one buffer a thread, not an allocation a call; the codes' part zeroed as a new one was
+      thread_local std::vector<float> tmp;
+      const int64_t nt = tk::q8k_tmp_floats(p.k);
+      if ((int64_t)tmp.size() < nt) tmp.resize(nt);
+      std::fill(tmp.begin() + p.k, tmp.begin() + nt, 0.f);
       for (int64_t m = m0; m < m1; m++) tk::quantize_token_q8k(g, xp, xd, m, a, tmp.data());
     });
   } else if (p.act_quant) {
