@@ -92,11 +92,10 @@ inline void widen(const AttnShape& s, const void* base, int64_t stride, int64_t 
       std::memcpy(out, (const float*)base + (j0 + u) * stride, D * sizeof(float));
       continue;
     }
+    // Unconditional F16C (or NEON) widening: a non-finite K or V makes its rows NaN or
+    // infinite whichever conversion runs; only a signalling NaN's quiet bit can differ.
     const uint16_t* src = (const uint16_t*)base + (j0 + u) * stride;
-    int64_t d = 0;
-    for (; d + 8 <= D && native::f16x8_finite_to_f32(src + d, out + d); d += 8) {
-    }
-    for (; d < D; d++) out[d] = f16_to_f32(src[d]);
+    for (int64_t d = native::f16_widen_head(src, D, out); d < D; d++) out[d] = f16_to_f32(src[d]);
   }
   if (nk < 8) std::memset(dst + nk * D, 0, (8 - nk) * D * sizeof(float));
 }
@@ -176,6 +175,106 @@ inline void add_values(const float* const* w, int nt, const float* vbuf, int64_t
     }
 }
 
+// The tiles where every row of the task sees every key (a whole tile of ATT_KEYS, no mask,
+// no causal bound inside it, D a multiple of 8: a decode step's tiles, and a prefill's below
+// the diagonal) take the register-blocked paths below: the same operations per row and key
+// in the same order as scores8 and add_values (the same bits), with each K row loaded once
+// for R rows and each V vector once for R rows, and no per-key test.
+
+// Scores of R rows (queries q[i]) against 8 keys (kr, 8 x D): f8tsum's tree per row and key,
+// times scale, into out[i][0, 8).
+template <class O, int R>
+inline void dots8_rows(const float* const* q, const float* kr, int64_t D, float scale,
+                       float* const* out) {
+  using F8 = typename O::F8;
+  F8 acc[R][8];
+  for (int i = 0; i < R; i++)
+    for (int u = 0; u < 8; u++) acc[i][u] = O::f8zero();
+  for (int64_t d = 0; d < D; d += 8) {
+    F8 qv[R];
+    for (int i = 0; i < R; i++) qv[i] = O::f8load(q[i] + d);
+    for (int u = 0; u < 8; u++) {
+      const F8 kv = O::f8load(kr + u * D + d);
+      for (int i = 0; i < R; i++) acc[i][u] = O::f8fma(acc[i][u], qv[i], kv);
+    }
+  }
+  for (int i = 0; i < R; i++) O::f8store(out[i], O::f8mul(O::f8tsum(acc[i]), scale));
+}
+
+// The scores of every row against the whole tile kr (ATT_KEYS x D) into sc (rows x ATT_KEYS).
+template <class O>
+inline void scores_full(const AttnShape& s, const AttnRows& rows, const float* kr, float* sc) {
+  // One row at a time: with 2 or 3 rows sharing each K load (AVX-512's 32 registers) the
+  // loop ran ~0.8x and ~0.95x as fast on Zen 4 (a row's 8 accumulators and K as memory
+  // operands keep both FMA pipes busy)
+  constexpr int R = 1;
+  const int64_t D = s.D;
+  int r = 0;
+  for (; r + R <= rows.n; r += R) {
+    const float* q[R];
+    for (int i = 0; i < R; i++) q[i] = rows.q[r + i];
+    for (int b = 0; b < ATT_KEYS / 8; b++) {
+      float* out[R];
+      for (int i = 0; i < R; i++) out[i] = sc + (r + i) * ATT_KEYS + 8 * b;
+      dots8_rows<O, R>(q, kr + 8 * b * D, D, s.scale, out);
+    }
+  }
+  for (; r < rows.n; r++)
+    for (int b = 0; b < ATT_KEYS / 8; b++) {
+      float* out = sc + r * ATT_KEYS + 8 * b;
+      dots8_rows<O, 1>(&rows.q[r], kr + 8 * b * D, D, s.scale, &out);
+    }
+}
+
+// o[i] += sum_t w[i][t] v[t] over d in [d0, d0 + 8 NU) for R rows, every key of the tile in
+// order (add_values_block's operations without its test: every row sees every key).
+template <class O, int R, int NU>
+inline void values_rows(const float* const* w, const float* vbuf, int64_t D, int64_t d0,
+                        float* const* o) {
+  using F8 = typename O::F8;
+  F8 acc[R][NU];
+  for (int i = 0; i < R; i++)
+    for (int u = 0; u < NU; u++) acc[i][u] = O::f8load(o[i] + d0 + 8 * u);
+  for (int t = 0; t < ATT_KEYS; t++) {
+    F8 v[NU];
+    for (int u = 0; u < NU; u++) v[u] = O::f8loadr(vbuf + t * D + d0 + 8 * u);
+    for (int i = 0; i < R; i++) {
+      const F8 p = O::f8set(w[i][t]);
+      for (int u = 0; u < NU; u++) acc[i][u] = O::f8fma(acc[i][u], p, v[u]);
+    }
+  }
+  for (int i = 0; i < R; i++)
+    for (int u = 0; u < NU; u++) O::f8store(o[i] + d0 + 8 * u, acc[i][u]);
+}
+
+template <class O, int R>
+inline void values_full_rows(const float* const* w, const float* vbuf, int64_t D,
+                             float* const* o) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) values_rows<O, R, 4>(w, vbuf, D, d0, o);
+  for (; d0 < D; d0 += 8) values_rows<O, R, 1>(w, vbuf, D, d0, o);
+}
+
+// The weighted values of the rows seen[0, ns) (weights in sc, outputs in o) over a whole tile.
+template <class O>
+inline void values_full(const int* seen, int ns, const float* sc, const float* vbuf, int64_t D,
+                        float* po) {
+  // R NU accumulators, NU values and a weight
+  constexpr int R = O::f8regs >= 32 ? 4 : 2;
+  int i = 0;
+  for (; i + R <= ns; i += R) {
+    const float* w[R];
+    float* o[R];
+    for (int k = 0; k < R; k++) w[k] = sc + seen[i + k] * ATT_KEYS, o[k] = po + seen[i + k] * D;
+    values_full_rows<O, R>(w, vbuf, D, o);
+  }
+  for (; i < ns; i++) {
+    const float* w = sc + seen[i] * ATT_KEYS;
+    float* o = po + seen[i] * D;
+    values_full_rows<O, 1>(&w, vbuf, D, &o);
+  }
+}
+
 }  // namespace attn_detail
 
 // One chunk, keys [c0, c1) of the task's K/V rows (kb, vb: its batch row and KV head), from
@@ -188,12 +287,22 @@ void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, c
   alignas(64) float sc[ATT_ROWS * ATT_KEYS];
   for (int r = 0; r < rows.n; r++) p.m[r] = -INFINITY, p.l[r] = 0.f;
   std::memset(p.o, 0, sizeof(float) * rows.n * D);
+  // every row sees every key of [c0, c1) but for masks and causal bounds inside it
+  bool unmasked = d8 == D;
+  int64_t lastmin = c1;
+  for (int r = 0; r < rows.n; r++)
+    unmasked = unmasked && !rows.mask[r], lastmin = std::min(lastmin, rows.last[r]);
   for (int64_t j0 = c0; j0 < c1; j0 += ATT_KEYS) {
     const int nt = (int)std::min<int64_t>(ATT_KEYS, c1 - j0), nb = (nt + 7) / 8;
-    for (int b = 0; b < nb; b++) {
-      const int nk = std::min(8, nt - 8 * b);
-      attn_detail::widen(s, kb, s.ks[2], j0 + 8 * b, nk, kbuf + 8 * b * D);
-      attn_detail::scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, nk, sc + 8 * b);
+    const bool full = unmasked && nt == ATT_KEYS && j0 + ATT_KEYS - 1 <= lastmin;
+    for (int b = 0; b < nb; b++)
+      attn_detail::widen(s, kb, s.ks[2], j0 + 8 * b, std::min(8, nt - 8 * b), kbuf + 8 * b * D);
+    if (full) {
+      attn_detail::scores_full<O>(s, rows, kbuf, sc);
+    } else {
+      for (int b = 0; b < nb; b++)
+        attn_detail::scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, std::min(8, nt - 8 * b),
+                                sc + 8 * b);
     }
     // the softmax of each row that sees a key of the tile; the values for those rows, two at
     // a time
@@ -225,6 +334,10 @@ void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, c
     if (ns == 0) continue;
     for (int b = 0; b < nb; b++)
       attn_detail::widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
+    if (full) {
+      attn_detail::values_full<O>(seen, ns, sc, vbuf, D, p.o);
+      continue;
+    }
     int i = 0;
     for (; i + 2 <= ns; i += 2) {
       const float* w[2] = {sc + seen[i] * ATT_KEYS, sc + seen[i + 1] * ATT_KEYS};
@@ -317,6 +430,14 @@ inline void attention_store(const AttnShape& s, const AttnRows& rows, const Attn
   }
 }
 
+// n floats of a thread's scratch `buf`, 64-byte aligned (a 16-byte aligned buffer had a
+// quarter of the kernel's 32-byte loads, and every 64-byte store, split across cache lines:
+// ~1.25x the time of a decode step).
+inline float* att_scratch(std::vector<float>& buf, size_t n) {
+  buf.resize(n + 16);
+  return (float*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
+}
+
 // The attention; run(n, f) calls f(i) for i in [0, n), in any order and on any threads
 // (tk::Pool::parallel_for, or a loop).
 template <class O, class Run>
@@ -344,10 +465,10 @@ void attention(const AttnShape& s, const float* q, const void* k, const void* v,
   };
   if (tasks >= ATT_SPLIT || most <= 1) {  // a task's chunks in turn
     run(tasks, [&](int64_t t) {
-      thread_local std::vector<float> buf;
-      buf.resize((2 * ATT_ROWS + 2 * ATT_KEYS) * D);
-      AttnPartial acc{{}, {}, buf.data()}, part{{}, {}, buf.data() + ATT_ROWS * D};
-      float* kv = buf.data() + 2 * ATT_ROWS * D;
+      thread_local std::vector<float> keep;
+      float* buf = att_scratch(keep, (2 * ATT_ROWS + 2 * ATT_KEYS) * D);
+      AttnPartial acc{{}, {}, buf}, part{{}, {}, buf + ATT_ROWS * D};
+      float* kv = buf + 2 * ATT_ROWS * D;
       empty(acc, all[t].n);
       for (int64_t c = 0; c < all[t].chunks(); c++) {
         chunk(t, c, c == 0 ? acc : part, kv);
@@ -360,27 +481,31 @@ void attention(const AttnShape& s, const float* q, const void* k, const void* v,
   // every (task, chunk) on its own, then each task's chunks merged in order
   std::vector<int64_t> start{0};
   for (auto& r : all) start.push_back(start.back() + std::max<int64_t>(1, r.chunks()));
-  const int64_t stride = 2 * ATT_ROWS + ATT_ROWS * D;  // m, l, o of one partial
-  std::vector<float> parts(start.back() * stride);
+  int64_t nmax = 0;  // rows of the task with the most
+  for (auto& r : all) nmax = std::max<int64_t>(nmax, r.n);
+  // m, l, o of one partial, in steps of 64 bytes
+  const int64_t stride = 2 * ATT_ROWS + (nmax * D + 15) / 16 * 16;
+  thread_local std::vector<float> keep;  // the calling thread's, kept between calls
+  float* parts = att_scratch(keep, start.back() * stride);
   auto partial = [&](int64_t it) {
-    AttnPartial p{{}, {}, parts.data() + it * stride + 2 * ATT_ROWS};
+    AttnPartial p{{}, {}, parts + it * stride + 2 * ATT_ROWS};
     return p;
   };
   run(start.back(), [&](int64_t it) {
-    thread_local std::vector<float> buf;
-    buf.resize(2 * ATT_KEYS * D);
+    thread_local std::vector<float> keep;
+    float* buf = att_scratch(keep, 2 * ATT_KEYS * D);
     const int64_t t = std::upper_bound(start.begin(), start.end(), it) - start.begin() - 1;
     AttnPartial p = partial(it);
     if (all[t].chunks() == 0) empty(p, all[t].n);
-    else chunk(t, it - start[t], p, buf.data());
-    std::memcpy(parts.data() + it * stride, p.m, ATT_ROWS * sizeof(float));
-    std::memcpy(parts.data() + it * stride + ATT_ROWS, p.l, ATT_ROWS * sizeof(float));
+    else chunk(t, it - start[t], p, buf);
+    std::memcpy(parts + it * stride, p.m, ATT_ROWS * sizeof(float));
+    std::memcpy(parts + it * stride + ATT_ROWS, p.l, ATT_ROWS * sizeof(float));
   });
   run(tasks, [&](int64_t t) {
     auto load = [&](int64_t it) {
       AttnPartial p = partial(it);
-      std::memcpy(p.m, parts.data() + it * stride, ATT_ROWS * sizeof(float));
-      std::memcpy(p.l, parts.data() + it * stride + ATT_ROWS, ATT_ROWS * sizeof(float));
+      std::memcpy(p.m, parts + it * stride, ATT_ROWS * sizeof(float));
+      std::memcpy(p.l, parts + it * stride + ATT_ROWS, ATT_ROWS * sizeof(float));
       return p;
     };
     AttnPartial acc = load(start[t]);
