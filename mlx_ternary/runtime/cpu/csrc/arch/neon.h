@@ -350,6 +350,10 @@ struct NeonOps {
   static float f8sum(F8 x) { return vaddvq_f32(vaddq_f32(x.a, x.b)); }
   static F8 f8load(const float* p) { return F8{vld1q_f32(p), vld1q_f32(p + 4)}; }
   static F8 f8loadr(const float* p) { return f8load(p); }
+  static F8 f8loadh(const uint16_t* p) {  // a signalling NaN comes out quiet (FCVTL)
+    return F8{vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))),
+              vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4)))};
+  }
   static void f8store(float* p, F8 v) { vst1q_f32(p, v.a), vst1q_f32(p + 4, v.b); }
   static F8 f8mul(F8 x, float s) { return F8{vmulq_n_f32(x.a, s), vmulq_n_f32(x.b, s)}; }
   static F8 f8fma(F8 acc, F8 w, F8 x) {

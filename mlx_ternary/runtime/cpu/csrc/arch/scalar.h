@@ -99,6 +99,11 @@ struct ScalarOps {
   // f8load into a register the FMAs using it share (a plain load here; arch/x86.h keeps GCC
   // from folding it into every FMA)
   static F8 f8loadr(const float* p) { return f8load(p); }
+  static F8 f8loadh(const uint16_t* p) {  // 8 float16 values (bits) as floats
+    F8 v;
+    for (int j = 0; j < 8; j++) v.l[j] = f16_to_f32(p[j]);
+    return v;
+  }
   static void f8store(float* p, const F8& v) {
     for (int j = 0; j < 8; j++) p[j] = v.l[j];
   }

@@ -440,6 +440,9 @@ struct Avx2Ops {
 #endif
     return v;
   }
+  // 8 float16 values (bits) as floats through F16C; NaN and infinity convert too (a
+  // signalling NaN comes out quiet, unlike f16_to_f32)
+  static F8 f8loadh(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static void f8store(float* p, F8 v) { _mm256_storeu_ps(p, v); }
   static F8 f8mul(F8 a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
   static F8 f8fma(F8 a, F8 w, F8 x) { return _mm256_fmadd_ps(w, x, a); }
@@ -952,10 +955,6 @@ inline bool f16x8_finite_to_f32(const uint16_t* v, float* out) {
 // where the scalar tail starts.
 inline int64_t f16_widen_head(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + i))));
-#endif
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
   return i;

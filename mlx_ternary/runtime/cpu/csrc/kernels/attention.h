@@ -177,103 +177,143 @@ inline void add_values(const float* const* w, int nt, const float* vbuf, int64_t
 
 // The tiles where every row of the task sees every key (a whole tile of ATT_KEYS, no mask,
 // no causal bound inside it, D a multiple of 8: a decode step's tiles, and a prefill's below
-// the diagonal) take the register-blocked paths below: the same operations per row and key
-// in the same order as scores8 and add_values (the same bits), with each K row loaded once
-// for R rows and each V vector once for R rows, and no per-key test.
+// the diagonal) take the loops below: the same operations per row and key in the same order
+// as scores8 and add_values (the same bits), without their per-key tests, the values in
+// register blocks of rows that share each V load. A task of at most one block of rows (a
+// decode step's GQA group) reads V straight from the cache, widened in registers (each
+// element once, no store and reload); larger ones read the tile widened once into vbuf.
 
-// Scores of R rows (queries q[i]) against 8 keys (kr, 8 x D): f8tsum's tree per row and key,
-// times scale, into out[i][0, 8).
-template <class O, int R>
-inline void dots8_rows(const float* const* q, const float* kr, int64_t D, float scale,
-                       float* const* out) {
-  using F8 = typename O::F8;
-  F8 acc[R][8];
-  for (int i = 0; i < R; i++)
-    for (int u = 0; u < 8; u++) acc[i][u] = O::f8zero();
-  for (int64_t d = 0; d < D; d += 8) {
-    F8 qv[R];
-    for (int i = 0; i < R; i++) qv[i] = O::f8load(q[i] + d);
-    for (int u = 0; u < 8; u++) {
-      const F8 kv = O::f8load(kr + u * D + d);
-      for (int i = 0; i < R; i++) acc[i][u] = O::f8fma(acc[i][u], qv[i], kv);
-    }
+// K or V rows as those loops read them: float32 rows (a widened tile, or a float32 cache) or
+// float16 ones, at an element stride.
+template <class O, bool HALF>
+struct KvRows {
+  const void* base;
+  int64_t stride;
+  typename O::F8 load(int64_t j, int64_t d) const {
+    if constexpr (HALF) return O::f8loadh((const uint16_t*)base + j * stride + d);
+    else return O::f8loadr((const float*)base + j * stride + d);
   }
-  for (int i = 0; i < R; i++) O::f8store(out[i], O::f8mul(O::f8tsum(acc[i]), scale));
-}
+};
 
-// The scores of every row against the whole tile kr (ATT_KEYS x D) into sc (rows x ATT_KEYS).
+// The values' register blocks: V_ROWS x V_VECS accumulators, V_VECS vectors of V and a weight
+// (8 x 2 in AVX-512's 32 registers, 4 x 2 in 16).
 template <class O>
-inline void scores_full(const AttnShape& s, const AttnRows& rows, const float* kr, float* sc) {
-  // One row at a time: with 2 or 3 rows sharing each K load (AVX-512's 32 registers) the
-  // loop ran ~0.8x and ~0.95x as fast on Zen 4 (a row's 8 accumulators and K as memory
-  // operands keep both FMA pipes busy)
-  constexpr int R = 1;
-  const int64_t D = s.D;
-  int r = 0;
-  for (; r + R <= rows.n; r += R) {
-    const float* q[R];
-    for (int i = 0; i < R; i++) q[i] = rows.q[r + i];
+struct AttBlocks {
+  static constexpr int V_ROWS = O::f8regs >= 32 ? 8 : 4, V_VECS = 2;
+};
+
+// The scores of every row against the whole tile (kr: ATT_KEYS x D) into sc (rows x ATT_KEYS):
+// scores8's loop, a row at a time (Zen 4: 2 or 3 rows sharing each K load in 32 registers ran
+// at 0.8x and 0.95x of this; each row's 8 accumulators with K as memory operands keep both FMA
+// pipes busy).
+template <class O>
+inline void scores_full(const AttnRows& rows, const float* kr, int64_t D, float scale,
+                        float* sc) {
+  using F8 = typename O::F8;
+  for (int r = 0; r < rows.n; r++) {
+    const float* q = rows.q[r];
     for (int b = 0; b < ATT_KEYS / 8; b++) {
-      float* out[R];
-      for (int i = 0; i < R; i++) out[i] = sc + (r + i) * ATT_KEYS + 8 * b;
-      dots8_rows<O, R>(q, kr + 8 * b * D, D, s.scale, out);
+      const float* k = kr + 8 * b * D;
+      F8 acc[8];
+      for (int u = 0; u < 8; u++) acc[u] = O::f8zero();
+      for (int64_t d = 0; d < D; d += 8) {
+        const F8 qv = O::f8load(q + d);
+        for (int u = 0; u < 8; u++) acc[u] = O::fma8(acc[u], qv, k + u * D + d);
+      }
+      O::f8store(sc + r * ATT_KEYS + 8 * b, O::f8mul(O::f8tsum(acc), scale));
     }
   }
-  for (; r < rows.n; r++)
-    for (int b = 0; b < ATT_KEYS / 8; b++) {
-      float* out = sc + r * ATT_KEYS + 8 * b;
-      dots8_rows<O, 1>(&rows.q[r], kr + 8 * b * D, D, s.scale, &out);
-    }
 }
 
-// o[i] += sum_t w[i][t] v[t] over d in [d0, d0 + 8 NU) for R rows, every key of the tile in
-// order (add_values_block's operations without its test: every row sees every key).
-template <class O, int R, int NU>
-inline void values_rows(const float* const* w, const float* vbuf, int64_t D, int64_t d0,
+// o[i] += sum_t w[i][t] v[j0 + t] over d in [d0, d0 + 8 NU) for RB rows, every key of the
+// tile in order (add_values_block's operations without its test: every row sees every key).
+template <class O, int RB, int NU, class V>
+inline void values_rows(const float* const* w, const V& v, int64_t j0, int64_t d0,
                         float* const* o) {
   using F8 = typename O::F8;
-  F8 acc[R][NU];
-  for (int i = 0; i < R; i++)
+  F8 acc[RB][NU];
+  for (int i = 0; i < RB; i++)
     for (int u = 0; u < NU; u++) acc[i][u] = O::f8load(o[i] + d0 + 8 * u);
   for (int t = 0; t < ATT_KEYS; t++) {
-    F8 v[NU];
-    for (int u = 0; u < NU; u++) v[u] = O::f8loadr(vbuf + t * D + d0 + 8 * u);
-    for (int i = 0; i < R; i++) {
+    F8 vv[NU];
+    for (int u = 0; u < NU; u++) vv[u] = v.load(j0 + t, d0 + 8 * u);
+    for (int i = 0; i < RB; i++) {
       const F8 p = O::f8set(w[i][t]);
-      for (int u = 0; u < NU; u++) acc[i][u] = O::f8fma(acc[i][u], p, v[u]);
+      for (int u = 0; u < NU; u++) acc[i][u] = O::f8fma(acc[i][u], p, vv[u]);
     }
   }
-  for (int i = 0; i < R; i++)
+  for (int i = 0; i < RB; i++)
     for (int u = 0; u < NU; u++) O::f8store(o[i] + d0 + 8 * u, acc[i][u]);
 }
 
-template <class O, int R>
-inline void values_full_rows(const float* const* w, const float* vbuf, int64_t D,
-                             float* const* o) {
+// Rows seen[i, i + RB) (weights in sc, outputs in po) over the whole tile and D.
+template <class O, int RB, class V>
+inline void values_block(const int* seen, int i, const float* sc, const V& v, int64_t j0,
+                         int64_t D, float* po) {
+  constexpr int NU = AttBlocks<O>::V_VECS;
+  const float* w[RB];
+  float* o[RB];
+  for (int k = 0; k < RB; k++) w[k] = sc + seen[i + k] * ATT_KEYS, o[k] = po + seen[i + k] * D;
   int64_t d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32) values_rows<O, R, 4>(w, vbuf, D, d0, o);
-  for (; d0 < D; d0 += 8) values_rows<O, R, 1>(w, vbuf, D, d0, o);
+  for (; d0 + 8 * NU <= D; d0 += 8 * NU) values_rows<O, RB, NU>(w, v, j0, d0, o);
+  for (; d0 < D; d0 += 8) values_rows<O, RB, 1>(w, v, j0, d0, o);
 }
 
-// The weighted values of the rows seen[0, ns) (weights in sc, outputs in o) over a whole tile.
-template <class O>
-inline void values_full(const int* seen, int ns, const float* sc, const float* vbuf, int64_t D,
-                        float* po) {
-  // R NU accumulators, NU values and a weight
-  constexpr int R = O::f8regs >= 32 ? 4 : 2;
+// The weighted values of the rows seen[0, ns) over the tile [j0, j0 + ATT_KEYS) of v, rows in
+// blocks of V_ROWS, then 4, 2, 1.
+template <class O, class V>
+inline void values_full(const int* seen, int ns, const float* sc, const V& v, int64_t j0,
+                        int64_t D, float* po) {
+  constexpr int RB = AttBlocks<O>::V_ROWS;
   int i = 0;
-  for (; i + R <= ns; i += R) {
-    const float* w[R];
-    float* o[R];
-    for (int k = 0; k < R; k++) w[k] = sc + seen[i + k] * ATT_KEYS, o[k] = po + seen[i + k] * D;
-    values_full_rows<O, R>(w, vbuf, D, o);
-  }
-  for (; i < ns; i++) {
-    const float* w = sc + seen[i] * ATT_KEYS;
-    float* o = po + seen[i] * D;
-    values_full_rows<O, 1>(&w, vbuf, D, &o);
-  }
+  for (; i + RB <= ns; i += RB) values_block<O, RB>(seen, i, sc, v, j0, D, po);
+  if constexpr (RB > 4)
+    if (i + 4 <= ns) values_block<O, 4>(seen, i, sc, v, j0, D, po), i += 4;
+  if (i + 2 <= ns) values_block<O, 2>(seen, i, sc, v, j0, D, po), i += 2;
+  if (i < ns) values_block<O, 1>(seen, i, sc, v, j0, D, po);
 }
+
+}  // namespace attn_detail
+
+namespace attn_detail {
+
+// The online softmax of one tile for each row that sees a key of it: sc (rows x ATT_KEYS, nt
+// keys) goes from scores to weights, the row's max, sum and values (p) move on; the rows that
+// see a key are listed in seen. Returns how many.
+template <class O>
+inline int tile_softmax(const AttnRows& rows, int64_t D, float* sc, int nt, AttnPartial& p,
+                        int* seen) {
+  using F8 = typename O::F8;
+  const int64_t d8 = D / 8 * 8;
+  const int nb = (nt + 7) / 8;
+  int ns = 0;
+  for (int r = 0; r < rows.n; r++) {
+    float* w = sc + r * ATT_KEYS;
+    F8 mx8 = O::f8load(w);
+    for (int b = 1; b < nb; b++) mx8 = O::f8max(mx8, O::f8load(w + 8 * b));
+    float tmax = O::f8hmax(mx8);
+    if (tmax == -INFINITY) continue;  // the row sees no key of this tile
+    float* o = p.o + r * D;
+    const float m = std::max(p.m[r], tmax);
+    if (m != p.m[r]) {  // the max moved: rescale what the row has
+      const float alpha = p.m[r] == -INFINITY ? 0.f : std::exp(p.m[r] - m);
+      p.l[r] *= alpha;
+      for (int64_t d = 0; d < d8; d += 8) O::f8store(o + d, O::f8mul(O::f8load(o + d), alpha));
+      for (int64_t d = d8; d < D; d++) o[d] *= alpha;
+      p.m[r] = m;
+    }
+    // The vector exp runs over whole blocks of 8 (a block's keys past nt are -inf: weight 0,
+    // and + 0 leaves the lanes' sums as they were), so a key never moves between the
+    // vector exp and the scalar one with the tile's length, which the other rows set.
+    float sum = 0.f;
+    int t = (int)native::softmax_exp_head(w, 0, 8 * nb, m, sum);
+    for (; t < nt; t++) sum += (w[t] = w[t] == -INFINITY ? 0.f : std::exp(w[t] - m));
+    p.l[r] += sum;
+    seen[ns++] = r;
+  }
+  return ns;
+}
+
 
 }  // namespace attn_detail
 
@@ -282,7 +322,7 @@ inline void values_full(const int* seen, int ns, const float* sc, const float* v
 template <class O>
 void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, const void* vb,
                      int64_t c0, int64_t c1, AttnPartial& p, float* kbuf, float* vbuf) {
-  using F8 = typename O::F8;
+  using namespace attn_detail;
   const int64_t D = s.D, d8 = D / 8 * 8;
   alignas(64) float sc[ATT_ROWS * ATT_KEYS];
   for (int r = 0; r < rows.n; r++) p.m[r] = -INFINITY, p.l[r] = 0.f;
@@ -292,62 +332,45 @@ void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, c
   int64_t lastmin = c1;
   for (int r = 0; r < rows.n; r++)
     unmasked = unmasked && !rows.mask[r], lastmin = std::min(lastmin, rows.last[r]);
+  // a task of one block of rows (a decode step's GQA group) reads V in place
+  const bool direct = rows.n <= AttBlocks<O>::V_ROWS;
   for (int64_t j0 = c0; j0 < c1; j0 += ATT_KEYS) {
     const int nt = (int)std::min<int64_t>(ATT_KEYS, c1 - j0), nb = (nt + 7) / 8;
     const bool full = unmasked && nt == ATT_KEYS && j0 + ATT_KEYS - 1 <= lastmin;
     for (int b = 0; b < nb; b++)
-      attn_detail::widen(s, kb, s.ks[2], j0 + 8 * b, std::min(8, nt - 8 * b), kbuf + 8 * b * D);
-    if (full) {
-      attn_detail::scores_full<O>(s, rows, kbuf, sc);
-    } else {
+      widen(s, kb, s.ks[2], j0 + 8 * b, std::min(8, nt - 8 * b), kbuf + 8 * b * D);
+    if (full) scores_full<O>(rows, kbuf, D, s.scale, sc);
+    else
       for (int b = 0; b < nb; b++)
-        attn_detail::scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, std::min(8, nt - 8 * b),
-                                sc + 8 * b);
-    }
-    // the softmax of each row that sees a key of the tile; the values for those rows, two at
-    // a time
-    int seen[ATT_ROWS], ns = 0;
-    for (int r = 0; r < rows.n; r++) {
-      float* w = sc + r * ATT_KEYS;
-      F8 mx8 = O::f8load(w);
-      for (int b = 1; b < nb; b++) mx8 = O::f8max(mx8, O::f8load(w + 8 * b));
-      float tmax = O::f8hmax(mx8);
-      if (tmax == -INFINITY) continue;  // the row sees no key of this tile
-      float* o = p.o + r * D;
-      const float m = std::max(p.m[r], tmax);
-      if (m != p.m[r]) {  // the max moved: rescale what the row has
-        const float alpha = p.m[r] == -INFINITY ? 0.f : std::exp(p.m[r] - m);
-        p.l[r] *= alpha;
-        for (int64_t d = 0; d < d8; d += 8) O::f8store(o + d, O::f8mul(O::f8load(o + d), alpha));
-        for (int64_t d = d8; d < D; d++) o[d] *= alpha;
-        p.m[r] = m;
-      }
-      // The vector exp runs over whole blocks of 8 (a block's keys past nt are -inf: weight 0,
-      // and + 0 leaves the lanes' sums as they were), so a key never moves between the
-      // vector exp and the scalar one with the tile's length, which the other rows set.
-      float sum = 0.f;
-      int t = (int)native::softmax_exp_head(w, 0, 8 * nb, m, sum);
-      for (; t < nt; t++) sum += (w[t] = w[t] == -INFINITY ? 0.f : std::exp(w[t] - m));
-      p.l[r] += sum;
-      seen[ns++] = r;
-    }
+        scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, std::min(8, nt - 8 * b), sc + 8 * b);
+    int seen[ATT_ROWS];
+    const int ns = tile_softmax<O>(rows, D, sc, nt, p, seen);
     if (ns == 0) continue;
-    for (int b = 0; b < nb; b++)
-      attn_detail::widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
-    if (full) {
-      attn_detail::values_full<O>(seen, ns, sc, vbuf, D, p.o);
+    if (full && direct && s.kv_half) {
+      values_full<O>(seen, ns, sc, KvRows<O, true>{vb, s.vs[2]}, j0, D, p.o);
       continue;
     }
+    if (full && direct) {
+      values_full<O>(seen, ns, sc, KvRows<O, false>{vb, s.vs[2]}, j0, D, p.o);
+      continue;
+    }
+    for (int b = 0; b < nb; b++)
+      widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
+    if (full) {
+      values_full<O>(seen, ns, sc, KvRows<O, false>{vbuf, D}, 0, D, p.o);
+      continue;
+    }
+    // the values of the rows that see a key of the tile, two at a time
     int i = 0;
     for (; i + 2 <= ns; i += 2) {
       const float* w[2] = {sc + seen[i] * ATT_KEYS, sc + seen[i + 1] * ATT_KEYS};
       float* o[2] = {p.o + seen[i] * D, p.o + seen[i + 1] * D};
-      attn_detail::add_values<O, 2>(w, nt, vbuf, D, o);
+      add_values<O, 2>(w, nt, vbuf, D, o);
     }
     if (i < ns) {
       const float* w[1] = {sc + seen[i] * ATT_KEYS};
       float* o[1] = {p.o + seen[i] * D};
-      attn_detail::add_values<O, 1>(w, nt, vbuf, D, o);
+      add_values<O, 1>(w, nt, vbuf, D, o);
     }
   }
 }
