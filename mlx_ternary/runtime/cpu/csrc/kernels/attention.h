@@ -13,6 +13,11 @@
 //   the same first key (a new task starts where that changes: sliding windows, per-head masks).
 // - Scores: one row against 8 keys at a time, an accumulator per key, the 8 reduced together
 //   (f8tsum: a transpose and add, the same tree for each key), not a horizontal sum per key.
+// - A tile that every row of the task sees whole (a decode step's, a prefill's below the
+//   diagonal) skips the per-key tests, and its values run in register blocks of rows sharing
+//   each V load; a decode task (one GQA group) reads V in place, widened in registers. The
+//   same operations per row and key, so the same bits as the general path (for finite K
+//   and V: a key of weight 0 adds +-0 there, where the general path may skip it).
 // - The keys a task's rows see are cut into chunks of ATT_CHUNK from their first key, and a
 //   chunk into tiles of ATT_KEYS. Each chunk's (max, sum of weights, weighted values) is
 //   computed from scratch and the chunks are merged left to right; a decode step (few tasks,
@@ -298,8 +303,11 @@ inline int tile_softmax(const AttnRows& rows, int64_t D, float* sc, int nt, Attn
     if (m != p.m[r]) {  // the max moved: rescale what the row has
       const float alpha = p.m[r] == -INFINITY ? 0.f : std::exp(p.m[r] - m);
       p.l[r] *= alpha;
-      for (int64_t d = 0; d < d8; d += 8) O::f8store(o + d, O::f8mul(O::f8load(o + d), alpha));
-      for (int64_t d = d8; d < D; d++) o[d] *= alpha;
+      // + 0: a product that underflows to -0 becomes +0, so a later key of weight 0 adds
+      // nothing whether it is skipped (add_values) or added (values_full)
+      for (int64_t d = 0; d < d8; d += 8)
+        O::f8store(o + d, O::f8add(O::f8mul(O::f8load(o + d), alpha), O::f8zero()));
+      for (int64_t d = d8; d < D; d++) o[d] = o[d] * alpha + 0.f;
       p.m[r] = m;
     }
     // The vector exp runs over whole blocks of 8 (a block's keys past nt are -inf: weight 0,
