@@ -410,12 +410,11 @@ using portable::silu_mul_head;
 using portable::softmax_exp_head;
 using portable::sum_i8_head;
 
-// dst[i] = src[i] (float16 bits) as float32 over the whole vectors of [0, n); NaN and
-// infinity convert too (a signalling NaN comes out quiet, unlike f16_to_f32). Returns where
-// the scalar tail starts.
+// dst[i] = src[i] (float16 bits) as float32 over the whole vectors of [0, n) (NeonOps::f8loadh);
+// returns where the scalar tail starts.
 inline int64_t f16_widen_head(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(src + i))));
+  for (; i + 8 <= n; i += 8) NeonOps::f8store(dst + i, NeonOps::f8loadh(src + i));
   return i;
 }
 

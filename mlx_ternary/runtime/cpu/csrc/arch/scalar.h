@@ -199,6 +199,8 @@ inline int64_t fast_order_head(const int8_t*, int64_t, int8_t*) { return 0; }
 inline bool q8k_block_head(const float*, int64_t, int8_t*, float&) { return false; }
 inline int64_t sum_i8_head(const int8_t*, int64_t, int32_t&) { return 0; }
 inline bool f16x8_finite_to_f32(const uint16_t*, float*) { return false; }
+// float16 bits widened to float32 over the whole vectors (F16C / FCVTL: NaN and infinity
+// convert too, a signalling NaN comes out quiet, unlike f16_to_f32); returns the tail's start
 inline int64_t f16_widen_head(const uint16_t*, int64_t, float*) { return 0; }
 inline bool f16x8x8_finite_to_f32(const uint16_t*, int64_t, float*) { return false; }
 

@@ -442,7 +442,9 @@ struct Avx2Ops {
   }
   // 8 float16 values (bits) as floats through F16C; NaN and infinity convert too (a
   // signalling NaN comes out quiet, unlike f16_to_f32)
-  static F8 f8loadh(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static F8 f8loadh(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  }
   static void f8store(float* p, F8 v) { _mm256_storeu_ps(p, v); }
   static F8 f8mul(F8 a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
   static F8 f8fma(F8 a, F8 w, F8 x) { return _mm256_fmadd_ps(w, x, a); }
@@ -950,13 +952,11 @@ inline bool f16x8_finite_to_f32(const uint16_t* v, float* out) {
   return true;
 }
 
-// dst[i] = src[i] (float16 bits) as float32 over the whole vectors of [0, n) through F16C;
-// NaN and infinity convert too (a signalling NaN comes out quiet, unlike f16_to_f32). Returns
-// where the scalar tail starts.
+// dst[i] = src[i] (float16 bits) as float32 over the whole vectors of [0, n) (Avx2Ops::f8loadh);
+// returns where the scalar tail starts.
 inline int64_t f16_widen_head(const uint16_t* src, int64_t n, float* dst) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, Avx2Ops::f8loadh(src + i));
   return i;
 }
 
