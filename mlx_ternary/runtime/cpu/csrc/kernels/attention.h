@@ -33,9 +33,11 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -509,7 +511,8 @@ void attention(const AttnShape& s, const float* q, const void* k, const void* v,
     });
     return;
   }
-  // every (task, chunk) on its own, then each task's chunks merged in order
+  // every (task, chunk) on its own; the thread that finishes a task's last chunk merges them
+  // in order (one parallel run: a second had cost a decode step another wake-up and join)
   std::vector<int64_t> start{0};
   for (auto& r : all) start.push_back(start.back() + std::max<int64_t>(1, r.chunks()));
   int64_t nmax = 0;  // rows of the task with the most
@@ -518,30 +521,27 @@ void attention(const AttnShape& s, const float* q, const void* k, const void* v,
   const int64_t stride = 2 * ATT_ROWS + (nmax * D + 15) / 16 * 16;
   thread_local std::vector<float> keep;  // the calling thread's, kept between calls
   float* parts = att_scratch(keep, start.back() * stride);
-  auto partial = [&](int64_t it) {
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[tasks]);
+  for (int64_t t = 0; t < tasks; t++) left[t].store(start[t + 1] - start[t]);
+  auto partial = [&](int64_t it) {  // its m and l at the start of its stride
     AttnPartial p{{}, {}, parts + it * stride + 2 * ATT_ROWS};
+    std::memcpy(p.m, parts + it * stride, ATT_ROWS * sizeof(float));
+    std::memcpy(p.l, parts + it * stride + ATT_ROWS, ATT_ROWS * sizeof(float));
     return p;
   };
   run(start.back(), [&](int64_t it) {
     thread_local std::vector<float> keep;
     float* buf = att_scratch(keep, 2 * ATT_KEYS * D);
     const int64_t t = std::upper_bound(start.begin(), start.end(), it) - start.begin() - 1;
-    AttnPartial p = partial(it);
+    AttnPartial p{{}, {}, parts + it * stride + 2 * ATT_ROWS};
     if (all[t].chunks() == 0) empty(p, all[t].n);
     else chunk(t, it - start[t], p, buf);
     std::memcpy(parts + it * stride, p.m, ATT_ROWS * sizeof(float));
     std::memcpy(parts + it * stride + ATT_ROWS, p.l, ATT_ROWS * sizeof(float));
-  });
-  run(tasks, [&](int64_t t) {
-    auto load = [&](int64_t it) {
-      AttnPartial p = partial(it);
-      std::memcpy(p.m, parts + it * stride, ATT_ROWS * sizeof(float));
-      std::memcpy(p.l, parts + it * stride + ATT_ROWS, ATT_ROWS * sizeof(float));
-      return p;
-    };
-    AttnPartial acc = load(start[t]);
-    for (int64_t it = start[t] + 1; it < start[t + 1]; it++)
-      attention_merge(acc, load(it), all[t].n, D);
+    if (left[t].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    AttnPartial acc = partial(start[t]);
+    for (int64_t i = start[t] + 1; i < start[t + 1]; i++)
+      attention_merge(acc, partial(i), all[t].n, D);
     attention_store(s, all[t], acc, out);
   });
 }
