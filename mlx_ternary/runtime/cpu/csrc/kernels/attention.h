@@ -294,24 +294,36 @@ inline int tile_softmax(const AttnRows& rows, int64_t D, float* sc, int nt, Attn
   const int64_t d8 = D / 8 * 8;
   const int nb = (nt + 7) / 8;
   int ns = 0;
+  // In phases over the rows (their maxes, the rescales, the exps): the same operations per
+  // row, but a row's unpredictable "the max moved" branch no longer sits between the exps of
+  // the rows before and after it.
+  float tmax[ATT_ROWS];
   for (int r = 0; r < rows.n; r++) {
-    float* w = sc + r * ATT_KEYS;
+    const float* w = sc + r * ATT_KEYS;
     F8 mx8 = O::f8load(w);
     for (int b = 1; b < nb; b++) mx8 = O::f8max(mx8, O::f8load(w + 8 * b));
-    float tmax = O::f8hmax(mx8);
-    if (tmax == -INFINITY) continue;  // the row sees no key of this tile
+    tmax[r] = O::f8hmax(mx8);
+  }
+  for (int r = 0; r < rows.n; r++) {
+    if (tmax[r] == -INFINITY) continue;  // the row sees no key of this tile
+    seen[ns++] = r;
+    const float m = std::max(p.m[r], tmax[r]);
+    if (m == p.m[r]) continue;
+    // the max moved: rescale what the row has
     float* o = p.o + r * D;
-    const float m = std::max(p.m[r], tmax);
-    if (m != p.m[r]) {  // the max moved: rescale what the row has
-      const float alpha = p.m[r] == -INFINITY ? 0.f : std::exp(p.m[r] - m);
-      p.l[r] *= alpha;
-      // + 0: a product that underflows to -0 becomes +0, so a later key of weight 0 adds
-      // nothing whether it is skipped (add_values) or added (values_full)
-      for (int64_t d = 0; d < d8; d += 8)
-        O::f8store(o + d, O::f8add(O::f8mul(O::f8load(o + d), alpha), O::f8zero()));
-      for (int64_t d = d8; d < D; d++) o[d] = o[d] * alpha + 0.f;
-      p.m[r] = m;
-    }
+    const float alpha = p.m[r] == -INFINITY ? 0.f : std::exp(p.m[r] - m);
+    p.l[r] *= alpha;
+    // + 0: a product that underflows to -0 becomes +0, so a later key of weight 0 adds
+    // nothing whether it is skipped (add_values) or added (values_full)
+    for (int64_t d = 0; d < d8; d += 8)
+      O::f8store(o + d, O::f8add(O::f8mul(O::f8load(o + d), alpha), O::f8zero()));
+    for (int64_t d = d8; d < D; d++) o[d] = o[d] * alpha + 0.f;
+    p.m[r] = m;
+  }
+  for (int i = 0; i < ns; i++) {
+    const int r = seen[i];
+    float* w = sc + r * ATT_KEYS;
+    const float m = p.m[r];
     // The vector exp runs over whole blocks of 8 (a block's keys past nt are -inf: weight 0,
     // and + 0 leaves the lanes' sums as they were), so a key never moves between the
     // vector exp and the scalar one with the tile's length, which the other rows set.
@@ -319,7 +331,6 @@ inline int tile_softmax(const AttnRows& rows, int64_t D, float* sc, int nt, Attn
     int t = (int)native::softmax_exp_head(w, 0, 8 * nb, m, sum);
     for (; t < nt; t++) sum += (w[t] = w[t] == -INFINITY ? 0.f : std::exp(w[t] - m));
     p.l[r] += sum;
-    seen[ns++] = r;
   }
   return ns;
 }
