@@ -439,7 +439,13 @@ def _qkv(b, hq, hkv, lq, lk, d, seed=0):
 @needs_native
 @pytest.mark.parametrize(
     "shape",
-    [(1, 8, 2, 7, 7, 64), (2, 4, 4, 3, 11, 40), (1, 6, 3, 1, 9, 128), (1, 4, 1, 33, 40, 64)],
+    [
+        (1, 8, 2, 7, 7, 64),
+        (2, 4, 4, 3, 11, 40),
+        (1, 6, 3, 1, 9, 128),
+        (1, 4, 1, 33, 40, 64),
+        (1, 16, 2, 1, 100, 64),
+    ],
     ids=lambda s: "-".join(map(str, s)),
 )
 @pytest.mark.parametrize("mask", [None, "causal"])
@@ -464,7 +470,13 @@ def test_attention_matches_mlx_and_float64(shape, mask):
 @needs_native
 @pytest.mark.parametrize(
     "shape",
-    [(1, 8, 2, 1, 600, 64), (2, 20, 5, 1, 300, 128), (1, 8, 2, 40, 600, 64), (3, 4, 4, 2, 9, 40)],
+    [
+        (1, 8, 2, 1, 600, 64),
+        (1, 32, 4, 1, 300, 64),
+        (2, 20, 5, 1, 300, 128),
+        (1, 8, 2, 40, 600, 64),
+        (3, 4, 4, 2, 9, 40),
+    ],
     ids=lambda s: "-".join(map(str, s)),
 )
 def test_attention_reads_float16_keys_and_values(shape):

@@ -407,11 +407,14 @@ inline std::string selfcheck() {
              ", K " + std::to_string(K) + ")";
   }
   // tiles, chunks (300 keys: two), chunks merged in a task (16 tasks) and across tasks, a
-  // head size with a tail, float16 K/V
+  // head size with a tail, float16 K/V; whole tiles every row sees: a decode group of 8 and
+  // of 4 + 2 rows reading V in place (float16, float32), a prefill task's 32 rows from vbuf
   for (auto [b, hq, hkv, lq, lk, d, causal, half] :
        {std::tuple{1, 4, 2, 5, 9, 64, true, false}, std::tuple{1, 2, 2, 1, 7, 40, false, true},
         std::tuple{2, 6, 3, 3, 3, 128, true, false}, std::tuple{1, 8, 2, 1, 300, 20, true, true},
-        std::tuple{1, 16, 16, 1, 300, 8, false, true}, std::tuple{1, 4, 1, 40, 45, 16, true, false}}) {
+        std::tuple{1, 16, 16, 1, 300, 8, false, true}, std::tuple{1, 4, 1, 40, 45, 16, true, false},
+        std::tuple{1, 8, 1, 1, 100, 64, false, true}, std::tuple{1, 6, 1, 1, 70, 32, true, false},
+        std::tuple{1, 8, 1, 40, 100, 16, true, true}}) {
     std::string e = check_attention(b, hq, hkv, lq, lk, d, causal, half, seed++);
     if (!e.empty()) return e;
   }

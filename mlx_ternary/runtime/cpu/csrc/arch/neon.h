@@ -341,6 +341,7 @@ struct NeonOps {
 
   // float path: F8 = 8 float lanes in two registers
   struct F8 { float32x4_t a, b; };
+  static constexpr int f8regs = 16;  // 32 q registers
   static F8 f8zero() { return F8{vdupq_n_f32(0), vdupq_n_f32(0)}; }
   static F8 f8add(F8 x, F8 y) { return F8{vaddq_f32(x.a, y.a), vaddq_f32(x.b, y.b)}; }
   static F8 f8fmas(F8 acc, F8 x, float s) {
@@ -348,6 +349,11 @@ struct NeonOps {
   }
   static float f8sum(F8 x) { return vaddvq_f32(vaddq_f32(x.a, x.b)); }
   static F8 f8load(const float* p) { return F8{vld1q_f32(p), vld1q_f32(p + 4)}; }
+  static F8 f8loadr(const float* p) { return f8load(p); }
+  static F8 f8loadh(const uint16_t* p) {  // a signalling NaN comes out quiet (FCVTL)
+    return F8{vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))),
+              vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4)))};
+  }
   static void f8store(float* p, F8 v) { vst1q_f32(p, v.a), vst1q_f32(p + 4, v.b); }
   static F8 f8mul(F8 x, float s) { return F8{vmulq_n_f32(x.a, s), vmulq_n_f32(x.b, s)}; }
   static F8 f8fma(F8 acc, F8 w, F8 x) {
@@ -403,6 +409,14 @@ using portable::round_clamp_head;
 using portable::silu_mul_head;
 using portable::softmax_exp_head;
 using portable::sum_i8_head;
+
+// dst[i] = src[i] (float16 bits) as float32 over the whole vectors of [0, n) (NeonOps::f8loadh);
+// returns where the scalar tail starts.
+inline int64_t f16_widen_head(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) NeonOps::f8store(dst + i, NeonOps::f8loadh(src + i));
+  return i;
+}
 
 constexpr const char* DENSE_ISA = "neon";
 constexpr int DENSE_TOKENS = 4;  // 4 x DENSE_CHAINS accumulators in 32 registers

@@ -73,8 +73,10 @@ struct ScalarOps {
     return s;
   }
 
-  // float path: F8 = 8 float lanes
+  // float path: F8 = 8 float lanes; f8regs: how many F8 the register file holds (the
+  // attention's register blocking, kernels/attention.h)
   struct F8 { float l[8]; };
+  static constexpr int f8regs = 16;
   static F8 f8zero() { return F8{}; }
   static F8 f8add(F8 a, const F8& b) {
     for (int j = 0; j < 8; j++) a.l[j] += b.l[j];
@@ -92,6 +94,14 @@ struct ScalarOps {
   static F8 f8load(const float* p) {
     F8 v;
     for (int j = 0; j < 8; j++) v.l[j] = p[j];
+    return v;
+  }
+  // f8load into a register the FMAs using it share (a plain load here; arch/x86.h keeps GCC
+  // from folding it into every FMA)
+  static F8 f8loadr(const float* p) { return f8load(p); }
+  static F8 f8loadh(const uint16_t* p) {  // 8 float16 values (bits) as floats
+    F8 v;
+    for (int j = 0; j < 8; j++) v.l[j] = f16_to_f32(p[j]);
     return v;
   }
   static void f8store(float* p, const F8& v) {
@@ -189,6 +199,9 @@ inline int64_t fast_order_head(const int8_t*, int64_t, int8_t*) { return 0; }
 inline bool q8k_block_head(const float*, int64_t, int8_t*, float&) { return false; }
 inline int64_t sum_i8_head(const int8_t*, int64_t, int32_t&) { return 0; }
 inline bool f16x8_finite_to_f32(const uint16_t*, float*) { return false; }
+// float16 bits widened to float32 over the whole vectors (F16C / FCVTL: NaN and infinity
+// convert too, a signalling NaN comes out quiet, unlike f16_to_f32); returns the tail's start
+inline int64_t f16_widen_head(const uint16_t*, int64_t, float*) { return 0; }
 inline bool f16x8x8_finite_to_f32(const uint16_t*, int64_t, float*) { return false; }
 
 // llama.cpp's tables: no rows of the ISA's own (kernels/kquants.h runs its generic loops)

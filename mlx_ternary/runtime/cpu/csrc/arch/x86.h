@@ -417,13 +417,34 @@ struct Avx2Ops {
   }
 #endif
 
-  // float path: F8 = 8 float lanes
+  // float path: F8 = 8 float lanes (16 registers, 32 where AVX-512 VL gives ymm16-31)
   using F8 = __m256;
+#if defined(__AVX512VL__)
+  static constexpr int f8regs = 32;
+#else
+  static constexpr int f8regs = 16;
+#endif
   static F8 f8zero() { return _mm256_setzero_ps(); }
   static F8 f8add(F8 a, F8 b) { return _mm256_add_ps(a, b); }
   static F8 f8fmas(F8 acc, F8 a, float s) { return _mm256_fmadd_ps(a, _mm256_set1_ps(s), acc); }
   static float f8sum(F8 a) { return fvsum(a); }
   static F8 f8load(const float* p) { return _mm256_loadu_ps(p); }
+  // f8load into a register that the FMAs using it share: without the empty asm GCC folds the
+  // load into each FMA, one load per use (the attention's values: 20 loads per 16 FMAs)
+  static F8 f8loadr(const float* p) {
+    F8 v = _mm256_loadu_ps(p);
+#if defined(__AVX512VL__)
+    asm("" : "+v"(v));
+#else
+    asm("" : "+x"(v));
+#endif
+    return v;
+  }
+  // 8 float16 values (bits) as floats through F16C; NaN and infinity convert too (a
+  // signalling NaN comes out quiet, unlike f16_to_f32)
+  static F8 f8loadh(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  }
   static void f8store(float* p, F8 v) { _mm256_storeu_ps(p, v); }
   static F8 f8mul(F8 a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
   static F8 f8fma(F8 a, F8 w, F8 x) { return _mm256_fmadd_ps(w, x, a); }
@@ -929,6 +950,14 @@ inline bool f16x8_finite_to_f32(const uint16_t* v, float* out) {
   if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(hv, ex), ex)) != 0) return false;
   _mm256_storeu_ps(out, _mm256_cvtph_ps(hv));
   return true;
+}
+
+// dst[i] = src[i] (float16 bits) as float32 over the whole vectors of [0, n) (Avx2Ops::f8loadh);
+// returns where the scalar tail starts.
+inline int64_t f16_widen_head(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, Avx2Ops::f8loadh(src + i));
+  return i;
 }
 
 // An 8 x 8 block of float16 values - 8 rows of 8 (row r at v + r * stride) - transposed into

@@ -13,6 +13,11 @@
 //   the same first key (a new task starts where that changes: sliding windows, per-head masks).
 // - Scores: one row against 8 keys at a time, an accumulator per key, the 8 reduced together
 //   (f8tsum: a transpose and add, the same tree for each key), not a horizontal sum per key.
+// - A tile that every row of the task sees whole (a decode step's, a prefill's below the
+//   diagonal) skips the per-key tests, and its values run in register blocks of rows sharing
+//   each V load; a decode task (one GQA group) reads V in place, widened in registers. The
+//   same operations per row and key, so the same bits as the general path (for finite K
+//   and V: a key of weight 0 adds +-0 there, where the general path may skip it).
 // - The keys a task's rows see are cut into chunks of ATT_CHUNK from their first key, and a
 //   chunk into tiles of ATT_KEYS. Each chunk's (max, sum of weights, weighted values) is
 //   computed from scratch and the chunks are merged left to right; a decode step (few tasks,
@@ -28,9 +33,11 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -92,11 +99,10 @@ inline void widen(const AttnShape& s, const void* base, int64_t stride, int64_t 
       std::memcpy(out, (const float*)base + (j0 + u) * stride, D * sizeof(float));
       continue;
     }
+    // Unconditional F16C (or NEON) widening: a non-finite K or V makes its rows NaN or
+    // infinite whichever conversion runs; only a signalling NaN's quiet bit can differ.
     const uint16_t* src = (const uint16_t*)base + (j0 + u) * stride;
-    int64_t d = 0;
-    for (; d + 8 <= D && native::f16x8_finite_to_f32(src + d, out + d); d += 8) {
-    }
-    for (; d < D; d++) out[d] = f16_to_f32(src[d]);
+    for (int64_t d = native::f16_widen_head(src, D, out); d < D; d++) out[d] = f16_to_f32(src[d]);
   }
   if (nk < 8) std::memset(dst + nk * D, 0, (8 - nk) * D * sizeof(float));
 }
@@ -176,6 +182,160 @@ inline void add_values(const float* const* w, int nt, const float* vbuf, int64_t
     }
 }
 
+// The tiles where every row of the task sees every key (a whole tile of ATT_KEYS, no mask,
+// no causal bound inside it, D a multiple of 8: a decode step's tiles, and a prefill's below
+// the diagonal) take the loops below: the same operations per row and key in the same order
+// as scores8 and add_values (the same bits), without their per-key tests, the values in
+// register blocks of rows that share each V load. A task of at most one block of rows (a
+// decode step's GQA group) reads V straight from the cache, widened in registers (each
+// element once, no store and reload); larger ones read the tile widened once into vbuf.
+
+// K or V rows as those loops read them: float32 rows (a widened tile, or a float32 cache) or
+// float16 ones, at an element stride.
+template <class O, bool HALF>
+struct KvRows {
+  const void* base;
+  int64_t stride;
+  typename O::F8 load(int64_t j, int64_t d) const {
+    if constexpr (HALF) return O::f8loadh((const uint16_t*)base + j * stride + d);
+    else return O::f8loadr((const float*)base + j * stride + d);
+  }
+};
+
+// The values' register blocks: V_ROWS x V_VECS accumulators, V_VECS vectors of V and a weight
+// (8 x 2 in AVX-512's 32 registers, 4 x 2 in 16).
+template <class O>
+struct AttBlocks {
+  static constexpr int V_ROWS = O::f8regs >= 32 ? 8 : 4, V_VECS = 2;
+};
+
+// The scores of every row against the whole tile (kr: ATT_KEYS x D) into sc (rows x ATT_KEYS):
+// scores8's loop, a row at a time (Zen 4: 2 or 3 rows sharing each K load in 32 registers ran
+// at 0.8x and 0.95x of this; each row's 8 accumulators with K as memory operands keep both FMA
+// pipes busy).
+template <class O>
+inline void scores_full(const AttnRows& rows, const float* kr, int64_t D, float scale,
+                        float* sc) {
+  using F8 = typename O::F8;
+  for (int r = 0; r < rows.n; r++) {
+    const float* q = rows.q[r];
+    for (int b = 0; b < ATT_KEYS / 8; b++) {
+      const float* k = kr + 8 * b * D;
+      F8 acc[8];
+      for (int u = 0; u < 8; u++) acc[u] = O::f8zero();
+      for (int64_t d = 0; d < D; d += 8) {
+        const F8 qv = O::f8load(q + d);
+        for (int u = 0; u < 8; u++) acc[u] = O::fma8(acc[u], qv, k + u * D + d);
+      }
+      O::f8store(sc + r * ATT_KEYS + 8 * b, O::f8mul(O::f8tsum(acc), scale));
+    }
+  }
+}
+
+// o[i] += sum_t w[i][t] v[j0 + t] over d in [d0, d0 + 8 NU) for RB rows, every key of the
+// tile in order (add_values_block's operations without its test: every row sees every key).
+template <class O, int RB, int NU, class V>
+inline void values_rows(const float* const* w, const V& v, int64_t j0, int64_t d0,
+                        float* const* o) {
+  using F8 = typename O::F8;
+  F8 acc[RB][NU];
+  for (int i = 0; i < RB; i++)
+    for (int u = 0; u < NU; u++) acc[i][u] = O::f8load(o[i] + d0 + 8 * u);
+  for (int t = 0; t < ATT_KEYS; t++) {
+    F8 vv[NU];
+    for (int u = 0; u < NU; u++) vv[u] = v.load(j0 + t, d0 + 8 * u);
+    for (int i = 0; i < RB; i++) {
+      const F8 p = O::f8set(w[i][t]);
+      for (int u = 0; u < NU; u++) acc[i][u] = O::f8fma(acc[i][u], p, vv[u]);
+    }
+  }
+  for (int i = 0; i < RB; i++)
+    for (int u = 0; u < NU; u++) O::f8store(o[i] + d0 + 8 * u, acc[i][u]);
+}
+
+// Rows seen[i, i + RB) (weights in sc, outputs in po) over the whole tile and D.
+template <class O, int RB, class V>
+inline void values_block(const int* seen, int i, const float* sc, const V& v, int64_t j0,
+                         int64_t D, float* po) {
+  constexpr int NU = AttBlocks<O>::V_VECS;
+  const float* w[RB];
+  float* o[RB];
+  for (int k = 0; k < RB; k++) w[k] = sc + seen[i + k] * ATT_KEYS, o[k] = po + seen[i + k] * D;
+  int64_t d0 = 0;
+  for (; d0 + 8 * NU <= D; d0 += 8 * NU) values_rows<O, RB, NU>(w, v, j0, d0, o);
+  for (; d0 < D; d0 += 8) values_rows<O, RB, 1>(w, v, j0, d0, o);
+}
+
+// The weighted values of the rows seen[0, ns) over the tile [j0, j0 + ATT_KEYS) of v, rows in
+// blocks of V_ROWS, then 4, 2, 1.
+template <class O, class V>
+inline void values_full(const int* seen, int ns, const float* sc, const V& v, int64_t j0,
+                        int64_t D, float* po) {
+  constexpr int RB = AttBlocks<O>::V_ROWS;
+  int i = 0;
+  for (; i + RB <= ns; i += RB) values_block<O, RB>(seen, i, sc, v, j0, D, po);
+  if constexpr (RB > 4)
+    if (i + 4 <= ns) values_block<O, 4>(seen, i, sc, v, j0, D, po), i += 4;
+  if (i + 2 <= ns) values_block<O, 2>(seen, i, sc, v, j0, D, po), i += 2;
+  if (i < ns) values_block<O, 1>(seen, i, sc, v, j0, D, po);
+}
+
+}  // namespace attn_detail
+
+namespace attn_detail {
+
+// The online softmax of one tile for each row that sees a key of it: sc (rows x ATT_KEYS, nt
+// keys) goes from scores to weights, the row's max, sum and values (p) move on; the rows that
+// see a key are listed in seen. Returns how many.
+template <class O>
+inline int tile_softmax(const AttnRows& rows, int64_t D, float* sc, int nt, AttnPartial& p,
+                        int* seen) {
+  using F8 = typename O::F8;
+  const int64_t d8 = D / 8 * 8;
+  const int nb = (nt + 7) / 8;
+  int ns = 0;
+  // In phases over the rows (their maxes, the rescales, the exps): the same operations per
+  // row, but a row's unpredictable "the max moved" branch no longer sits between the exps of
+  // the rows before and after it.
+  float tmax[ATT_ROWS];
+  for (int r = 0; r < rows.n; r++) {
+    const float* w = sc + r * ATT_KEYS;
+    F8 mx8 = O::f8load(w);
+    for (int b = 1; b < nb; b++) mx8 = O::f8max(mx8, O::f8load(w + 8 * b));
+    tmax[r] = O::f8hmax(mx8);
+  }
+  for (int r = 0; r < rows.n; r++) {
+    if (tmax[r] == -INFINITY) continue;  // the row sees no key of this tile
+    seen[ns++] = r;
+    const float m = std::max(p.m[r], tmax[r]);
+    if (m == p.m[r]) continue;
+    // the max moved: rescale what the row has
+    float* o = p.o + r * D;
+    const float alpha = p.m[r] == -INFINITY ? 0.f : std::exp(p.m[r] - m);
+    p.l[r] *= alpha;
+    // + 0: a product that underflows to -0 becomes +0, so a later key of weight 0 adds
+    // nothing whether it is skipped (add_values) or added (values_full)
+    for (int64_t d = 0; d < d8; d += 8)
+      O::f8store(o + d, O::f8add(O::f8mul(O::f8load(o + d), alpha), O::f8zero()));
+    for (int64_t d = d8; d < D; d++) o[d] = o[d] * alpha + 0.f;
+    p.m[r] = m;
+  }
+  for (int i = 0; i < ns; i++) {
+    const int r = seen[i];
+    float* w = sc + r * ATT_KEYS;
+    const float m = p.m[r];
+    // The vector exp runs over whole blocks of 8 (a block's keys past nt are -inf: weight 0,
+    // and + 0 leaves the lanes' sums as they were), so a key never moves between the
+    // vector exp and the scalar one with the tile's length, which the other rows set.
+    float sum = 0.f;
+    int t = (int)native::softmax_exp_head(w, 0, 8 * nb, m, sum);
+    for (; t < nt; t++) sum += (w[t] = w[t] == -INFINITY ? 0.f : std::exp(w[t] - m));
+    p.l[r] += sum;
+  }
+  return ns;
+}
+
+
 }  // namespace attn_detail
 
 // One chunk, keys [c0, c1) of the task's K/V rows (kb, vb: its batch row and KV head), from
@@ -183,58 +343,55 @@ inline void add_values(const float* const* w, int nt, const float* vbuf, int64_t
 template <class O>
 void attention_chunk(const AttnShape& s, const AttnRows& rows, const void* kb, const void* vb,
                      int64_t c0, int64_t c1, AttnPartial& p, float* kbuf, float* vbuf) {
-  using F8 = typename O::F8;
+  using namespace attn_detail;
   const int64_t D = s.D, d8 = D / 8 * 8;
   alignas(64) float sc[ATT_ROWS * ATT_KEYS];
   for (int r = 0; r < rows.n; r++) p.m[r] = -INFINITY, p.l[r] = 0.f;
   std::memset(p.o, 0, sizeof(float) * rows.n * D);
+  // every row sees every key of [c0, c1) but for masks and causal bounds inside it
+  bool unmasked = d8 == D;
+  int64_t lastmin = c1;
+  for (int r = 0; r < rows.n; r++)
+    unmasked = unmasked && !rows.mask[r], lastmin = std::min(lastmin, rows.last[r]);
+  // a task of one block of rows (a decode step's GQA group) reads V in place
+  const bool direct = rows.n <= AttBlocks<O>::V_ROWS;
   for (int64_t j0 = c0; j0 < c1; j0 += ATT_KEYS) {
     const int nt = (int)std::min<int64_t>(ATT_KEYS, c1 - j0), nb = (nt + 7) / 8;
-    for (int b = 0; b < nb; b++) {
-      const int nk = std::min(8, nt - 8 * b);
-      attn_detail::widen(s, kb, s.ks[2], j0 + 8 * b, nk, kbuf + 8 * b * D);
-      attn_detail::scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, nk, sc + 8 * b);
-    }
-    // the softmax of each row that sees a key of the tile; the values for those rows, two at
-    // a time
-    int seen[ATT_ROWS], ns = 0;
-    for (int r = 0; r < rows.n; r++) {
-      float* w = sc + r * ATT_KEYS;
-      F8 mx8 = O::f8load(w);
-      for (int b = 1; b < nb; b++) mx8 = O::f8max(mx8, O::f8load(w + 8 * b));
-      float tmax = O::f8hmax(mx8);
-      if (tmax == -INFINITY) continue;  // the row sees no key of this tile
-      float* o = p.o + r * D;
-      const float m = std::max(p.m[r], tmax);
-      if (m != p.m[r]) {  // the max moved: rescale what the row has
-        const float alpha = p.m[r] == -INFINITY ? 0.f : std::exp(p.m[r] - m);
-        p.l[r] *= alpha;
-        for (int64_t d = 0; d < d8; d += 8) O::f8store(o + d, O::f8mul(O::f8load(o + d), alpha));
-        for (int64_t d = d8; d < D; d++) o[d] *= alpha;
-        p.m[r] = m;
-      }
-      // The vector exp runs over whole blocks of 8 (a block's keys past nt are -inf: weight 0,
-      // and + 0 leaves the lanes' sums as they were), so a key never moves between the
-      // vector exp and the scalar one with the tile's length, which the other rows set.
-      float sum = 0.f;
-      int t = (int)native::softmax_exp_head(w, 0, 8 * nb, m, sum);
-      for (; t < nt; t++) sum += (w[t] = w[t] == -INFINITY ? 0.f : std::exp(w[t] - m));
-      p.l[r] += sum;
-      seen[ns++] = r;
-    }
-    if (ns == 0) continue;
+    const bool full = unmasked && nt == ATT_KEYS && j0 + ATT_KEYS - 1 <= lastmin;
     for (int b = 0; b < nb; b++)
-      attn_detail::widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
+      widen(s, kb, s.ks[2], j0 + 8 * b, std::min(8, nt - 8 * b), kbuf + 8 * b * D);
+    if (full) scores_full<O>(rows, kbuf, D, s.scale, sc);
+    else
+      for (int b = 0; b < nb; b++)
+        scores8<O>(s, rows, kbuf + 8 * b * D, j0 + 8 * b, std::min(8, nt - 8 * b), sc + 8 * b);
+    int seen[ATT_ROWS];
+    const int ns = tile_softmax<O>(rows, D, sc, nt, p, seen);
+    if (ns == 0) continue;
+    if (full && direct && s.kv_half) {
+      values_full<O>(seen, ns, sc, KvRows<O, true>{vb, s.vs[2]}, j0, D, p.o);
+      continue;
+    }
+    if (full && direct) {
+      values_full<O>(seen, ns, sc, KvRows<O, false>{vb, s.vs[2]}, j0, D, p.o);
+      continue;
+    }
+    for (int b = 0; b < nb; b++)
+      widen(s, vb, s.vs[2], j0 + 8 * b, std::min(8, nt - 8 * b), vbuf + 8 * b * D);
+    if (full) {
+      values_full<O>(seen, ns, sc, KvRows<O, false>{vbuf, D}, 0, D, p.o);
+      continue;
+    }
+    // the values of the rows that see a key of the tile, two at a time
     int i = 0;
     for (; i + 2 <= ns; i += 2) {
       const float* w[2] = {sc + seen[i] * ATT_KEYS, sc + seen[i + 1] * ATT_KEYS};
       float* o[2] = {p.o + seen[i] * D, p.o + seen[i + 1] * D};
-      attn_detail::add_values<O, 2>(w, nt, vbuf, D, o);
+      add_values<O, 2>(w, nt, vbuf, D, o);
     }
     if (i < ns) {
       const float* w[1] = {sc + seen[i] * ATT_KEYS};
       float* o[1] = {p.o + seen[i] * D};
-      attn_detail::add_values<O, 1>(w, nt, vbuf, D, o);
+      add_values<O, 1>(w, nt, vbuf, D, o);
     }
   }
 }
@@ -317,6 +474,14 @@ inline void attention_store(const AttnShape& s, const AttnRows& rows, const Attn
   }
 }
 
+// n floats of a thread's scratch `buf`, 64-byte aligned (a 16-byte aligned buffer had a
+// quarter of the kernel's 32-byte loads, and every 64-byte store, split across cache lines:
+// ~1.25x the time of a decode step).
+inline float* att_scratch(std::vector<float>& buf, size_t n) {
+  buf.resize(n + 16);
+  return (float*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
+}
+
 // The attention; run(n, f) calls f(i) for i in [0, n), in any order and on any threads
 // (tk::Pool::parallel_for, or a loop).
 template <class O, class Run>
@@ -344,10 +509,10 @@ void attention(const AttnShape& s, const float* q, const void* k, const void* v,
   };
   if (tasks >= ATT_SPLIT || most <= 1) {  // a task's chunks in turn
     run(tasks, [&](int64_t t) {
-      thread_local std::vector<float> buf;
-      buf.resize((2 * ATT_ROWS + 2 * ATT_KEYS) * D);
-      AttnPartial acc{{}, {}, buf.data()}, part{{}, {}, buf.data() + ATT_ROWS * D};
-      float* kv = buf.data() + 2 * ATT_ROWS * D;
+      thread_local std::vector<float> keep;
+      float* buf = att_scratch(keep, (2 * ATT_ROWS + 2 * ATT_KEYS) * D);
+      AttnPartial acc{{}, {}, buf}, part{{}, {}, buf + ATT_ROWS * D};
+      float* kv = buf + 2 * ATT_ROWS * D;
       empty(acc, all[t].n);
       for (int64_t c = 0; c < all[t].chunks(); c++) {
         chunk(t, c, c == 0 ? acc : part, kv);
@@ -357,35 +522,37 @@ void attention(const AttnShape& s, const float* q, const void* k, const void* v,
     });
     return;
   }
-  // every (task, chunk) on its own, then each task's chunks merged in order
+  // every (task, chunk) on its own; the thread that finishes a task's last chunk merges them
+  // in order (one parallel run: a second had cost a decode step another wake-up and join)
   std::vector<int64_t> start{0};
   for (auto& r : all) start.push_back(start.back() + std::max<int64_t>(1, r.chunks()));
-  const int64_t stride = 2 * ATT_ROWS + ATT_ROWS * D;  // m, l, o of one partial
-  std::vector<float> parts(start.back() * stride);
-  auto partial = [&](int64_t it) {
-    AttnPartial p{{}, {}, parts.data() + it * stride + 2 * ATT_ROWS};
+  int64_t nmax = 0;  // rows of the task with the most
+  for (auto& r : all) nmax = std::max<int64_t>(nmax, r.n);
+  // m, l, o of one partial, in steps of 64 bytes
+  const int64_t stride = 2 * ATT_ROWS + (nmax * D + 15) / 16 * 16;
+  thread_local std::vector<float> keep;  // the calling thread's, kept between calls
+  float* parts = att_scratch(keep, start.back() * stride);
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[tasks]);
+  for (int64_t t = 0; t < tasks; t++) left[t].store(start[t + 1] - start[t]);
+  auto partial = [&](int64_t it) {  // its m and l at the start of its stride
+    AttnPartial p{{}, {}, parts + it * stride + 2 * ATT_ROWS};
+    std::memcpy(p.m, parts + it * stride, ATT_ROWS * sizeof(float));
+    std::memcpy(p.l, parts + it * stride + ATT_ROWS, ATT_ROWS * sizeof(float));
     return p;
   };
   run(start.back(), [&](int64_t it) {
-    thread_local std::vector<float> buf;
-    buf.resize(2 * ATT_KEYS * D);
+    thread_local std::vector<float> keep;
+    float* buf = att_scratch(keep, 2 * ATT_KEYS * D);
     const int64_t t = std::upper_bound(start.begin(), start.end(), it) - start.begin() - 1;
-    AttnPartial p = partial(it);
+    AttnPartial p{{}, {}, parts + it * stride + 2 * ATT_ROWS};
     if (all[t].chunks() == 0) empty(p, all[t].n);
-    else chunk(t, it - start[t], p, buf.data());
-    std::memcpy(parts.data() + it * stride, p.m, ATT_ROWS * sizeof(float));
-    std::memcpy(parts.data() + it * stride + ATT_ROWS, p.l, ATT_ROWS * sizeof(float));
-  });
-  run(tasks, [&](int64_t t) {
-    auto load = [&](int64_t it) {
-      AttnPartial p = partial(it);
-      std::memcpy(p.m, parts.data() + it * stride, ATT_ROWS * sizeof(float));
-      std::memcpy(p.l, parts.data() + it * stride + ATT_ROWS, ATT_ROWS * sizeof(float));
-      return p;
-    };
-    AttnPartial acc = load(start[t]);
-    for (int64_t it = start[t] + 1; it < start[t + 1]; it++)
-      attention_merge(acc, load(it), all[t].n, D);
+    else chunk(t, it - start[t], p, buf);
+    std::memcpy(parts + it * stride, p.m, ATT_ROWS * sizeof(float));
+    std::memcpy(parts + it * stride + ATT_ROWS, p.l, ATT_ROWS * sizeof(float));
+    if (left[t].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    AttnPartial acc = partial(start[t]);
+    for (int64_t i = start[t] + 1; i < start[t + 1]; i++)
+      attention_merge(acc, partial(i), all[t].n, D);
     attention_store(s, all[t], acc, out);
   });
 }
