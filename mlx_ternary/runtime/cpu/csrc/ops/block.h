@@ -367,6 +367,27 @@ class AttnIn : public CpuMultiPrimitive {
 
 // ---- AttnOut -----------------------------------------------------------------------------------
 
+// How attn_out and mlp end: x (M x K) through bitnet's sub-norm in place (sub_norm >= 0:
+// attn_sub_norm, ffn_sub_norm), then `proj`'s rows into out, plus the residual if any.
+inline void project_out(const std::vector<mx::array>& in, float* x, int64_t M, int64_t K,
+                        int sub_norm, float sub_eps, const Proj& proj, int residual, float* out,
+                        tk::Acts& acts) {
+  std::vector<uint8_t> ksn, kr;
+  if (sub_norm >= 0) {
+    const float* w = (const float*)row_major(in[sub_norm], ksn);
+    per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(x, w, sub_eps, K, x, m0, m1); });
+  }
+  BoundLayer l;
+  l.bind(proj, in, out);
+  prepare_acts(*l.g, proj.p, x, tk::F32, M, acts);
+  rows_of_layers({&l}, acts, M);
+  if (residual >= 0) {
+    const float* rp = (const float*)row_major(in[residual], kr);
+    const int64_t n = M * proj.p.n;
+    for (int64_t i = 0; i < n; i++) out[i] = rp[i] + out[i];
+  }
+}
+
 struct AttnOutParams {
   float scale;
   bool causal;
@@ -383,7 +404,7 @@ class AttnOut : public CpuPrimitive {
     auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
       const mx::array &q = in[p.q], &k = in[p.k], &v = in[p.v];
-      std::vector<uint8_t> kq, kk, kv, kr, ksn;
+      std::vector<uint8_t> kq, kk, kv;
       const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
       const int64_t M = B * L, HD = H * D;
       // the attention straight into the token layout (B, L, H D) o_proj reads
@@ -400,21 +421,7 @@ class AttnOut : public CpuPrimitive {
       tk::attention<tk::NativeOps>(sh, qp, kp, vp, tok.data(), [](int64_t n, const auto& f) {
         pool().parallel_for(n, f);
       });
-      if (p.sub_norm >= 0) {  // bitnet's attn_sub_norm, in place
-        const float* w = (const float*)row_major(in[p.sub_norm], ksn);
-        per_token(M, [&](int64_t m0, int64_t m1) {
-          rms_norm_rows(tok.data(), w, p.sub_eps, HD, tok.data(), m0, m1);
-        });
-      }
-      BoundLayer o;
-      o.bind(p.o, in, outp);
-      prepare_acts(*o.g, p.o.p, tok.data(), tk::F32, M, acts);
-      rows_of_layers({&o}, acts, M);
-      if (p.residual >= 0) {
-        const float* rp = (const float*)row_major(in[p.residual], kr);
-        const int64_t n = M * p.o.p.n;
-        for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
-      }
+      project_out(in, tok.data(), M, HD, p.sub_norm, p.sub_eps, p.o, p.residual, outp, acts);
     });
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
@@ -468,7 +475,7 @@ class Mlp : public CpuPrimitive {
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = enqueue(stream(), in, out);
     enc.dispatch([p = p_, in, outp = out.data<float>()]() {
-      std::vector<uint8_t> kh, kw, kr, ksn;
+      std::vector<uint8_t> kh, kw;
       const mx::array& h = in[p.h];
       const float* hp = (const float*)row_major(h, kh);
       const float* wp = (const float*)row_major(in[p.w], kw);
@@ -483,7 +490,7 @@ class Mlp : public CpuPrimitive {
       g.resize(M * F);
       u.resize(M * F);
       per_token(M, [&](int64_t m0, int64_t m1) { rms_norm_rows(hp, wp, p.eps, K, normed.data(), m0, m1); });
-      BoundLayer lg, lu, ld;
+      BoundLayer lg, lu;
       lg.bind(p.gate_up[0], in, g.data());
       lu.bind(p.gate_up[1], in, u.data());
       prepare_acts(*lg.g, p.gate_up[0].p, normed.data(), tk::F32, M, acts);
@@ -498,20 +505,7 @@ class Mlp : public CpuPrimitive {
           gp[i] = (r * r) * up[i];
         }
       });
-      if (p.sub_norm >= 0) {  // bitnet's ffn_sub_norm, in place
-        const float* w = (const float*)row_major(in[p.sub_norm], ksn);
-        per_token(M, [&](int64_t m0, int64_t m1) {
-          rms_norm_rows(g.data(), w, p.sub_eps, F, g.data(), m0, m1);
-        });
-      }
-      ld.bind(p.down, in, outp);
-      prepare_acts(*ld.g, p.down.p, g.data(), tk::F32, M, acts);
-      rows_of_layers({&ld}, acts, M);
-      if (p.residual >= 0) {
-        const float* rp = (const float*)row_major(in[p.residual], kr);
-        const int64_t n = M * p.down.p.n;
-        for (int64_t i = 0; i < n; i++) outp[i] = rp[i] + outp[i];
-      }
+      project_out(in, g.data(), M, F, p.sub_norm, p.sub_eps, p.down, p.residual, outp, acts);
     });
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
