@@ -108,7 +108,8 @@ const void* row_major(const mx::array& a, std::vector<uint8_t>& keep) {
   return keep.data();
 }
 
-// Row chunks across the pool, claimed dynamically: noisy shared cores balance themselves.
+// Row chunks across the pool: each thread a contiguous span of them, what a late or
+// descheduled thread leaves claimed by the others (kernels/threadpool.h).
 template <class F>
 void parallel_rows(int64_t n, int64_t chunk, const F& f) {
   const int64_t nchunks = tk::ceil_div(n, chunk);
