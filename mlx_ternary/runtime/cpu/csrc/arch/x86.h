@@ -988,12 +988,14 @@ inline bool f16x8x8_finite_to_f32(const uint16_t* v, int64_t stride, float* out)
   return true;
 }
 
-// ---- the dense kernel (kernels/dense.h): tiles of R rows x T tokens, one vector accumulator
-// per (row, token). A (row, token)'s sum is one chain - lane l adds columns l, l + W, l + 2W, ...
-// in order by FMA, then the W lanes are summed, then the tail columns in order - whatever R and
-// T are, so a row of y depends neither on the tokens sharing the call nor on its tile's rows.
-// The tile reads each weight vector once for its T tokens (the 8 sequences of a batched decode
-// step read the table once) and each activation vector once for its R rows. One token takes
+// ---- the dense kernel (kernels/dense.h): tiles of R rows x T tokens, C vector accumulators per
+// (row, token) (C = CHAINS: 1 on AVX-512, 2 on AVX2). A (row, token)'s sum is C chains - chain c
+// takes the row's whole W-lane vectors c, c + C, c + 2C, ..., its lane l adding their column by
+// FMA in order - then the chains added in order, the W lanes summed, the tail columns added in
+// order: whatever R and T are, so a row of y depends neither on the tokens sharing the call nor
+// on its tile's rows. The tile reads each weight vector once for its T tokens (the 8
+// sequences of a batched decode step read the table once, in passes of up to DENSE_TOKENS)
+// and each activation vector once for its R rows. One token takes
 // one row at a time: a single linear stream, which this Zen 4 reads at 24 GB/s on one thread
 // where 2, 4 or 8 interleaved rows read at 12-15 (a 128256 x 2560 float16 table: 27.5 ms
 // against 46-55), and where a software prefetch 4 KB ahead only cost time (29-39 ms against
@@ -1005,7 +1007,7 @@ constexpr const char* DENSE_ISA = "avx512-f16c";  // 16 lanes (cores with 512-bi
 constexpr int DENSE_TOKENS = 8;
 #else
 constexpr const char* DENSE_ISA = "avx2-f16c";
-constexpr int DENSE_TOKENS = 6;
+constexpr int DENSE_TOKENS = 3;
 #endif
 
 template <int WD>
@@ -1036,10 +1038,14 @@ struct DenseYmm {
   static V loadx(const float* x) { return _mm256_loadu_ps(x); }
   static V zero() { return _mm256_setzero_ps(); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static float sum(V v) { return hsum8(v); }
-  // One token: 8 rows, each a chain of FMAs (one FMA's latency a chain would leave the
-  // 8-lane multiplier waiting: one row measured 16 GB/s on one thread, 8 rows 22-24)
-  static constexpr int rows(int t) { return t == 1 ? 8 : t == 2 ? 4 : t == 3 ? 3 : 2; }
+  // Two chains a row: one 8-lane chain waits on its FMA's latency (16 GB/s on one thread),
+  // and one token's rows side by side are streams that this Zen 4 reads slower than one (8 rows
+  // of one chain: 32000 x 2048 float16, 2 threads, 3.6-4.1 ms; one row of two: 3.0-3.6). Then
+  // 2 x R x T accumulators in 16 registers: up to 3 tokens a pass (DENSE_TOKENS).
+  static constexpr int CHAINS = 2;
+  static constexpr int rows(int t) { return t == 1 ? 1 : t == 2 ? 3 : 2; }
 };
 
 #if defined(__AVX512F__)
@@ -1064,7 +1070,9 @@ struct DenseZmm {
   static V loadx(const float* x) { return _mm512_loadu_ps(x); }
   static V zero() { return _mm512_setzero_ps(); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static constexpr int CHAINS = 1;
   static constexpr int rows(int t) { return t == 1 ? 1 : t <= 6 ? 4 : 3; }
 };
 using DenseVec = DenseZmm;
@@ -1075,23 +1083,36 @@ using DenseVec = DenseYmm;
 // Rows n .. n + R - 1, tokens m0 .. m0 + T - 1.
 template <class D, int WD, int R, int T, class DL>
 inline void dense_tile(const DL& L, int64_t n, int64_t m0) {
-  const int64_t k = L.k, kv = k / D::W * D::W;
+  constexpr int C = D::CHAINS;
+  const int64_t k = L.k, nv = k / D::W, kv = nv * D::W;
   const float* x = L.x + m0 * k;
-  typename D::V acc[R][T];
-  for (int r = 0; r < R; r++)
-    for (int t = 0; t < T; t++) acc[r][t] = D::zero();
-  for (int64_t i = 0; i < kv; i += D::W) {
-    typename D::V wv[R];
+  using V = typename D::V;
+  V acc[C][R][T];
+  for (int c = 0; c < C; c++)
+    for (int r = 0; r < R; r++)
+      for (int t = 0; t < T; t++) acc[c][r][t] = D::zero();
+  auto vec = [&](V (&a)[R][T], int64_t i) {  // the weight vectors at column i into a
+    V wv[R];
     for (int r = 0; r < R; r++) wv[r] = D::template load<WD>(L.w, (n + r) * k + i);
     for (int t = 0; t < T; t++) {
-      typename D::V xv = D::loadx(x + t * k + i);
+      V xv = D::loadx(x + t * k + i);
       asm("" : "+v"(xv));  // one load for the R rows (the compiler would fold it into each FMA)
-      for (int r = 0; r < R; r++) acc[r][t] = D::fma(wv[r], xv, acc[r][t]);
+      for (int r = 0; r < R; r++) a[r][t] = D::fma(wv[r], xv, a[r][t]);
     }
+  };
+  int64_t j = 0;  // vector j into chain j % C
+  for (; j + C <= nv; j += C)
+    for (int c = 0; c < C; c++) vec(acc[c], (j + c) * D::W);
+  if constexpr (C == 2) {
+    if (j < nv) vec(acc[0], j * D::W);
+  } else {
+    static_assert(C == 1, "the tail of other chain counts");
   }
   for (int r = 0; r < R; r++)
     for (int t = 0; t < T; t++) {
-      float y = D::sum(acc[r][t]);
+      V s = acc[0][r][t];
+      for (int c = 1; c < C; c++) s = D::add(s, acc[c][r][t]);
+      float y = D::sum(s);
       for (int64_t i = kv; i < k; i++) y += load_as_f32(L.w, WD, (n + r) * k + i) * x[t * k + i];
       store_from_f32(L.out, L.out_dtype, (m0 + t) * L.n + n + r, y);
     }
