@@ -420,8 +420,8 @@ inline std::string selfcheck() {
   }
   for (int wd : {F32, F16, BF16})
     for (int64_t K : {5, 64, 77})
-      for (int64_t M : {1, 2, 5}) {
-        std::string e = check_dense(wd, M, 19, K, seed++);  // whole tiles of every ISA and single rows
+      for (int64_t M : {1, 2, 4, 5, 9}) {  // whole tiles of every ISA, single rows, the passes' splits
+        std::string e = check_dense(wd, M, 19, K, seed++);
         if (!e.empty()) return e + " (dtype " + std::to_string(wd) + ", K " + std::to_string(K) + ")";
       }
   return "";
