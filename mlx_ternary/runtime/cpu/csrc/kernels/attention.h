@@ -280,10 +280,6 @@ inline void values_full(const int* seen, int ns, const float* sc, const V& v, in
   if (i < ns) values_block<O, 1>(seen, i, sc, v, j0, D, po);
 }
 
-}  // namespace attn_detail
-
-namespace attn_detail {
-
 // The online softmax of one tile for each row that sees a key of it: sc (rows x ATT_KEYS, nt
 // keys) goes from scores to weights, the row's max, sum and values (p) move on; the rows that
 // see a key are listed in seen. Returns how many.
@@ -334,7 +330,6 @@ inline int tile_softmax(const AttnRows& rows, int64_t D, float* sc, int nt, Attn
   }
   return ns;
 }
-
 
 }  // namespace attn_detail
 
