@@ -533,7 +533,8 @@ struct Q8kRows8 {
 // cache). Here a block of 8 rows is read row after row, each from start to end - one linear
 // stream, as the float16 output layer reads - and the lanes turn the other way: a segment's
 // sum (O::q8k_seg, int16 lanes) is reduced with the next 7 of the block's run of segments
-// (tsum8: lane i = segment f0 + i, across the rows' ends) and their terms float(sumi - ssum)
+// (O::q8k_seg8, tsum8's sums: lane i = segment f0 + i, across the rows' ends; the pairs reduced
+// as they come, which keeps the accumulators in registers) and their terms float(sumi - ssum)
 // * (d * s) computed lane by lane (O::tterms) and stored; then the 8 rows' terms are
 // transposed (lane = row) and added in segment order: the operations of tstep_rows in the
 // same order, so the bits are rows_q8k's. (A q8k_wide row's segment j is its block j.)
@@ -619,15 +620,13 @@ void rows_q8k_lin(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
       const int32_t* ss = ssr + (m - m0) * span;
       const float* d8 = d8r + (m - m0) * span;
       for (int64_t f0 = 0; f0 < nf; f0 += 8) {
-        typename O::TA acc[8];
-        if (f0 + 8 <= nf) {
-#pragma GCC unroll 8
-          for (int i = 0; i < 8; i++) acc[i] = O::q8k_seg(w + 64 * (f0 + i), x + xo[f0 + i]);
-        } else {  // the last segments of a partial block
+        const auto sums = f0 + 8 <= nf ? O::q8k_seg8(w + 64 * f0, x, xo + f0) : [&] {
+          typename O::TA acc[8];  // the last segments of a partial block
           for (int i = 0; i < 8; i++)
             acc[i] = f0 + i < nf ? O::q8k_seg(w + 64 * (f0 + i), x + xo[f0 + i]) : O::tzero();
-        }
-        O::fvstore(tb + f0, O::tterms(O::tsum8(acc), ss + f0, d8 + f0, sc + f0));
+          return O::tsum8(acc);
+        }();
+        O::fvstore(tb + f0, O::tterms(sums, ss + f0, d8 + f0, sc + f0));
       }
       // the terms added in segment order, 8 rows at once (lane = row; lanes past the rows
       // and columns past a row's segments are read but never added)
