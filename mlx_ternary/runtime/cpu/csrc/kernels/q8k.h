@@ -606,16 +606,46 @@ void rows_q8k_lin(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
   }
   // tb[f]: flat segment f's term (row f / nseg's, segment f % nseg's); sc[f]: its scale.
   // Only what is read past a block's segments is zeroed, not 4 KB a call (~1 % of the AVX2
-  // decode's time): lanes that are computed or transposed but never added.
-  alignas(32) float tb[R * Q8K_LIN_MAX_SEG + 8], sc[R * Q8K_LIN_MAX_SEG + 8];
+  // decode's time): lanes that are computed or transposed but never added. Two term
+  // buffers: the terms of one (block, token) are added up and stored after the next one's
+  // segments are issued, so that chain's latency overlaps their work (a layer of 8-segment
+  // rows 1.04x as fast on the AVX2 build, Zen 4).
+  alignas(32) float tbs[2][R * Q8K_LIN_MAX_SEG + 8], sc[R * Q8K_LIN_MAX_SEG + 8];
+  struct Unit {
+    int64_t n = 0, m = 0;
+    int rows = 0;  // 0: none
+  };
+  // the terms added in segment order, 8 rows at once (lane = row; lanes past the rows and
+  // columns past a row's segments are read but never added)
+  auto finish = [&](const Unit& u, const float* tb) {
+    typename O::FV y = O::fvzero();
+    for (int64_t j0 = 0; j0 < nseg; j0 += 8) {
+      typename O::FV c[8];
+      O::ftranspose8(tb + j0, nseg, c);
+      const int cnt = (int)std::min<int64_t>(8, nseg - j0);
+      if (cnt == 8) {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) y = O::fvadd(y, c[i]);
+      } else {
+        for (int i = 0; i < cnt; i++) y = O::fvadd(y, c[i]);
+      }
+    }
+    alignas(32) float out[R];
+    O::fvstore(out, y);
+    for (int r = 0; r < u.rows; r++)
+      store_from_f32(L.out, L.out_dtype, u.m * g.n + u.n + r, out[r] + L.bias_at(u.n + r));
+  };
+  Unit pend;
+  int cur = 0;
   for (int64_t n = n0; n < n1; n += R) {
     const int rows = (int)std::min<int64_t>(R, n1 - n);
     const int64_t nf = rows * nseg, nf8 = (nf + 7) / 8 * 8;
     const uint8_t* w = L.w + n * rb;
     flat_scales(L, n, 0, nf, sc);
     std::fill(sc + nf, sc + nf8, 0.f);
-    std::fill(tb + nf8, tb + nflat + 8, 0.f);
     for (int64_t m = m0; m < m1; m++) {
+      float* tb = tbs[cur];
+      std::fill(tb + nf8, tb + nflat + 8, 0.f);
       const int8_t* x = a.q.data() + m * xlen;
       const int32_t* ss = ssr + (m - m0) * span;
       const float* d8 = d8r + (m - m0) * span;
@@ -638,26 +668,12 @@ void rows_q8k_lin(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
       }
       const int64_t fl = (nf - 1) / 8 * 8;
       O::fvstore(tb + fl, O::tterms(pending, ss + fl, d8 + fl, sc + fl));
-      // the terms added in segment order, 8 rows at once (lane = row; lanes past the rows
-      // and columns past a row's segments are read but never added)
-      typename O::FV y = O::fvzero();
-      for (int64_t j0 = 0; j0 < nseg; j0 += 8) {
-        typename O::FV c[8];
-        O::ftranspose8(tb + j0, nseg, c);
-        const int cnt = (int)std::min<int64_t>(8, nseg - j0);
-        if (cnt == 8) {
-#pragma GCC unroll 8
-          for (int i = 0; i < 8; i++) y = O::fvadd(y, c[i]);
-        } else {
-          for (int i = 0; i < cnt; i++) y = O::fvadd(y, c[i]);
-        }
-      }
-      alignas(32) float out[R];
-      O::fvstore(out, y);
-      for (int r = 0; r < rows; r++)
-        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
+      if (pend.rows) finish(pend, tbs[cur ^ 1]);
+      pend = {n, m, rows};
+      cur ^= 1;
     }
   }
+  if (pend.rows) finish(pend, tbs[cur ^ 1]);
 }
 
 // Rows [n0, n1) for tokens m0 .. m1 - 1 with q8k activations, in blocks of 8 rows.
