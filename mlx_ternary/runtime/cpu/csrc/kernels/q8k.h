@@ -533,7 +533,8 @@ struct Q8kRows8 {
 // cache). Here a block of 8 rows is read row after row, each from start to end - one linear
 // stream, as the float16 output layer reads - and the lanes turn the other way: a segment's
 // sum (O::q8k_seg, int16 lanes) is reduced with the next 7 of the block's run of segments
-// (tsum8: lane i = segment f0 + i, across the rows' ends) and their terms float(sumi - ssum)
+// (O::q8k_seg8, tsum8's sums: lane i = segment f0 + i, across the rows' ends; the pairs reduced
+// as they come, which keeps the accumulators in registers) and their terms float(sumi - ssum)
 // * (d * s) computed lane by lane (O::tterms) and stored; then the 8 rows' terms are
 // transposed (lane = row) and added in segment order: the operations of tstep_rows in the
 // same order, so the bits are rows_q8k's. (A q8k_wide row's segment j is its block j.)
@@ -594,61 +595,93 @@ void rows_q8k_lin(const Layer& L, const Acts& a, int64_t n0, int64_t n1, int64_t
   // (segment f % nseg's; zeros in the padding)
   thread_local std::vector<int32_t> xo_buf, ss_buf;
   thread_local std::vector<float> d8_buf;
-  xo_buf.assign(span, 0), ss_buf.assign(ntok * span, 0), d8_buf.assign(ntok * span, 0.f);
+  // filled row by row, without a division an entry (a call a chunk of a layer's rows: ~1000
+  // calls a decode step of the 0.53 G llama)
+  xo_buf.resize(span), ss_buf.resize(ntok * span), d8_buf.resize(ntok * span);
   int32_t *xo = xo_buf.data(), *ssr = ss_buf.data();
   float* d8r = d8_buf.data();
-  for (int64_t f = 0; f < nflat; f++) {
-    const int64_t j = f % nseg;
-    xo[f] = (int32_t)(256 * j);
-    for (int64_t t = 0; t < ntok; t++)
-      ssr[t * span + f] = a.ssum[(m0 + t) * nseg + j], d8r[t * span + f] = a.d8[(m0 + t) * nseg + j];
+  for (int64_t j = 0; j < nseg; j++) xo[j] = (int32_t)(256 * j);
+  for (int r = 1; r < R; r++) std::copy(xo, xo + nseg, xo + r * nseg);
+  std::fill(xo + nflat, xo + span, 0);
+  for (int64_t t = 0; t < ntok; t++) {
+    const int32_t* st = a.ssum.data() + (m0 + t) * nseg;
+    const float* dt = a.d8.data() + (m0 + t) * nseg;
+    int32_t* so = ssr + t * span;
+    float* dout = d8r + t * span;
+    for (int r = 0; r < R; r++)
+      std::copy(st, st + nseg, so + r * nseg), std::copy(dt, dt + nseg, dout + r * nseg);
+    std::fill(so + nflat, so + span, 0), std::fill(dout + nflat, dout + span, 0.f);
   }
   // tb[f]: flat segment f's term (row f / nseg's, segment f % nseg's); sc[f]: its scale.
   // Only what is read past a block's segments is zeroed, not 4 KB a call (~1 % of the AVX2
-  // decode's time): lanes that are computed or transposed but never added.
-  alignas(32) float tb[R * Q8K_LIN_MAX_SEG + 8], sc[R * Q8K_LIN_MAX_SEG + 8];
+  // decode's time): lanes that are computed or transposed but never added. Two term
+  // buffers: the terms of one (block, token) are added up and stored after the next one's
+  // segments are issued, so that chain's latency overlaps their work (a layer of 8-segment
+  // rows 1.04x as fast on the AVX2 build, Zen 4).
+  alignas(32) float tbs[2][R * Q8K_LIN_MAX_SEG + 8], sc[R * Q8K_LIN_MAX_SEG + 8];
+  struct Unit {
+    int64_t n = 0, m = 0;
+    int rows = 0;  // 0: none
+  };
+  // the terms added in segment order, 8 rows at once (lane = row; lanes past the rows and
+  // columns past a row's segments are read but never added)
+  auto finish = [&](const Unit& u, const float* tb) {
+    typename O::FV y = O::fvzero();
+    for (int64_t j0 = 0; j0 < nseg; j0 += 8) {
+      typename O::FV c[8];
+      O::ftranspose8(tb + j0, nseg, c);
+      const int cnt = (int)std::min<int64_t>(8, nseg - j0);
+      if (cnt == 8) {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) y = O::fvadd(y, c[i]);
+      } else {
+        for (int i = 0; i < cnt; i++) y = O::fvadd(y, c[i]);
+      }
+    }
+    alignas(32) float out[R];
+    O::fvstore(out, y);
+    for (int r = 0; r < u.rows; r++)
+      store_from_f32(L.out, L.out_dtype, u.m * g.n + u.n + r, out[r] + L.bias_at(u.n + r));
+  };
+  Unit pend;
+  int cur = 0;
   for (int64_t n = n0; n < n1; n += R) {
     const int rows = (int)std::min<int64_t>(R, n1 - n);
     const int64_t nf = rows * nseg, nf8 = (nf + 7) / 8 * 8;
     const uint8_t* w = L.w + n * rb;
     flat_scales(L, n, 0, nf, sc);
     std::fill(sc + nf, sc + nf8, 0.f);
-    std::fill(tb + nf8, tb + nflat + 8, 0.f);
     for (int64_t m = m0; m < m1; m++) {
+      float* tb = tbs[cur];
+      std::fill(tb + nf8, tb + nflat + 8, 0.f);
       const int8_t* x = a.q.data() + m * xlen;
       const int32_t* ss = ssr + (m - m0) * span;
       const float* d8 = d8r + (m - m0) * span;
-      for (int64_t f0 = 0; f0 < nf; f0 += 8) {
-        typename O::TA acc[8];
-        if (f0 + 8 <= nf) {
-#pragma GCC unroll 8
-          for (int i = 0; i < 8; i++) acc[i] = O::q8k_seg(w + 64 * (f0 + i), x + xo[f0 + i]);
-        } else {  // the last segments of a partial block
+      // each group's terms computed and stored after the next group's segments are issued:
+      // the reduction's latency at a group's end overlaps that work (1.07x as fast, Zen 4)
+      auto sums8 = [&](int64_t f0) {
+        return f0 + 8 <= nf ? O::q8k_seg8(w + 64 * f0, x, xo + f0) : [&] {
+          typename O::TA acc[8];  // the last segments of a partial block
           for (int i = 0; i < 8; i++)
             acc[i] = f0 + i < nf ? O::q8k_seg(w + 64 * (f0 + i), x + xo[f0 + i]) : O::tzero();
-        }
-        O::fvstore(tb + f0, O::tterms(O::tsum8(acc), ss + f0, d8 + f0, sc + f0));
+          return O::tsum8(acc);
+        }();
+      };
+      auto pending = sums8(0);
+      for (int64_t f0 = 8; f0 < nf; f0 += 8) {
+        const auto next = sums8(f0);
+        const int64_t f = f0 - 8;
+        O::fvstore(tb + f, O::tterms(pending, ss + f, d8 + f, sc + f));
+        pending = next;
       }
-      // the terms added in segment order, 8 rows at once (lane = row; lanes past the rows
-      // and columns past a row's segments are read but never added)
-      typename O::FV y = O::fvzero();
-      for (int64_t j0 = 0; j0 < nseg; j0 += 8) {
-        typename O::FV c[8];
-        O::ftranspose8(tb + j0, nseg, c);
-        const int cnt = (int)std::min<int64_t>(8, nseg - j0);
-        if (cnt == 8) {
-#pragma GCC unroll 8
-          for (int i = 0; i < 8; i++) y = O::fvadd(y, c[i]);
-        } else {
-          for (int i = 0; i < cnt; i++) y = O::fvadd(y, c[i]);
-        }
-      }
-      alignas(32) float out[R];
-      O::fvstore(out, y);
-      for (int r = 0; r < rows; r++)
-        store_from_f32(L.out, L.out_dtype, m * g.n + n + r, out[r] + L.bias_at(n + r));
+      const int64_t fl = (nf - 1) / 8 * 8;
+      O::fvstore(tb + fl, O::tterms(pending, ss + fl, d8 + fl, sc + fl));
+      if (pend.rows) finish(pend, tbs[cur ^ 1]);
+      pend = {n, m, rows};
+      cur ^= 1;
     }
   }
+  if (pend.rows) finish(pend, tbs[cur ^ 1]);
 }
 
 // Rows [n0, n1) for tokens m0 .. m1 - 1 with q8k activations, in blocks of 8 rows.
