@@ -1125,11 +1125,7 @@ inline void dense_tile(const DL& L, int64_t n, int64_t m0) {
   int64_t j = 0;  // vector j into chain j % C
   for (; j + C <= nv; j += C)
     for (int c = 0; c < C; c++) vec(acc[c], (j + c) * D::W);
-  if constexpr (C == 2) {
-    if (j < nv) vec(acc[0], j * D::W);
-  } else {
-    static_assert(C == 1, "the tail of other chain counts");
-  }
+  for (int c = 0; j + c < nv; c++) vec(acc[c], (j + c) * D::W);  // the last nv % C vectors
   for (int r = 0; r < R; r++)
     for (int t = 0; t < T; t++) {
       V s = acc[0][r][t];

@@ -5,8 +5,9 @@
 // Each weight vector is converted once and used for up to DENSE_TOKENS tokens. A token's sum
 // runs in the same order whatever tokens share the call (x86: one chain per row and token on
 // AVX-512, two on AVX2, arch/x86.h `dense_tile`; arm64 and the portable path: DENSE_CHAINS
-// chains, their sum, then the tail), so a row of y does not depend on how many tokens share the call: batched decoding
-// gives the single sequence's logits bit for bit (mlx-lm's batch tests compare them).
+// chains, their sum, then the tail), so a row of y does not depend on how many tokens share
+// the call: batched decoding gives the single sequence's logits bit for bit (mlx-lm's batch
+// tests compare them).
 #pragma once
 
 #include <cstdint>
