@@ -75,8 +75,9 @@ inline void quantize_token_q8k(const Geometry& g, const void* x, int dtype, int6
                                float* tmp) {
   const int64_t k = g.k;
   const float* xf = (const float*)x + m * k;
-  if (dtype != F32) {
-    for (int64_t i = 0; i < k; i++) tmp[i] = load_as_f32(x, dtype, m * k + i);
+  if (dtype != F32) {  // float16 widened by vectors (exact; only a signalling NaN turns quiet)
+    int64_t i = dtype == F16 ? native::f16_widen_head((const uint16_t*)x + m * k, k, tmp) : 0;
+    for (; i < k; i++) tmp[i] = load_as_f32(x, dtype, m * k + i);
     xf = tmp;
   }
   int8_t* qc = (int8_t*)(tmp + k);  // the codes in column order, a zero after them
