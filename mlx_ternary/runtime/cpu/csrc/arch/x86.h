@@ -313,6 +313,7 @@ struct Avx2Ops {
   static constexpr bool has_q8k_panel = true;
   static constexpr int q8k_panel_rows = 8;
   static constexpr int q8k_panel_pass = 1;  // 8 tokens' accumulators: half the registers
+  static constexpr int64_t q8k_panel_min_tokens = 9;  // 8 tokens: the 1 x 8 tiles (q8k.h)
   using W = __m256i;  // a panel word, and an accumulator of int16 pairs (lane r: row r)
   using PF = __m256;  // 8 float lanes: the panel's rows
   static W wzero() { return _mm256_setzero_si256(); }
