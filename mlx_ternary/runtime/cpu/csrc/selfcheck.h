@@ -241,6 +241,13 @@ inline std::string check_dense(int wd, int64_t M, int64_t N, int64_t K, uint32_t
   L.w = wd == F32 ? (const void*)wf.data() : (const void*)wh.data();
   L.w_dtype = wd, L.n = N, L.k = K, L.x = x.data(), L.out = y.data();
   dense_rows(L, M, 0, N);
+  for (int rows : {1, 2, 4}) {  // x86's rows of a one-token tile: the same bits
+    std::vector<float> yr(M * N);
+    DenseLayer Lr = L;
+    Lr.rows_one = rows, Lr.out = yr.data();
+    dense_rows(Lr, M, 0, N);
+    if (std::memcmp(yr.data(), y.data(), 4 * M * N) != 0) return "dense rows differ by tile height";
+  }
   for (int64_t m = 0; m < M; m++)
     for (int64_t n = 0; n < N; n++) {
       double want = 0, mag = 1e-6;

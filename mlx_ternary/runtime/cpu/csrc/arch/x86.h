@@ -7,6 +7,7 @@
 // The -1 of t = c - 1 is applied once per row/group as - sum(x) (kernels/layer.h).
 #pragma once
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -204,39 +205,49 @@ struct Avx2Ops {
   }
 #if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
   // q8k.h rows_q8k_lin: one segment of two whole steps (w: 64 bytes of a row, x: its 256
-  // prepared activations) as int16 lanes whose sum is the segment's sum(c q). Codes 1 and 2
-  // stay in place (w & 0x0C = 4 c, w & 0x30 = 16 c): their pmaddubsw sums are exact
-  // multiples of 4 and 16 (|lane| <= 2 steps x 2 x 32 x 128 = 16384, no overflow), shifted
-  // back exactly - two masks in place of two shifts and masks a step
+  // prepared activations) as int16 lanes whose sum is the segment's sum(c q). With h = w >> 4
+  // (16-bit lanes: the high byte's bits land above the masks), w & 3 and h & 3 are codes 0 and
+  // 2, w & 0x0C and h & 0x0C four times codes 1 and 3: one shift, four masks a 32-byte step
+  // and a single exact shift back for the four-times sums. A lane of S1 (the codes) adds 8
+  // products c q, of S4 (four times the codes) 8 of 4 c q: |S1| <= 2048, |S4| <= 8192, and a
+  // returned lane lies in [-4096, 4064] (codes c <= 2 and -128 <= q <= 127).
   static constexpr bool has_q8k_lin = true;
   static __m256i q8k_seg(const uint8_t* w, const int8_t* x) {
     const __m256i w0 = load(w), w1 = load(w + 32);
-    const __m256i m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(0x0C),
-                  m48 = _mm256_set1_epi8(0x30);
-    const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w0, m3), xload(x)),
-                                        _mm256_maddubs_epi16(_mm256_and_si256(w1, m3), xload(x + 128)));
-    const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w0, m12), xload(x + 32)),
-                                        _mm256_maddubs_epi16(_mm256_and_si256(w1, m12), xload(x + 160)));
-    const __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w0, m48), xload(x + 64)),
-                                        _mm256_maddubs_epi16(_mm256_and_si256(w1, m48), xload(x + 192)));
-    const __m256i s3 = _mm256_add_epi16(
-        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w0, 6), m3), xload(x + 96)),
-        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w1, 6), m3), xload(x + 224)));
-    const __m256i s12 = _mm256_srai_epi16(_mm256_add_epi16(s1, _mm256_srai_epi16(s2, 2)), 2);
-    return _mm256_add_epi16(_mm256_add_epi16(s0, s3), s12);
+    const __m256i h0 = _mm256_srli_epi16(w0, 4), h1 = _mm256_srli_epi16(w1, 4);
+    const __m256i m3 = _mm256_set1_epi8(3), m12 = _mm256_set1_epi8(0x0C);
+    const __m256i s1 = _mm256_add_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w0, m3), xload(x)),
+                         _mm256_maddubs_epi16(_mm256_and_si256(w1, m3), xload(x + 128))),
+        _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(h0, m3), xload(x + 64)),
+                         _mm256_maddubs_epi16(_mm256_and_si256(h1, m3), xload(x + 192))));
+    const __m256i s4 = _mm256_add_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w0, m12), xload(x + 32)),
+                         _mm256_maddubs_epi16(_mm256_and_si256(w1, m12), xload(x + 160))),
+        _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(h0, m12), xload(x + 96)),
+                         _mm256_maddubs_epi16(_mm256_and_si256(h1, m12), xload(x + 224))));
+    return _mm256_add_epi16(s1, _mm256_srai_epi16(s4, 2));
   }
-  // lane i = the sum of segment i of 8 (w + 64 i against x + xo[i]): tsum8 of their q8k_seg,
-  // the same integers, reduced pair by pair as the segments are computed. Eight int16
-  // accumulators held to the end left gcc too few registers (24 spills and reloads a group);
-  // two at a time leave 2 (a decode layer 1.035x as fast, AVX2 build, Zen 4).
+  // lane i = the sum of segment i of 8 (w + 64 i against x + xo[i]): tsum8's reduction of
+  // their q8k_seg, the same lanes in the same places, but in int16 up to 8 lanes a sum
+  // (|sum| <= 8 x 4096 = 32768, -32768 the only extreme that reaches it: exact) and widened
+  // once for all 8 segments, as the segments are computed (a group's eight int16 accumulators
+  // held to the end left gcc too few registers: 24 spills and reloads).
   static __m256i q8k_seg8(const uint8_t* w, const int8_t* x, const int32_t* xo) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i p[4];
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-      p[i] = sum_pair(_mm256_madd_epi16(q8k_seg(w + 128 * i, x + xo[2 * i]), ones),
-                      _mm256_madd_epi16(q8k_seg(w + 128 * i + 64, x + xo[2 * i + 1]), ones));
-    return sum_quads(p);
+    for (int i = 0; i < 4; i++) {
+      const __m256i a = q8k_seg(w + 128 * i, x + xo[2 * i]),
+                    b = q8k_seg(w + 128 * i + 64, x + xo[2 * i + 1]);
+      p[i] = _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+    }
+    const __m256i lo = _mm256_add_epi16(_mm256_unpacklo_epi64(p[0], p[1]),
+                                        _mm256_unpackhi_epi64(p[0], p[1]));
+    const __m256i hi = _mm256_add_epi16(_mm256_unpacklo_epi64(p[2], p[3]),
+                                        _mm256_unpackhi_epi64(p[2], p[3]));
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                              _mm256_permute2x128_si256(lo, hi, 0x31)),
+                             _mm256_set1_epi16(1));
   }
 #endif
   // q8k.h rows_q8k_lin: lane j = segment j of one row: float(sumi - ssum) * (d * s), the terms
@@ -302,6 +313,7 @@ struct Avx2Ops {
   static constexpr bool has_q8k_panel = true;
   static constexpr int q8k_panel_rows = 8;
   static constexpr int q8k_panel_pass = 1;  // 8 tokens' accumulators: half the registers
+  static constexpr int64_t q8k_panel_min_tokens = 9;  // 8 tokens: the 1 x 8 tiles (q8k.h)
   using W = __m256i;  // a panel word, and an accumulator of int16 pairs (lane r: row r)
   using PF = __m256;  // 8 float lanes: the panel's rows
   static W wzero() { return _mm256_setzero_si256(); }
@@ -1017,12 +1029,16 @@ inline bool f16x8x8_finite_to_f32(const uint16_t* v, int64_t stride, float* out)
 // order: whatever R and T are, so a row of y depends neither on the tokens sharing the call nor
 // on its tile's rows. The tile reads each weight vector once for its T tokens (the 8
 // sequences of a batched decode step read the table once, in passes of up to DENSE_TOKENS)
-// and each activation vector once for its R rows. One token takes
-// one row at a time: a single linear stream, which this Zen 4 reads at 24 GB/s on one thread
-// where 2, 4 or 8 interleaved rows read at 12-15 (a 128256 x 2560 float16 table: 27.5 ms
-// against 46-55), and where a software prefetch 4 KB ahead only cost time (29-39 ms against
-// 28-29 without, for the previous kernel too); from 2 tokens on, the rows' shared activation
-// loads win.
+// and each activation vector once for its R rows. One token takes dense_rows_one() rows side
+// by side. AMD's Zen 4 reads one row at a time, a single linear stream, at 24 GB/s on one
+// thread where 2, 4 or 8 interleaved rows read at 12-15 (a 128256 x 2560 float16 table: 27.5
+// ms against 46-55), and a software prefetch 4 KB ahead only cost time (29-39 ms against 28-29
+// without, for the previous kernel too). Intel's cores are the other way round: their L2
+// streamer stops at each 4 KB page, and a 2048-column float16 row is one page, so one row at a
+// time keeps one page's stream in flight (an Emerald Rapids Xeon, 32000 x 2048 float16, 2
+// threads, from memory: 1 row 6.6 ms, 2 rows 5.7, 4 rows 5.9; from its L3: 5.5, 4.3, 3.3; a
+// whole decode step 1.21x as fast with 4 rows, 1.11x with 2). From 2 tokens on, the rows'
+// shared activation loads win.
 
 #if defined(__AVX512F__)
 constexpr const char* DENSE_ISA = "avx512-f16c";  // 16 lanes (cores with 512-bit data paths)
@@ -1136,13 +1152,36 @@ inline void dense_tile(const DL& L, int64_t n, int64_t m0) {
     }
 }
 
-// Rows [n0, n1), tokens m0 .. m0 + T - 1 (T <= DENSE_TOKENS): whole tiles, then single rows.
-template <int WD, int T, class DL>
-void dense_block(const DL& L, int64_t n0, int64_t n1, int64_t m0) {
-  constexpr int R = DenseVec::rows(T);
+// Rows a one-token pass reads side by side: 4 on Intel's cores, 1 elsewhere (above). The rows
+// of a tile do not change any row's sum, so this choice changes no result.
+inline int dense_rows_one() {
+  static const int rows = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __cpuid(0, a, b, c, d);
+    char vendor[13] = {0};
+    std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+    return std::strcmp(vendor, "GenuineIntel") == 0 ? 4 : 1;
+  }();
+  return rows;
+}
+
+template <int WD, int T, int R, class DL>
+void dense_rows_of(const DL& L, int64_t n0, int64_t n1, int64_t m0) {
   int64_t n = n0;
   for (; n + R <= n1; n += R) dense_tile<DenseVec, WD, R, T>(L, n, m0);
   for (; n < n1; n++) dense_tile<DenseVec, WD, 1, T>(L, n, m0);
+}
+
+// Rows [n0, n1), tokens m0 .. m0 + T - 1 (T <= DENSE_TOKENS): whole tiles, then single rows
+// (one token: L.rows_one rows a tile where set, else dense_rows_one()).
+template <int WD, int T, class DL>
+void dense_block(const DL& L, int64_t n0, int64_t n1, int64_t m0) {
+  if constexpr (T == 1) {
+    const int r = L.rows_one ? L.rows_one : dense_rows_one();
+    if (r == 4) return dense_rows_of<WD, 1, 4>(L, n0, n1, m0);
+    if (r == 2) return dense_rows_of<WD, 1, 2>(L, n0, n1, m0);
+  }
+  dense_rows_of<WD, T, DenseVec::rows(T)>(L, n0, n1, m0);
 }
 
 // ---- llama.cpp's tables (kernels/kquants.h ggml_rows): a tile of tokens in kqx's rows;

@@ -24,6 +24,7 @@ struct DenseLayer {
   const float* x = nullptr;  // (M, K) float32
   void* out = nullptr;       // (M, N)
   int out_dtype = F32;
+  int rows_one = 0;  // x86: rows a one-token pass reads side by side (1, 2, 4; 0: the CPU's)
 };
 
 inline const char* dense_isa() { return native::DENSE_ISA; }

@@ -75,8 +75,9 @@ inline void quantize_token_q8k(const Geometry& g, const void* x, int dtype, int6
                                float* tmp) {
   const int64_t k = g.k;
   const float* xf = (const float*)x + m * k;
-  if (dtype != F32) {
-    for (int64_t i = 0; i < k; i++) tmp[i] = load_as_f32(x, dtype, m * k + i);
+  if (dtype != F32) {  // float16 widened by vectors (exact; only a signalling NaN turns quiet)
+    int64_t i = dtype == F16 ? native::f16_widen_head((const uint16_t*)x + m * k, k, tmp) : 0;
+    for (; i < k; i++) tmp[i] = load_as_f32(x, dtype, m * k + i);
     xf = tmp;
   }
   int8_t* qc = (int8_t*)(tmp + k);  // the codes in column order, a zero after them
@@ -259,7 +260,7 @@ struct Q8kTilePairs<O, std::void_t<decltype(O::q8k_tile_pairs)>>
 // ----------------------------------------------------------------------------------------------
 //
 // The same sums once more, shaped for AVX2's 16 registers (ik_llama.cpp's AVX2 IQ2_BN kernel
-// has this shape; from Q8K_PANEL_MIN_TOKENS tokens on, rows of whole 256-column segments take
+// has this shape; from q8k_panel_min_tokens (9) tokens on, rows of whole 256-column segments take
 // the row panels below instead): a row's 4 code vectors of a step are decoded once for 8
 // tokens, each activation vector is read once per row (an operand from L1, no register), and the 8
 // accumulators, one per token, are reduced at a segment's end into one vector (lane t =
@@ -826,8 +827,13 @@ template <class O>
 struct HasQ8kPanel<O, std::void_t<decltype(O::has_q8k_panel)>> : std::true_type {};
 
 constexpr int Q8K_PANEL_ROWS = 16, Q8K_PANEL_TOKENS = 8;
-// From this many tokens on, the panels (prefill); fewer take the tiles or the decode blocks.
-constexpr int64_t Q8K_PANEL_MIN_TOKENS = 9;
+// From this many tokens on, the panels (prefill, and a decode step of 8 sequences or more);
+// fewer take the tiles or the decode blocks; an ISA's q8k_panel_min_tokens where it has one
+// (AVX2: 9, its 1 x 8 tiles serve 8 tokens better). At 8 tokens AVX-512's 4 x 4 tiles spend
+// about as many instructions on their segments' reductions as on their vpdpbusds: an
+// 8-sequence decode of the 0.53 G llama, 2 threads, Emerald Rapids, 1.06-1.12x the
+// aggregate speed through the panels; AVX2's build 0.93x, 4 sequences 0.99x.
+constexpr int64_t Q8K_PANEL_MIN_TOKENS = 8;
 constexpr int Q8K_PANEL_PASS = 2;  // panels per pass over a token tile (32 accumulators' worth)
 // pmaddubsw pairs an int16 lane of AVX2's panels adds up: a segment's 2 steps x 8 words x 4 codes
 constexpr int Q8K_PANEL_I16_TERMS = 2 * 8 * 4;
@@ -846,9 +852,16 @@ template <class O>
 struct Q8kPanelPass<O, std::void_t<decltype(O::q8k_panel_pass)>>
     : std::integral_constant<int, O::q8k_panel_pass> {};
 
+template <class O, class = void>
+struct Q8kPanelMin : std::integral_constant<int64_t, Q8K_PANEL_MIN_TOKENS> {};
+template <class O>
+struct Q8kPanelMin<O, std::void_t<decltype(O::q8k_panel_min_tokens)>>
+    : std::integral_constant<int64_t, O::q8k_panel_min_tokens> {};
+
 // Whether rows_all runs M tokens of a layer through the panels (an ISA with has_q8k_panel).
+template <class O = NativeOps>
 inline bool q8k_panels_apply(const Geometry& g, bool q8k, int64_t M) {
-  return q8k && g.q8k_wide && M >= Q8K_PANEL_MIN_TOKENS;
+  return q8k && g.q8k_wide && M >= Q8kPanelMin<O>::value;
 }
 
 // Rows per chunk of a call through the panels: up to 128 (each token tile's activations,
@@ -1026,10 +1039,9 @@ void rows_q8k_tiled(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_
   float *d4 = d4_buf.data(), *sc = sc_buf.data();
   const int32_t* ssum = a.ssum.data();
   const float* d8 = a.d8.data();
-  // the rows' scales per segment, converted once for all the token tiles (L.scale's values)
-  for (int64_t n = n0; n < n1; n++)
-    for (int64_t j = 0; j < g.nseg; j++)
-      sc[(n - n0) * g.nseg + j] = L.scale(n, L.scale_kind == 2 ? g.seg_group[j] : 0);
+  // the rows' scales per segment, converted once for all the token tiles (seg_scales: one
+  // software conversion a scale was ~5 % of an 8-sequence decode step on AVX-512)
+  for (int64_t n = n0; n < n1; n++) seg_scales(L, n, sc + (n - n0) * g.nseg);
   const int64_t n4 = n0 + (n1 - n0) / (2 * RP) * (2 * RP), n2 = n0 + (n1 - n0) / 2 * 2;
   int64_t m0 = 0;
   if constexpr (Q8kTileTokens<O>::value == Q8K_T8) m0 = rows_q8k_tiled8<O>(L, a, M, n0, n1, sc);

@@ -279,7 +279,7 @@ template <class O, int NV, bool GROUPED>
 void rows_all(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64_t n1) {
   if (!L.act_quant && M >= FLOAT_GEMM_MIN_TOKENS) return rows_float_gemm<O, NV, GROUPED>(L, a, M, n0, n1);
   if constexpr (NV == 4 && HasQ8kPanel<O>::value)
-    if (q8k_panels_apply(L.g, L.q8k, M)) return rows_q8k_panels<O>(L, a, M, n0, n1);
+    if (q8k_panels_apply<O>(L.g, L.q8k, M)) return rows_q8k_panels<O>(L, a, M, n0, n1);
   if constexpr (NV == 4 && HasQ8kTile<O>::value)
     if (L.q8k && L.g.q8k_tile) {
       if (M >= Q8K_TILE_TOKENS) return rows_q8k_tiled<O>(L, a, M, n0, n1);
