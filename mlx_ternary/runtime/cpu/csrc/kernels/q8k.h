@@ -956,7 +956,7 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
   uint8_t* wt = wt_buf.data() + (-(uintptr_t)wt_buf.data() & 63);
   float* scv = sc_buf.data() + ((-(uintptr_t)sc_buf.data() & 63) / 4);
   float* row_sc = scv + npan * pfloats;  // one row's scales
-  for (int64_t p = 0; p < npan; p++) {
+  auto gather = [&](int64_t p) {
     const int64_t r0 = n0 + p * P, rows = std::min<int64_t>(P, n1 - r0);
     uint8_t* dst = wt + p * pbytes;
     float* sp = scv + p * pfloats;
@@ -975,7 +975,14 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
       for (int64_t j = 0; j < g.nseg; j++) sp[P * j + r] = row_sc[j];
       sp[P * g.nseg + r] = L.bias_at(r0 + r);
     }
-  }
+  };
+  // One token tile (a decode step of 8 sequences): each pass's panels are gathered just before
+  // their tile, the next pass's rows prefetched first, so that their reads from memory overlap
+  // this pass's arithmetic (8 sequences of the 0.53 G llama, Emerald Rapids, 2 threads: 1.045x
+  // the aggregate decode, 1.04x of it the prefetch); more tiles gather every panel first.
+  const bool one_tile = M <= T;
+  if (!one_tile)
+    for (int64_t p = 0; p < npan; p++) gather(p);
   alignas(64) float y[P * T * PR];
   for (int64_t m = 0; m < M; m += T) {
     const int valid = (int)std::min<int64_t>(T, M - m);
@@ -989,6 +996,12 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
     }
     for (int64_t p = 0; p < npan; p += PR) {
       const int pr = (int)std::min<int64_t>(PR, npan - p);
+      if (one_tile) {
+        const uint8_t* next = L.w + (n0 + (p + PR) * P) * rb;
+        const int64_t ahead = std::min<int64_t>(PR * P, n1 - n0 - (p + PR) * P) * rb;
+        for (int64_t b = 0; b < ahead; b += 64) __builtin_prefetch(next + b);
+        for (int q = 0; q < pr; q++) gather(p + q);
+      }
       const uint8_t* wp = wt + p * pbytes;
       const float* sp = scv + p * pfloats;
       if (pr == PR) {
