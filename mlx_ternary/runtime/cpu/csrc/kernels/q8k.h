@@ -260,7 +260,7 @@ struct Q8kTilePairs<O, std::void_t<decltype(O::q8k_tile_pairs)>>
 // ----------------------------------------------------------------------------------------------
 //
 // The same sums once more, shaped for AVX2's 16 registers (ik_llama.cpp's AVX2 IQ2_BN kernel
-// has this shape; from q8k_panel_min_tokens (9) tokens on, rows of whole 256-column segments take
+// has this shape; from its q8k_panel_min_tokens on, rows of whole 256-column segments take
 // the row panels below instead): a row's 4 code vectors of a step are decoded once for 8
 // tokens, each activation vector is read once per row (an operand from L1, no register), and the 8
 // accumulators, one per token, are reduced at a segment's end into one vector (lane t =
@@ -829,7 +829,7 @@ struct HasQ8kPanel<O, std::void_t<decltype(O::has_q8k_panel)>> : std::true_type 
 constexpr int Q8K_PANEL_ROWS = 16, Q8K_PANEL_TOKENS = 8;
 // From this many tokens on, the panels (prefill, and a decode step of 8 sequences or more);
 // fewer take the tiles or the decode blocks; an ISA's q8k_panel_min_tokens where it has one
-// (AVX2: 9, its 1 x 8 tiles serve 8 tokens better). At 8 tokens AVX-512's 4 x 4 tiles spend
+// (AVX2's 1 x 8 tiles serve 8 tokens better). At 8 tokens AVX-512's 4 x 4 tiles spend
 // about as many instructions on their segments' reductions as on their vpdpbusds: an
 // 8-sequence decode of the 0.53 G llama, 2 threads, Emerald Rapids, 1.06-1.12x the
 // aggregate speed through the panels; AVX2's build 0.93x, 4 sequences 0.99x.
@@ -997,9 +997,12 @@ void rows_q8k_panels(const Layer& L, const Acts& a, int64_t M, int64_t n0, int64
     for (int64_t p = 0; p < npan; p += PR) {
       const int pr = (int)std::min<int64_t>(PR, npan - p);
       if (one_tile) {
-        const uint8_t* next = L.w + (n0 + (p + PR) * P) * rb;
-        const int64_t ahead = std::min<int64_t>(PR * P, n1 - n0 - (p + PR) * P) * rb;
-        for (int64_t b = 0; b < ahead; b += 64) __builtin_prefetch(next + b);
+        const int64_t r1 = n0 + (p + PR) * P;  // the next pass's first row
+        if (r1 < n1) {
+          const uint8_t* next = L.w + r1 * rb;
+          const int64_t ahead = std::min<int64_t>(PR * P, n1 - r1) * rb;
+          for (int64_t b = 0; b < ahead; b += 64) __builtin_prefetch(next + b);
+        }
         for (int q = 0; q < pr; q++) gather(p + q);
       }
       const uint8_t* wp = wt + p * pbytes;
